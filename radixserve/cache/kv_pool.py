@@ -38,9 +38,15 @@ class KVPool:
         self.shape = shape
         self.num_slots = num_slots
         self.device = torch.device(device)
-        size = (shape.num_layers, num_slots, shape.num_kv_heads, shape.head_dim)
-        self.k = torch.zeros(size, dtype=shape.dtype, device=self.device)
-        self.v = torch.zeros(size, dtype=shape.dtype, device=self.device)
+        # One extra, zeroed row: the padding slot that batched decode reads for positions it
+        # masks out. Every other slot is written before it is read, so it starts uninitialised
+        # (zeroing gigabytes would take seconds at start-up).
+        self.pad_slot = num_slots
+        size = (shape.num_layers, num_slots + 1, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.empty(size, dtype=shape.dtype, device=self.device)
+        self.v = torch.empty(size, dtype=shape.dtype, device=self.device)
+        self.k[:, self.pad_slot].zero_()
+        self.v[:, self.pad_slot].zero_()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of shape ``[n, num_kv_heads, head_dim]`` into ``slots`` of one layer."""
@@ -48,4 +54,4 @@ class KVPool:
         self.v[layer].index_copy_(0, slots, v)
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.num_slots * self.shape.bytes_per_token()

@@ -1,0 +1,201 @@
+"""Engine: the step loop tying model, KV pool, prefix cache, scheduler and sampler together.
+
+The engine speaks token ids only. ``add_request`` validates a request (clear ``ValueError``s
+for empty, out-of-vocabulary, too-long or pool-exceeding prompts) and queues it; each
+``step`` schedules one batch, runs one forward pass, samples, and returns a ``StepOutput``
+per request that produced a token or finished. Text, stop strings and chat templates belong
+to the front end (``output.py``, ``llm.py``, the server), which calls ``abort_request`` when a
+stop string ends a request early.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixserve.cache import KVEventQueue, KVPool, NullCache, PagedAllocator, RadixCache
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_manager import RequestKV
+from radixserve.engine.request import Request, RequestStatus, TokenLogprob
+from radixserve.engine.sampler import sample
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.scheduler import Scheduler
+from radixserve.model import LoadedModel, build_forward_batch, load_model
+from radixserve.utils import default_kv_cache_bytes
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class StepStats:
+    num_decode: int = 0
+    num_prefill_tokens: int = 0
+    num_retracted: int = 0
+    evicted_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if loaded is None:
+            loaded = load_model(config.model, config.device, config.dtype, config.load_progress)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        model_len = self.model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        shape = self.model.kv_shape()
+        if config.max_total_tokens is not None:
+            num_slots = config.max_total_tokens
+        else:
+            budget = config.kv_cache_memory or default_kv_cache_bytes(config.device)
+            num_slots = shape.slots_for_memory(int(budget), config.page_size)
+        self.allocator = PagedAllocator(num_slots, config.page_size)
+        self.pool = KVPool(shape, self.allocator.num_slots, config.device)
+        self.kv_events = KVEventQueue() if config.enable_kv_events else None
+        if config.enable_prefix_caching:
+            self.cache = RadixCache(self.allocator, config.eviction_policy, self.kv_events)
+        else:
+            self.cache = NullCache(self.allocator)
+        self.kv = RequestKV(self.cache, self.allocator)
+        self.scheduler = Scheduler(config, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self.last_step = StepStats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    extra_key: Any = None) -> Request:  # fmt: skip
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
+                "tokens, which must also hold at least one output token"
+            )
+        capacity = self.allocator.num_slots
+        if params.max_tokens is None:
+            max_tokens = min(self.max_model_len, capacity) - n
+        else:
+            max_tokens = params.max_tokens
+            if n + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                    f"model's context of {self.max_model_len} tokens"
+                )
+        page = self.allocator.page_size
+        if max_tokens < 1 or -(-(n + max_tokens) // page) > self.allocator.num_pages:
+            raise ValueError(
+                f"this request needs up to {n + max(max_tokens, 1)} KV slots (prompt {n} + "
+                f"max_tokens {max_tokens}) but the KV pool holds only {capacity}; lower "
+                "max_tokens or give the pool more memory (max_total_tokens / kv_cache_memory)"
+            )
+        seed = params.seed if params.seed is not None else self._next_seed()
+        req = Request(request_id, prompt_ids, params, max_tokens, seed, extra_key,
+                      arrival=next(self._arrivals))  # fmt: skip
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _next_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> StepOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, reason)
+        return self._output(req, [], [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StepOutput]:
+        evicted_before = self.cache.stats.evicted_tokens
+        step = self.scheduler.schedule()
+        self.last_step = StepStats(
+            num_decode=len(step.decodes),
+            num_prefill_tokens=sum(n for _, n in step.prefills),
+            num_retracted=len(step.retracted),
+        )
+        if step.empty:
+            return []
+        decode = [(int(r.token_ids[r.num_computed]), r.num_computed, r.slots[: r.num_computed + 1])
+                  for r in step.decodes]  # fmt: skip
+        prefill = [
+            (torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]), r.num_computed,
+             r.slots[: r.num_computed + n], r.num_computed + n == r.num_tokens)
+            for r, n in step.prefills
+        ]  # fmt: skip
+        batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
+        logits = self.model.forward(batch, self.pool)
+        sampling = list(step.decodes)
+        for r in step.decodes:
+            r.num_computed += 1
+        for r, n in step.prefills:
+            r.num_computed += n
+            self.kv.publish(r)
+            if r.num_computed == r.num_tokens:
+                sampling.append(r)
+        outputs = []
+        for r, (token, logprob) in zip(sampling, sample(logits, sampling), strict=True):
+            r.append_token(token)
+            if logprob is not None:
+                r.logprobs.append(logprob)
+            reason = self._stop_reason(r, token)
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+                self.requests.pop(r.request_id, None)
+            outputs.append(self._output(r, [token], [logprob] if logprob else []))
+        self.last_step.evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if req.num_output >= req.max_tokens:
+            return "length"
+        return None
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob]) -> StepOutput:
+        return StepOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            finished=req.status is RequestStatus.FINISHED,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.cached_tokens,
+            new_logprobs=logprobs,
+        )
+
+    # ------------------------------------------------------------------ inspection
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.scheduler.running)
+
+    def flush_cache(self) -> int:
+        return self.cache.reset()
+
+    def kv_usage(self) -> float:
+        """Share of the pool not obtainable now (held by requests or locked in the tree)."""
+        return 1.0 - self.kv.available() / self.kv.capacity()

@@ -1,0 +1,66 @@
+"""Waiting-queue order: which queued request the scheduler tries to admit first.
+
+- ``fcfs``: arrival order.
+- ``lpm``: longest cached prefix first, so requests that reuse the cache run while it still
+  holds their prefix (falls back to fcfs for very long queues, where matching costs more).
+- ``dfs-weight``: walk the radix tree depth-first, heavier branches (more waiting requests)
+  first, serving requests branch by branch so a shared prefix is used by all its requests
+  before eviction can take it.
+
+Starvation guard: a request overtaken by ``max_overtakes`` younger admissions goes first,
+whatever the policy. Look-ahead matches use ``record_stats=False``: they admit nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from radixserve.engine.kv_manager import RequestKV
+from radixserve.engine.request import Request
+
+LPM_MAX_QUEUE = 256
+
+
+def order_waiting(waiting: list[Request], policy: str, kv: RequestKV,
+                  max_overtakes: int) -> list[Request]:  # fmt: skip
+    starving = sorted((r for r in waiting if r.times_overtaken >= max_overtakes),
+                      key=lambda r: r.arrival)  # fmt: skip
+    rest = [r for r in waiting if r.times_overtaken < max_overtakes]
+    if policy == "fcfs" or not kv.caching or len(rest) > LPM_MAX_QUEUE:
+        ordered = sorted(rest, key=lambda r: r.arrival)
+    elif policy == "lpm":
+        lengths = {id(r): kv.match(r).length for r in rest}
+        ordered = sorted(rest, key=lambda r: (-lengths[id(r)], r.arrival))
+    elif policy == "dfs-weight":
+        ordered = _dfs_weight_order(rest, kv)
+    else:
+        raise ValueError(f"unknown schedule policy {policy!r}")
+    return starving + ordered
+
+
+def _dfs_weight_order(reqs: list[Request], kv: RequestKV) -> list[Request]:
+    at_node: dict[Any, list[Request]] = defaultdict(list)
+    weight: dict[Any, int] = defaultdict(int)
+    children: dict[Any, set[Any]] = defaultdict(set)
+    roots: list[Any] = []
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        node = kv.match(r).last_node
+        at_node[node].append(r)
+        while node is not None:
+            weight[node] += 1
+            parent = getattr(node, "parent", None)
+            if parent is None:
+                if node not in roots:
+                    roots.append(node)
+            else:
+                children[parent].add(node)
+            node = parent
+    ordered: list[Request] = []
+    stack = sorted(roots, key=lambda n: weight[n])
+    while stack:
+        node = stack.pop()
+        ordered.extend(at_node.get(node, ()))
+        # push lighter children first so the heaviest is visited next
+        stack.extend(sorted(children.get(node, ()), key=lambda n: (weight[n], -n.id)))
+    return ordered + at_node.get(None, [])  # namespaces with nothing cached yet

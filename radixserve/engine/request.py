@@ -1,0 +1,113 @@
+"""Request: one sequence's tokens, KV slots and progress through the engine.
+
+Token ids (prompt, then output) live in one int32 buffer sized for the request's whole life,
+so appending is O(1) and the radix tree gets a zero-copy view. ``slots[:num_computed]`` are
+the KV slots of the tokens already computed: the first ``prefix_len`` belong to the tree
+(locked through ``last_node``), the rest are held by the request.
+
+States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
+then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int] | np.ndarray,
+                 params: SamplingParams, max_tokens: int, seed: int,
+                 extra_key: Any = None, arrival: int = 0):  # fmt: skip
+        self.request_id = request_id
+        self.params = params
+        self.max_tokens = max_tokens  # resolved against the context limit
+        self.extra_key = extra_key
+        self.arrival = arrival  # admission order key (monotonic counter)
+        self.prompt_len = len(prompt_ids)
+        self._ids = np.empty(self.prompt_len + max_tokens, dtype=np.int32)
+        self._ids[: self.prompt_len] = prompt_ids
+        self.num_tokens = self.prompt_len
+        self.slots = torch.empty(self.prompt_len + max_tokens, dtype=torch.int64)
+        self.num_computed = 0
+        self.prefix_len = 0
+        self.last_node: Any = None
+        self.cached_tokens = 0  # prompt tokens served from the cache at first admission
+        self.admitted_once = False
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.times_overtaken = 0
+        self.num_retractions = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.logprobs: list[TokenLogprob] = []
+        self.created_at = time.monotonic()
+        self.first_token_at: float | None = None
+
+    # ------------------------------------------------------------------ tokens
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._ids[: self.num_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._ids[self.prompt_len : self.num_tokens].tolist()
+
+    @property
+    def num_output(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    def append_token(self, token_id: int) -> None:
+        self._ids[self.num_tokens] = token_id
+        self.num_tokens += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+
+    # ------------------------------------------------------------------ progress
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is RequestStatus.RUNNING and self.num_uncomputed == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def remaining_output(self) -> int:
+        return self.max_tokens - self.num_output
+
+    def computed_slots(self) -> torch.Tensor:
+        return self.slots[: self.num_computed]
+
+    def held_slots(self) -> torch.Tensor:
+        """Slots this request owns (not the tree's): computed beyond the cached prefix."""
+        return self.slots[self.prefix_len : self.num_computed]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed}, prefix={self.prefix_len})"
+        )

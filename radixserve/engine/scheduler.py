@@ -1,0 +1,160 @@
+"""Scheduler: picks each step's work under the KV budget (continuous batching).
+
+Every step runs, in one forward pass:
+1. one decode token for every running request that has finished its prefill; if the pool
+   cannot give them a slot even after evicting unlocked cache, the newest running requests
+   are retracted (their computed tokens go to the tree, so resuming re-matches them);
+2. the next prefill chunks of running requests, then newly admitted requests in policy order,
+   up to ``chunked_prefill_size`` prompt tokens in all.
+
+Admission needs ``uncached prompt + reserved output`` slots out of ``free + evictable`` minus
+what running requests still need; reserved output is ``min(remaining, 4096) * ratio``, a
+ratio that decays while memory suffices and jumps back after a retraction. A queued request
+sharing a long uncomputed prefix with one already prefilling waits until that prefix is in
+the tree (in-batch deduplication), then hits it instead of computing it twice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.config import EngineConfig
+from radixserve.engine.kv_manager import RequestKV
+from radixserve.engine.policy import order_waiting
+from radixserve.engine.request import Request, RequestStatus
+
+CLIP_MAX_NEW_TOKENS = 4096
+INIT_NEW_TOKEN_RATIO = 0.5
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002
+RETRACT_NEW_TOKEN_RATIO = 0.9
+DEDUP_MIN_SHARED_TOKENS = 32
+
+
+@dataclass
+class Step:
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk size)
+    retracted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differs = a[:n] != b[:n]
+    return int(differs.argmax()) if differs.any() else n
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: RequestKV):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _reserved_output(self, req: Request) -> int:
+        return math.ceil(min(req.remaining_output, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def _future_need(self, req: Request) -> int:
+        return max(req.num_uncomputed - 1, 0) + self._reserved_output(req)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> Step:
+        step = Step()
+        decodes = [r for r in self.running if r.is_decoding]
+        while decodes and not self.kv.extend_decode(decodes):
+            victim = self._retract_newest(step)
+            if victim in decodes:
+                decodes.remove(victim)
+        step.decodes = decodes
+        budget = self.config.chunked_prefill_size
+        blocked = False
+        for r in sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival):
+            if budget == 0:
+                break
+            n = min(budget, r.num_uncomputed)
+            if not self.kv.extend(r, n):
+                blocked = True
+                break
+            step.prefills.append((r, n))
+            budget -= n
+        if not blocked and budget > 0 and self.waiting:
+            self._admit(step, budget)
+        if step.empty and self.running:
+            self._retract_newest(step)  # memory too short for anyone: make room for the oldest
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return step
+
+    def _admit(self, step: Step, budget: int) -> None:
+        ordered = order_waiting(
+            self.waiting, self.config.schedule_policy, self.kv, self.config.max_overtakes
+        )
+        reserved = sum(self._future_need(r) for r in self.running)
+        inflight = [r for r in self.running if not r.is_decoding]
+        newest_admitted = -1
+        for req in ordered:
+            if budget == 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            match = self.kv.match(req)
+            if self.kv.caching and self._shares_inflight_prefix(req, match.length, inflight):
+                continue
+            self.kv.admit(req, match)
+            if req.num_uncomputed + self._reserved_output(req) > self.kv.available() - reserved:
+                self.kv.release(req)
+                break
+            n = min(budget, req.num_uncomputed)
+            if not self.kv.extend(req, n):
+                self.kv.release(req)
+                break
+            self.kv.record_admission(req, match.length)
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            step.prefills.append((req, n))
+            budget -= n
+            reserved += self._future_need(req)
+            inflight.append(req)
+            newest_admitted = max(newest_admitted, req.arrival)
+        for req in self.waiting:
+            if req.arrival < newest_admitted:
+                req.times_overtaken += 1
+
+    def _shares_inflight_prefix(self, req: Request, matched: int, inflight: list[Request]) -> bool:
+        for other in inflight:
+            if other.extra_key != req.extra_key:
+                continue
+            shared = common_prefix_len(req.token_ids[:-1], other.token_ids)
+            if shared - matched >= DEDUP_MIN_SHARED_TOKENS:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ leaving
+    def _retract_newest(self, step: Step) -> Request:
+        victim = max(self.running, key=lambda r: r.arrival)
+        self.kv.release(victim)
+        self.running.remove(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_retractions += 1
+        self.waiting.append(victim)
+        step.retracted.append(victim)
+        self.new_token_ratio = max(self.new_token_ratio, RETRACT_NEW_TOKEN_RATIO)
+        return victim
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.kv.release(req)
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,134 @@
+"""Attention over the paged KV pool, for a packed batch of prefill chunks and decode tokens.
+
+A forward step packs the new tokens of every scheduled sequence into one ``[T, ...]`` tensor:
+first the decode tokens (one per sequence), then each prefill chunk. ``ForwardBatch`` says
+where each new token's K/V goes (``out_slots``) and which slots each sequence attends to.
+
+- Decode tokens are batched: their context slots are padded to ``[B, max_len]`` and read in
+  one gather per layer; the grouped query heads of a KV head ride as the query-length axis,
+  so KV heads are never repeated.
+- A prefill chunk with no cached prefix attends causally to its own fresh K/V, read from the
+  projection output, not the pool. A chunk after a cached prefix (or an earlier chunk)
+  gathers prefix + chunk K/V from the pool and uses a lower-right causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.cache.kv_pool import KVPool
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first row of this chunk in the packed batch
+    num_new: int
+    prefix_len: int  # tokens before this chunk whose K/V is already in the pool
+    context_slots: torch.Tensor | None = None  # [prefix_len + num_new] when prefix_len > 0
+    mask: torch.Tensor | None = None  # [num_new, prefix_len + num_new] bool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64
+    logits_indices: torch.Tensor  # [N] rows whose next-token logits are wanted
+    num_decode: int = 0  # rows [0, num_decode) are decode tokens
+    decode_context: torch.Tensor | None = None  # [num_decode, max_len] slots, padded
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_len] bool
+    prefill_spans: list[PrefillSpan] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def build_forward_batch(
+    decode: list[tuple[int, int, torch.Tensor]],
+    prefill: list[tuple[torch.Tensor, int, torch.Tensor, bool]],
+    device: torch.device,
+    pad_slot: int,
+) -> ForwardBatch:
+    """Pack a step.
+
+    ``decode``: per sequence ``(token_id, position, context_slots)``, the context including the
+    slot of the new token. ``prefill``: per chunk ``(token_ids, prefix_len, context_slots,
+    wants_logits)`` with ``context_slots`` covering prefix + chunk. Padding reads ``pad_slot``.
+    """
+    ids, pos, out = [], [], []
+    logits_rows: list[int] = []
+    decode_context = decode_mask = None
+    if decode:
+        lens = torch.tensor([len(c) for _, _, c in decode])
+        ctx = torch.nn.utils.rnn.pad_sequence(
+            [c for _, _, c in decode], batch_first=True, padding_value=pad_slot
+        )
+        decode_context = ctx.to(device)
+        mask = torch.arange(ctx.shape[1])[None, :] < lens[:, None]
+        decode_mask = mask[:, None, None, :].to(device)
+        ids.append(torch.tensor([t for t, _, _ in decode]))
+        pos.append(torch.tensor([p for _, p, _ in decode]))
+        out.append(torch.stack([c[-1] for _, _, c in decode]))
+        logits_rows.extend(range(len(decode)))
+    spans = []
+    row = len(decode)
+    for token_ids, prefix_len, context_slots, wants_logits in prefill:
+        n = len(token_ids)
+        span = PrefillSpan(start=row, num_new=n, prefix_len=prefix_len)
+        if prefix_len > 0:
+            span.context_slots = context_slots.to(device)
+            span.mask = torch.ones(n, prefix_len + n, dtype=torch.bool).tril(prefix_len).to(device)
+        spans.append(span)
+        ids.append(torch.as_tensor(token_ids))
+        pos.append(torch.arange(prefix_len, prefix_len + n))
+        out.append(context_slots[prefix_len:])
+        row += n
+        if wants_logits:
+            logits_rows.append(row - 1)
+    return ForwardBatch(
+        input_ids=torch.cat(ids).to(device=device, dtype=torch.int64),
+        positions=torch.cat(pos).to(device),
+        out_slots=torch.cat(out).to(device=device, dtype=torch.int64),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        num_decode=len(decode),
+        decode_context=decode_context,
+        decode_mask=decode_mask,
+        prefill_spans=spans,
+    )
+
+
+def paged_attention(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    batch: ForwardBatch, pool: KVPool, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
+    pool.write(layer, batch.out_slots, k, v)
+    num_heads, num_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    b = batch.num_decode
+    if b:
+        kc = pool.k[layer][batch.decode_context].transpose(1, 2)  # [B, KVH, L, D]
+        vc = pool.v[layer][batch.decode_context].transpose(1, 2)
+        qd = q[:b].view(b, num_kv, num_heads // num_kv, dim)
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=batch.decode_mask, scale=scale)
+        out[:b] = o.reshape(b, num_heads, dim)
+    for span in batch.prefill_spans:
+        rows = slice(span.start, span.start + span.num_new)
+        qs = q[rows].transpose(0, 1)  # [H, n, D]
+        if span.prefix_len == 0:
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            ks = pool.k[layer][span.context_slots].transpose(0, 1)
+            vs = pool.v[layer][span.context_slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True
+            )
+        out[rows] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,125 @@
+"""Read a Llama-family GGUF file: its config, and its weights dequantized under HF names.
+
+llama.cpp's converter permutes the rows of the Q and K projections of ``llama`` models for its
+own rotary layout (pairs of adjacent dimensions instead of halves); ``unpermute_qk`` undoes
+it so the weights follow the Hugging Face convention our forward pass uses. ``qwen2`` files
+are not permuted. Any tensor type ``gguf`` can dequantize loads (F32, F16, BF16, Q4_0, Q4_1,
+Q5_x, Q8_0, K-quants); the weights become ``dtype`` tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from radixserve.model.config import ModelConfig, RopeScaling
+
+GGUF_ARCH_TO_HF = {"llama": "llama", "qwen2": "qwen2"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freq_factors",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, layer, rest = gguf_name.split(".", 2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's row permutation of a Q or K projection (weight or bias)."""
+    half = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader: Any, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCH_TO_HF:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; radixserve runs llama, qwen2")
+    a = arch
+    hidden = _field(reader, f"{a}.embedding_length")
+    num_heads = _field(reader, f"{a}.attention.head_count")
+    vocab = _field(reader, f"{a}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if _field(reader, f"{a}.rope.scaling.type") in ("linear",):
+        scaling = RopeScaling("linear", factor=float(_field(reader, f"{a}.rope.scaling.factor")))
+    eos = [_field(reader, "tokenizer.ggml.eos_token_id")]
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and eot not in eos:
+        eos.append(eot)
+    tensor_names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture=GGUF_ARCH_TO_HF[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{a}.feed_forward_length"),
+        num_layers=_field(reader, f"{a}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_field(reader, f"{a}.attention.head_count_kv", num_heads),
+        head_dim=_field(reader, f"{a}.attention.key_length", hidden // num_heads),
+        max_position_embeddings=_field(reader, f"{a}.context_length", 4096),
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[int(e) for e in eos if e is not None],
+        name=name,
+    )
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+              progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:  # fmt: skip
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(str(path))
+    config = read_config(reader, name=path.stem)
+    permute = _field(reader, "general.architecture") == "llama"
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress):
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
+        if permute and ".q_proj." in name:
+            array = unpermute_qk(array, config.num_heads)
+        elif permute and ".k_proj." in name:
+            array = unpermute_qk(array, config.num_kv_heads)
+        keep_fp32 = name == "rope_freq_factors"
+        weights[name] = torch.from_numpy(array.copy()).to(torch.float32 if keep_fp32 else dtype)
+    return config, weights

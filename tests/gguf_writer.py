@@ -1,0 +1,56 @@
+"""Test helper: write a transformers Llama model to GGUF the way llama.cpp's converter does.
+
+Q and K projection rows are permuted into llama.cpp's rotary layout, so loading the file
+exercises the un-permutation that real GGUF files need.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType) -> None:
+    c = model.config
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    for i in range(c.num_hidden_layers):
+        for hf, cpp in _LAYER.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{cpp}.weight"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        if name not in names:
+            continue  # lm_head is tied to the embedding
+        w = tensor.detach().float().numpy()
+        if ".q_proj." in name:
+            w = llama_cpp_permute(w, c.num_attention_heads)
+        elif ".k_proj." in name:
+            w = llama_cpp_permute(w, c.num_key_value_heads)
+        t = qtype if w.ndim == 2 else gguf.GGMLQuantizationType.F32
+        data = gguf.quants.quantize(np.ascontiguousarray(w), t)
+        writer.add_tensor(names[name], data, raw_shape=data.shape, raw_dtype=t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
