@@ -16,8 +16,19 @@ from radixserve.cache.eviction import EVICTION_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DTYPES = ("float32", "bfloat16", "float16")
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
-          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 10**9,
+    "gib": 2**30,
+}
 
 
 def parse_bytes(value: int | str) -> int:
@@ -53,7 +64,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
-                f"unknown schedule_policy {self.schedule_policy!r}; choose one of {SCHEDULE_POLICIES}"
+                f"unknown schedule_policy {self.schedule_policy!r}; "
+                f"choose one of {SCHEDULE_POLICIES}"
             )
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
@@ -80,6 +92,7 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(
-                f"unknown engine option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}"
+                f"unknown engine option(s) {', '.join(unknown)}; "
+                f"valid options: {', '.join(sorted(known))}"
             )
         return cls(**options)

@@ -91,8 +91,9 @@ def make_engine(tiny_loaded):
 
     def make(loaded=None, **options):
         options.setdefault("max_total_tokens", 4096)
-        engine = Engine(EngineConfig.from_options(load_progress=False, **options),
-                        loaded or tiny_loaded)  # fmt: skip
+        engine = Engine(
+            EngineConfig.from_options(load_progress=False, **options), loaded or tiny_loaded
+        )
         engines.append(engine)
         return engine
 

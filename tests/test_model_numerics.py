@@ -32,8 +32,9 @@ class Runner:
         self.pool = KVPool(model.kv_shape(), num_slots)
 
     def step(self, decode=(), prefill=(), all_logits: bool = False) -> torch.Tensor:
-        batch = build_forward_batch(list(decode), list(prefill), self.model.device,
-                                    self.pool.pad_slot)  # fmt: skip
+        batch = build_forward_batch(
+            list(decode), list(prefill), self.model.device, self.pool.pad_slot
+        )
         if all_logits:
             batch.logits_indices = torch.arange(batch.num_tokens)
         return self.model.forward(batch, self.pool)
@@ -47,10 +48,20 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
-    "llama3-rope": ("LlamaConfig", {"rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
-}  # fmt: skip
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -70,8 +81,9 @@ def tiny_pair(request, tmp_path_factory, default_tokenizer):
 
 def test_prefill_from_scratch(tiny_pair):
     hf, model = tiny_pair
-    logits = Runner(model).step(prefill=[(torch.tensor(PROMPT), 0, torch.arange(16), True)],
-                                all_logits=True)  # fmt: skip
+    logits = Runner(model).step(
+        prefill=[(torch.tensor(PROMPT), 0, torch.arange(16), True)], all_logits=True
+    )
     assert_close(logits, reference_logits(hf, PROMPT), 5e-5)
 
 
@@ -80,8 +92,9 @@ def test_prefill_after_cached_prefix_then_decode(tiny_pair):
     ref = reference_logits(hf, PROMPT)
     run = Runner(model)
     run.step(prefill=[(torch.tensor(PROMPT[:9]), 0, torch.arange(9), False)])
-    logits = run.step(prefill=[(torch.tensor(PROMPT[9:13]), 9, torch.arange(13), True)],
-                      all_logits=True)  # fmt: skip
+    logits = run.step(
+        prefill=[(torch.tensor(PROMPT[9:13]), 9, torch.arange(13), True)], all_logits=True
+    )
     assert_close(logits, ref[9:13], 5e-5)
     for pos in range(13, 16):
         logits = run.step(decode=[(PROMPT[pos], pos, torch.arange(pos + 1))])
@@ -93,9 +106,13 @@ def test_mixed_step_of_decodes_and_chunks(tiny_pair):
     a, b, c = PROMPT, PROMPT[::-1], PROMPT[3:] + PROMPT[:5]
     run = Runner(model)
     slots_a, slots_b, slots_c = torch.arange(0, 16), torch.arange(100, 116), torch.arange(200, 216)
-    run.step(prefill=[(torch.tensor(a[:10]), 0, slots_a[:10], False),
-                      (torch.tensor(b[:6]), 0, slots_b[:6], False),
-                      (torch.tensor(c[:4]), 0, slots_c[:4], False)])  # fmt: skip
+    run.step(
+        prefill=[
+            (torch.tensor(a[:10]), 0, slots_a[:10], False),
+            (torch.tensor(b[:6]), 0, slots_b[:6], False),
+            (torch.tensor(c[:4]), 0, slots_c[:4], False),
+        ]
+    )
     logits = run.step(
         decode=[(a[10], 10, slots_a[:11]), (b[6], 6, slots_b[:7])],
         prefill=[(torch.tensor(c[4:12]), 4, slots_c[:12], True)],
@@ -117,8 +134,9 @@ def test_gguf_tensor_types_match_transformers(qtype, tmp_path):
 
     config, weights = load_gguf(tmp_path / "tiny.gguf", progress=False)
     model = LlamaModel(config, weights)
-    logits = Runner(model).step(prefill=[(torch.tensor(PROMPT), 0, torch.arange(16), True)],
-                                all_logits=True)  # fmt: skip
+    logits = Runner(model).step(
+        prefill=[(torch.tensor(PROMPT), 0, torch.arange(16), True)], all_logits=True
+    )
     assert_close(logits, reference_logits(ref, PROMPT), 5e-5)
     if qtype == "F32":  # lossless: also equal to the model it was written from
         assert_close(logits, reference_logits(hf, PROMPT), 5e-5)
@@ -128,8 +146,9 @@ def test_gguf_tensor_types_match_transformers(qtype, tmp_path):
 def real_reference(default_gguf):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(default_gguf.parent),
-                                                gguf_file=default_gguf.name).eval()  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name
+    ).eval()
 
 
 def test_real_default_model_matches_transformers(real_loaded, real_reference):

@@ -77,8 +77,9 @@ class Engine:
         self.last_step = StepStats()
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    extra_key: Any = None) -> Request:  # fmt: skip
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, extra_key: Any = None
+    ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_ids)
@@ -110,8 +111,15 @@ class Engine:
                 "max_tokens or give the pool more memory (max_total_tokens / kv_cache_memory)"
             )
         seed = params.seed if params.seed is not None else self._next_seed()
-        req = Request(request_id, prompt_ids, params, max_tokens, seed, extra_key,
-                      arrival=next(self._arrivals))  # fmt: skip
+        req = Request(
+            request_id,
+            prompt_ids,
+            params,
+            max_tokens,
+            seed,
+            extra_key,
+            arrival=next(self._arrivals),
+        )
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -140,13 +148,19 @@ class Engine:
         )
         if step.empty:
             return []
-        decode = [(int(r.token_ids[r.num_computed]), r.num_computed, r.slots[: r.num_computed + 1])
-                  for r in step.decodes]  # fmt: skip
+        decode = [
+            (int(r.token_ids[r.num_computed]), r.num_computed, r.slots[: r.num_computed + 1])
+            for r in step.decodes
+        ]
         prefill = [
-            (torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]), r.num_computed,
-             r.slots[: r.num_computed + n], r.num_computed + n == r.num_tokens)
+            (
+                torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
+                r.num_computed,
+                r.slots[: r.num_computed + n],
+                r.num_computed + n == r.num_tokens,
+            )
             for r, n in step.prefills
-        ]  # fmt: skip
+        ]
         batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
         logits = self.model.forward(batch, self.pool)
         sampling = list(step.decodes)
@@ -172,7 +186,9 @@ class Engine:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+        if (
+            not p.ignore_eos and token in self.tokenizer.eos_token_ids
+        ) or token in p.stop_token_ids:
             return "stop"
         if req.num_output >= req.max_tokens:
             return "length"

@@ -8,7 +8,7 @@ once and run with continuous batching; outputs come back in input order.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +41,32 @@ def _is_token_ids(x: Any) -> bool:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None,
-                 **engine_options: Any):  # fmt: skip
+    def __init__(
+        self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_options: Any
+    ):
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = Engine(self.config, loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:  # fmt: skip
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls.from_engine(Engine(config))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """An LLM front end over an engine that already exists (tests, benchmarks)."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine, llm.tokenizer = engine.config, engine, engine.tokenizer
+        llm._ids = itertools.count()
+        return llm
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         encoded = []
@@ -63,9 +79,12 @@ class LLM:
                 raise ValueError("each prompt must be a string or a non-empty list of token ids")
         return self._run(encoded, sampling_params, use_tqdm)
 
-    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:  # fmt: skip
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         encoded = []
@@ -74,44 +93,78 @@ class LLM:
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, sampling_params, use_tqdm)
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:  # fmt: skip
+    def stream(
+        self, prompt: Prompt | list[dict[str, Any]], sampling_params: SamplingParams | None = None
+    ) -> Iterator[tuple[str, OutputTracker]]:
+        """Run one prompt (text, token ids or chat messages); after each engine step that
+        touched it, yield the new text (maybe empty) and the request's tracker."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            ids = self.tokenizer.encode_chat(prompt)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        [(_, tracker)] = self._submit([ids], [sampling_params or SamplingParams()])
+        for _ in self._drive({tracker.request_id: tracker}):
+            yield tracker.take_stream_delta()[0], tracker
+
+    def _submit(
+        self, token_lists: list[list[int]], params: list[SamplingParams]
+    ) -> list[tuple[str, OutputTracker]]:
+        submitted: list[tuple[str, OutputTracker]] = []
+        try:
+            for ids, p in zip(token_lists, params, strict=True):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, ids, p)
+                submitted.append((rid, OutputTracker(rid, self.tokenizer, p)))
+        except ValueError:
+            for rid, _ in submitted:
+                self.engine.abort_request(rid)
+            raise
+        return submitted
+
+    def _drive(self, trackers: dict[str, OutputTracker]) -> Iterator[OutputTracker]:
+        """Step the engine until every tracked request ends; yield trackers as they change."""
+        pending = set(trackers)
+        while pending:
+            for out in self.engine.step():
+                tracker = trackers.get(out.request_id)
+                if tracker is None:
+                    continue
+                if tracker.update(out):
+                    self.engine.abort_request(out.request_id, reason="stop")
+                if tracker.finished:
+                    pending.discard(out.request_id)
+                yield tracker
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(encoded)
         else:
             params = list(sampling_params)
             if len(params) != len(encoded):
                 raise ValueError(f"{len(params)} sampling params for {len(encoded)} prompts")
-        trackers: dict[str, OutputTracker] = {}
-        order = []
-        try:
-            for (_, ids), p in zip(encoded, params, strict=True):
-                rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
-                trackers[rid] = OutputTracker(rid, self.tokenizer, p)
-                order.append(rid)
-        except ValueError:
-            for rid in order:
-                self.engine.abort_request(rid)
-            raise
-        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generating")
-        pending = set(order)
-        while pending:
-            for out in self.engine.step():
-                tracker = trackers[out.request_id]
-                if tracker.update(out):
-                    self.engine.abort_request(out.request_id, reason="stop")
-                if tracker.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
+        submitted = self._submit([ids for _, ids in encoded], params)
+        trackers = dict(submitted)
+        with tqdm(total=len(submitted), disable=not use_tqdm, desc="generating") as bar:
+            for tracker in self._drive(trackers):
+                if tracker.finished:  # a request ends once: no outputs follow its last
                     bar.update(1)
-        bar.close()
         return [
             RequestOutput(
-                request_id=rid, prompt=prompt, prompt_token_ids=ids, text=t.text,
-                token_ids=t.token_ids, cached_tokens=t.cached_tokens,
-                finish_reason=t.finish_reason, logprobs=t.logprobs,
+                request_id=rid,
+                prompt=prompt,
+                prompt_token_ids=ids,
+                text=t.text,
+                token_ids=t.token_ids,
+                cached_tokens=t.cached_tokens,
+                finish_reason=t.finish_reason,
+                logprobs=t.logprobs,
             )
-            for rid, (prompt, ids) in zip(order, encoded, strict=True)
-            for t in [trackers[rid]]
-        ]  # fmt: skip
+            for (rid, t), (prompt, ids) in zip(submitted, encoded, strict=True)
+        ]

@@ -22,10 +22,12 @@ from radixserve.engine.request import Request
 LPM_MAX_QUEUE = 256
 
 
-def order_waiting(waiting: list[Request], policy: str, kv: RequestKV,
-                  max_overtakes: int) -> list[Request]:  # fmt: skip
-    starving = sorted((r for r in waiting if r.times_overtaken >= max_overtakes),
-                      key=lambda r: r.arrival)  # fmt: skip
+def order_waiting(
+    waiting: list[Request], policy: str, kv: RequestKV, max_overtakes: int
+) -> list[Request]:
+    starving = sorted(
+        (r for r in waiting if r.times_overtaken >= max_overtakes), key=lambda r: r.arrival
+    )
     rest = [r for r in waiting if r.times_overtaken < max_overtakes]
     if policy == "fcfs" or not kv.caching or len(rest) > LPM_MAX_QUEUE:
         ordered = sorted(rest, key=lambda r: r.arrival)
@@ -42,25 +44,29 @@ def order_waiting(waiting: list[Request], policy: str, kv: RequestKV,
 def _dfs_weight_order(reqs: list[Request], kv: RequestKV) -> list[Request]:
     at_node: dict[Any, list[Request]] = defaultdict(list)
     weight: dict[Any, int] = defaultdict(int)
+    oldest: dict[Any, int] = {}  # earliest arrival in the subtree: breaks weight ties
     children: dict[Any, set[Any]] = defaultdict(set)
-    roots: list[Any] = []
+    roots: set[Any] = set()
     for r in sorted(reqs, key=lambda r: r.arrival):
         node = kv.match(r).last_node
         at_node[node].append(r)
         while node is not None:
             weight[node] += 1
+            oldest.setdefault(node, r.arrival)
             parent = getattr(node, "parent", None)
             if parent is None:
-                if node not in roots:
-                    roots.append(node)
+                roots.add(node)
             else:
                 children[parent].add(node)
             node = parent
+
+    def visit_last_first(nodes):  # the stack pops the heaviest (then oldest) node first
+        return sorted(nodes, key=lambda n: (weight[n], -oldest[n]))
+
     ordered: list[Request] = []
-    stack = sorted(roots, key=lambda n: weight[n])
+    stack = visit_last_first(roots)
     while stack:
         node = stack.pop()
         ordered.extend(at_node.get(node, ()))
-        # push lighter children first so the heaviest is visited next
-        stack.extend(sorted(children.get(node, ()), key=lambda n: (weight[n], -n.id)))
+        stack.extend(visit_last_first(children.get(node, ())))
     return ordered + at_node.get(None, [])  # namespaces with nothing cached yet

@@ -36,9 +36,16 @@ class TokenLogprob:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int] | np.ndarray,
-                 params: SamplingParams, max_tokens: int, seed: int,
-                 extra_key: Any = None, arrival: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int] | np.ndarray,
+        params: SamplingParams,
+        max_tokens: int,
+        seed: int,
+        extra_key: Any = None,
+        arrival: int = 0,
+    ):
         self.request_id = request_id
         self.params = params
         self.max_tokens = max_tokens  # resolved against the context limit

@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -92,7 +93,9 @@ class Scheduler:
             self._admit(step, budget)
         if step.empty and self.running:
             self._retract_newest(step)  # memory too short for anyone: make room for the oldest
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
         return step
 
     def _admit(self, step: Step, budget: int) -> None:
@@ -145,6 +148,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.status = RequestStatus.WAITING
         victim.num_retractions += 1
+        self.num_retractions += 1
         self.waiting.append(victim)
         step.retracted.append(victim)
         self.new_token_ratio = max(self.new_token_ratio, RETRACT_NEW_TOKEN_RATIO)

@@ -7,6 +7,12 @@ from radixserve.model.loader import LoadedModel, ModelNotFoundError, load_model
 from radixserve.model.tokenizer import Tokenizer
 
 __all__ = [
-    "ForwardBatch", "LlamaModel", "LoadedModel", "ModelConfig", "ModelNotFoundError",
-    "Tokenizer", "build_forward_batch", "load_model",
-]  # fmt: skip
+    "ForwardBatch",
+    "LlamaModel",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelNotFoundError",
+    "Tokenizer",
+    "build_forward_batch",
+    "load_model",
+]

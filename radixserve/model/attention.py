@@ -102,9 +102,14 @@ def build_forward_batch(
 
 
 def paged_attention(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    batch: ForwardBatch, pool: KVPool, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    pool: KVPool,
+    scale: float,
+) -> torch.Tensor:
     """``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
     pool.write(layer, batch.out_slots, k, v)
     num_heads, num_kv, dim = q.shape[1], k.shape[1], q.shape[2]

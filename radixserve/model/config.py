@@ -67,7 +67,9 @@ class ModelConfig:
                 f"radixserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads} heads not divisible by {self.num_kv_heads} KV heads")
+            raise ValueError(
+                f"{self.num_heads} heads not divisible by {self.num_kv_heads} KV heads"
+            )
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:

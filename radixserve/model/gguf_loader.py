@@ -101,8 +101,9 @@ def read_config(reader: Any, name: str) -> ModelConfig:
     )
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:  # fmt: skip
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     path = Path(path)

@@ -11,8 +11,9 @@ from tqdm import tqdm
 from radixserve.model.config import ModelConfig
 
 
-def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32,
-                progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:  # fmt: skip
+def load_hf_dir(
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
     path = Path(path)

@@ -48,8 +48,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -73,7 +78,9 @@ class LlamaModel:
                 "post_norm": take(p + "post_attention_layernorm.weight"),
                 "qkv": torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
                 "o": take(a + "o_proj.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                "gate_up": torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                ),
                 "down": take(p + "mlp.down_proj.weight"),
                 "qkv_bias": None,
             }

@@ -73,8 +73,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
-def load_model(model: str | Path | None = None, device: str = "cpu",
-               dtype: str | torch.dtype = "float32", progress: bool = True) -> LoadedModel:  # fmt: skip
+def load_model(
+    model: str | Path | None = None,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    progress: bool = True,
+) -> LoadedModel:
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
     if path.is_file():

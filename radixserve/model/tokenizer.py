@@ -17,9 +17,14 @@ from typing import Any
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
         self.hf = hf_tokenizer
-        self.eos_token_ids = list(dict.fromkeys(
-            [*eos_token_ids, *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else [])]
-        ))  # fmt: skip
+        self.eos_token_ids = list(
+            dict.fromkeys(
+                [
+                    *eos_token_ids,
+                    *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []),
+                ]
+            )
+        )
         self.vocab_size = len(hf_tokenizer)
 
     @classmethod
@@ -52,7 +57,9 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use a completion prompt instead")
         try:
