@@ -80,6 +80,13 @@ class PrefixCache(ABC):
         """Longest cached prefix (page-aligned). May split an edge; never changes what is
         cached. ``record_stats=False`` for look-ahead matches (scheduling) that admit nothing."""
 
+    def record_hit(self, node: Any, lookup_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup (``match_prefix`` with ``record_stats`` does this itself): the
+        counters, and for trees the hit counts of the matched path (which LFU evicts by)."""
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += lookup_tokens
+        self.stats.hit_tokens += hit_tokens
+
     @abstractmethod
     def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
         """Cache ``token_ids -> indices``; return how many leading tokens were cached already."""

@@ -129,12 +129,11 @@ class RadixCache(PrefixCache):
         self._evictable_leaves.add(node)
         self._heap.push(node)
 
-    def _touch(self, node: TreeNode | None, hit: bool) -> None:
+    def _touch(self, node: TreeNode | None) -> None:
         self._clock += 1
         n = node
         while n is not None and n.parent is not None:
             n.last_access = self._clock
-            n.hit_count += hit
             n = n.parent
         if node is not None and node in self._evictable_leaves:
             self._heap.push(node)  # its priority changed; the old entry goes stale
@@ -218,11 +217,9 @@ class RadixCache(PrefixCache):
                 node = child
                 if n < edge_len:
                     break
-            self._touch(node, hit=record_stats)
+            self._touch(node)
         if record_stats:
-            self.stats.lookups += 1
-            self.stats.lookup_tokens += len(key)
-            self.stats.hit_tokens += matched
+            self.record_hit(node, len(key), matched)
         if not values:
             indices = EMPTY_INDICES
         else:
@@ -249,8 +246,17 @@ class RadixCache(PrefixCache):
                 child = self._split(child, n)
             pos += n
             node = child
-        self._touch(node, hit=False)
+        self._touch(node)
         return pos
+
+    def record_hit(self, node: TreeNode | None, lookup_tokens: int, hit_tokens: int) -> None:
+        super().record_hit(node, lookup_tokens, hit_tokens)
+        n = node
+        while n is not None and n.parent is not None:
+            n.hit_count += 1
+            n = n.parent
+        if node in self._evictable_leaves:
+            self._heap.push(node)  # under LFU its priority changed
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:

@@ -53,10 +53,7 @@ class RequestKV:
             return
         req.admitted_once = True
         req.cached_tokens = min(matched, req.prompt_len)
-        stats = self.cache.stats
-        stats.lookups += 1
-        stats.lookup_tokens += req.prompt_len
-        stats.hit_tokens += req.cached_tokens
+        self.cache.record_hit(req.last_node, req.prompt_len, req.cached_tokens)
 
     # ------------------------------------------------------------------ allocation
     def _alloc_with_eviction(self, alloc, num_tokens: int) -> torch.Tensor | None:

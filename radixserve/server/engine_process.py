@@ -1,0 +1,133 @@
+"""The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
+
+Messages in (PULL, pickled tuples):
+    ("add", request_id, prompt_ids, SamplingParams)   -> ("added", id) or ("rejected", id, msg)
+    ("abort", request_id, reason)                     -> the request's final output
+    ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
+Messages out (PUSH): the above replies, ("outputs", [StepOutput], stats) after every step,
+("ready", info) once the model is loaded, ("fatal", traceback) before dying on a bug.
+
+New messages are read between steps: the loop never blocks while requests are running, and
+sleeps on the socket when idle. ``stats`` is a small dict the HTTP side turns into metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from typing import Any
+
+import zmq
+
+from radixserve.config import EngineConfig
+from radixserve.engine import Engine
+
+IDLE_POLL_MS = 200
+
+
+def engine_stats(engine: Engine) -> dict[str, Any]:
+    cache = engine.cache
+    capacity = engine.kv.capacity()
+    return {
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": len(engine.scheduler.waiting),
+        "kv_usage": engine.kv_usage(),
+        "kv_used_tokens": capacity - engine.allocator.free_size(),
+        "kv_capacity_tokens": capacity,
+        "kv_bytes_per_token": engine.pool.shape.bytes_per_token(),
+        "cached_tokens": cache.total_size(),
+        "evictable_tokens": cache.evictable_size(),
+        "cache": cache.stats.snapshot(),
+        "num_retractions": engine.scheduler.num_retractions,
+    }
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, pull: zmq.Socket, push: zmq.Socket):
+        self.engine, self.pull, self.push = engine, pull, push
+
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt_ids, params = msg
+            try:
+                self.engine.add_request(rid, prompt_ids, params)
+            except ValueError as e:
+                self.push.send_pyobj(("rejected", rid, str(e)))
+            else:
+                self.push.send_pyobj(("added", rid))
+        elif kind == "abort":
+            _, rid, reason = msg
+            out = self.engine.abort_request(rid, reason)
+            if out is not None:
+                self.push.send_pyobj(("outputs", [out], engine_stats(self.engine)))
+        elif kind == "rpc":
+            _, call_id, name, kwargs = msg
+            try:
+                value, ok = getattr(self, f"rpc_{name}")(**kwargs), True
+            except Exception as e:  # report to the caller; the loop goes on
+                value, ok = f"{type(e).__name__}: {e}", False
+            self.push.send_pyobj(("rpc", call_id, ok, value, engine_stats(self.engine)))
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def rpc_flush_cache(self) -> int:
+        return self.engine.flush_cache()
+
+    def rpc_cache_summary(self, top: int = 10) -> dict[str, Any]:
+        return dataclasses.asdict(self.engine.cache.summary(top))
+
+    def rpc_stats(self) -> dict[str, Any]:
+        return engine_stats(self.engine)
+
+    def rpc_check_integrity(self) -> bool:
+        self.engine.check_integrity()
+        return True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        while True:
+            timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
+            while poller.poll(timeout):
+                self.handle(self.pull.recv_pyobj())
+                timeout = 0
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                stats = {
+                    **engine_stats(self.engine),
+                    "step_evicted_tokens": self.engine.last_step.evicted_tokens,
+                }
+                self.push.send_pyobj(("outputs", outputs, stats))
+
+
+def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> None:
+    """Entry point of the spawned process."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(out_addr)
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    try:
+        engine = Engine(config)
+        push.send_pyobj(
+            (
+                "ready",
+                {
+                    "model_name": engine.model_name,
+                    "max_model_len": engine.max_model_len,
+                    "kv_capacity_tokens": engine.kv.capacity(),
+                    "page_size": config.page_size,
+                    "pid": os.getpid(),
+                },
+            )
+        )
+        EngineLoop(engine, pull, push).run()
+    except Exception:
+        push.send_pyobj(("fatal", traceback.format_exc()))
+        raise
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        ctx.term()

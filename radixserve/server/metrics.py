@@ -1,0 +1,154 @@
+"""Prometheus metrics for one server, in a registry of its own (servers may share a process).
+
+Cache and pool figures come from the engine's stats snapshot (sent after every step) and are
+exported as they are on each scrape, by a custom collector. Latencies are measured here, in
+the HTTP process, from the moment a request arrives. The hit rate and average matched prefix
+are over the requests admitted in the last ``WINDOW_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+WINDOW_SECONDS = 60.0
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+EVICT_BUCKETS = (0, 1, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.stats: dict[str, Any] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.requests: dict[str, int] = {}
+        self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt, cached)
+        self.registry.register(self)
+        h = dict(registry=self.registry, labelnames=["model_name"])
+        self.ttft = Histogram(
+            "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, **h
+        )
+        self.itl = Histogram(
+            "inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=LATENCY_BUCKETS,
+            **h,
+        )
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, **h
+        )
+        self.evict_per_batch = Histogram(
+            "radix_evict_count_per_batch",
+            "Tokens evicted from the radix tree per engine step",
+            buckets=EVICT_BUCKETS,
+            **h,
+        )
+
+    # ------------------------------------------------------------------ updates
+    def update_stats(self, stats: dict[str, Any]) -> None:
+        self.stats = stats
+        if "step_evicted_tokens" in stats:  # a snapshot taken right after an engine step
+            self.evict_per_batch.labels(self.model_name).observe(stats["step_evicted_tokens"])
+
+    def on_admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        now = time.monotonic()
+        self.prompt_tokens += prompt_tokens
+        self._window.append((now, prompt_tokens, cached_tokens))
+        while self._window and self._window[0][0] < now - WINDOW_SECONDS:
+            self._window.popleft()
+
+    def on_finished(self, finish_reason: str | None, output_tokens: int, e2e: float) -> None:
+        self.generation_tokens += output_tokens
+        reason = finish_reason or "unknown"
+        self.requests[reason] = self.requests.get(reason, 0) + 1
+        self.e2e.labels(self.model_name).observe(e2e)
+
+    def window_hit_rate(self) -> tuple[float, float]:
+        """(hit rate, average matched prefix in tokens) over the recent window."""
+        if not self._window:
+            return 0.0, 0.0
+        prompt = sum(p for _, p, _ in self._window)
+        cached = sum(c for _, _, c in self._window)
+        return (cached / prompt if prompt else 0.0), cached / len(self._window)
+
+    # ------------------------------------------------------------------ export
+    def collect(self):
+        s, cache, m = self.stats, self.stats.get("cache", {}), self.model_name
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m], value)
+            return c
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([m], value)
+            return g
+
+        hit_rate, avg_match = self.window_hit_rate()
+        yield counter(
+            "radix_cache_query_tokens",
+            "Prompt tokens looked up in the radix cache",
+            cache.get("lookup_tokens", 0),
+        )
+        yield counter(
+            "radix_cache_hit_tokens",
+            "Prompt tokens served from the radix cache",
+            cache.get("hit_tokens", 0),
+        )
+        yield counter(
+            "radix_evicted_tokens",
+            "Tokens evicted from the radix cache",
+            cache.get("evicted_tokens", 0),
+        )
+        yield counter(
+            "radix_retracted_requests",
+            "Requests preempted for lack of KV slots",
+            s.get("num_retractions", 0),
+        )
+        yield counter("prompt_tokens", "Prompt tokens of admitted requests", self.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens", self.generation_tokens)
+        finished = CounterMetricFamily(
+            "requests_finished",
+            "Finished requests by reason",
+            labels=["model_name", "finish_reason"],
+        )
+        for reason, n in sorted(self.requests.items()):
+            finished.add_metric([m, reason], n)
+        yield finished
+        yield gauge(
+            "radix_cache_hit_rate", f"Cache hit rate over the last {WINDOW_SECONDS:.0f} s", hit_rate
+        )
+        yield gauge(
+            "radix_avg_prefix_match_len",
+            f"Average matched prefix per admitted request over the last {WINDOW_SECONDS:.0f} s",
+            avg_match,
+        )
+        yield gauge(
+            "radix_cache_cached_tokens", "Tokens held by the radix tree", s.get("cached_tokens", 0)
+        )
+        yield gauge(
+            "kv_cache_usage_ratio", "Share of KV slots not obtainable now", s.get("kv_usage", 0.0)
+        )
+        yield gauge(
+            "kv_cache_used_tokens", "KV slots in use (held or cached)", s.get("kv_used_tokens", 0)
+        )
+        yield gauge(
+            "kv_cache_capacity_tokens", "KV pool size in slots", s.get("kv_capacity_tokens", 0)
+        )
+        yield gauge(
+            "kv_cache_bytes_per_token",
+            "KV bytes per slot (all layers, K and V)",
+            s.get("kv_bytes_per_token", 0),
+        )
+        yield gauge("num_running_reqs", "Requests in the running batch", s.get("num_running", 0))
+        yield gauge("num_queue_reqs", "Requests waiting for admission", s.get("num_waiting", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

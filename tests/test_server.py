@@ -1,0 +1,284 @@
+"""A real server on loopback (tiny model, separate engine process), driven over HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import running_server
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running_server(
+        "--model",
+        str(tiny_model_dir),
+        "--max-total-tokens",
+        "1024",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+        "--chunked-prefill-size",
+        "128",
+    ) as url:
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server + "/metrics", headers=AUTH).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.labels.get("le") and "finish_reason" not in s.labels:
+                out[s.name] = s.value
+    return out
+
+
+def assert_healthy(server) -> None:
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    r = httpx.get(server + "/debug/check_integrity", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def wait_idle(server, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0:
+            return m
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.2)
+
+
+CHAT = [{"role": "user", "content": "Tell me about radix trees."}]
+
+
+def test_chat_completion_and_second_turn_hits_the_cache(client, server):
+    first = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, temperature=0
+    )
+    msg = first.choices[0].message
+    assert msg.role == "assistant" and first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.completion_tokens <= 12 and first.usage.prompt_tokens > 20
+    history = CHAT + [
+        {"role": "assistant", "content": msg.content},
+        {"role": "user", "content": "And tries?"},
+    ]
+    second = client.chat.completions.create(model="tiny", messages=history, max_tokens=5)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+def test_streaming_chat_with_usage(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens <= 10
+    plain = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=10, temperature=0
+    )
+    assert plain.choices[0].message.content == text
+    assert plain.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_completions_streaming_and_not(client):
+    out = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 8
+    assert len(choice.logprobs.tokens) == 8 and all(
+        lp <= 0 for lp in choice.logprobs.token_logprobs
+    )
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert streamed == choice.text
+    multi = client.completions.create(
+        model="tiny", prompt=["a b c", "d e f"], n=2, max_tokens=3, seed=3
+    )
+    assert len(multi.choices) == 4 and [c.index for c in multi.choices] == [0, 1, 2, 3]
+
+
+def test_concurrent_requests_are_batched(client, server):
+    def one(i):
+        return client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"Question number {i}?"}],
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(r.usage.completion_tokens == 16 for r in results)
+    # all eight share the system prompt of the chat template: seven found it cached
+    assert sum(r.usage.prompt_tokens_details.cached_tokens > 0 for r in results) >= 7
+    assert_healthy(server)
+
+
+def test_metrics_parse_and_hit_counters_move(client, server):
+    before = metrics(server)
+    prompt = [{"role": "user", "content": "A question asked twice, word for word."}]
+    client.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)
+    middle = metrics(server)
+    client.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)
+    after = metrics(server)
+    prompt_len = after["radix_cache_query_tokens_total"] - middle["radix_cache_query_tokens_total"]
+    assert prompt_len > 10
+    assert middle["radix_cache_query_tokens_total"] > before["radix_cache_query_tokens_total"]
+    hits = after["radix_cache_hit_tokens_total"] - middle["radix_cache_hit_tokens_total"]
+    assert hits == prompt_len - 1
+    assert after["prompt_tokens_total"] - middle["prompt_tokens_total"] == prompt_len
+    assert after["time_to_first_token_seconds_count"] > before["time_to_first_token_seconds_count"]
+    assert 0 < after["radix_cache_hit_rate"] <= 1 and after["kv_cache_capacity_tokens"] == 1024
+    for name in (
+        "radix_evicted_tokens_total",
+        "radix_avg_prefix_match_len",
+        "kv_cache_usage_ratio",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "radix_evict_count_per_batch_count",
+        "generation_tokens_total",
+    ):
+        assert name in after
+
+
+def post(server, path, body, headers=AUTH):
+    return httpx.post(
+        server + path,
+        content=body if isinstance(body, str) else json.dumps(body),
+        headers={**headers, "Content-Type": "application/json"},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ('{"model": "tiny", "messages": [', 400, "not valid JSON"),
+        ({"model": "tiny", "messages": CHAT, "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": []}, 400, "messages must not be empty"),
+        ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "'tools'"),
+        ({"model": "tiny", "messages": CHAT, "frobnicate": 1}, 400, "'frobnicate'"),
+        ({"model": "tiny", "messages": CHAT, "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "messages": CHAT, "n": 0}, 400, "n must be"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+        ({"model": "gpt-9", "messages": CHAT}, 404, "'gpt-9' not found"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "word " * 2100}]},
+            400,
+            "context is 2048",
+        ),
+        ({"model": "tiny", "messages": CHAT, "max_tokens": 1500}, 400, "KV pool holds only 1024"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_server_survives(server, body, status, needle):
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"]
+    assert_healthy(server)
+
+
+def test_api_key_is_required_except_for_health(server):
+    assert httpx.get(server + "/health").status_code == 200
+    r = httpx.get(server + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert (
+        httpx.get(server + "/v1/models", headers={"Authorization": "Bearer nope"}).status_code
+        == 401
+    )
+    assert httpx.get(server + "/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
+
+
+def test_disconnected_stream_releases_its_slots(server):
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 600,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # hang up mid-stream
+    m = wait_idle(server)
+    assert m["kv_cache_used_tokens"] == m["radix_cache_cached_tokens"]  # nothing held
+    assert_healthy(server)
+
+
+def test_generate_flush_and_cache_summary(server):
+    ids = list(range(1000, 1040))
+    first = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
+    assert first.status_code == 200
+    out = first.json()
+    assert len(out["output_ids"]) == 4 and out["meta_info"]["prompt_tokens"] == 40
+    again = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
+    assert again.json()["meta_info"]["cached_tokens"] == 39
+    summary = httpx.get(server + "/cache", headers=AUTH).json()
+    assert summary["cached_tokens"] > 0 and summary["num_nodes"] > 0
+    assert any(p["prefix_tokens"] >= 39 for p in summary["top_prefixes"])
+    flushed = post(server, "/flush_cache", {}).json()["flushed_tokens"]
+    assert flushed > 0 and metrics(server)["radix_cache_cached_tokens"] == 0
+    after = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
+    assert after.json()["meta_info"]["cached_tokens"] == 0
+    bad = post(server, "/generate", {"input_ids": ids, "sampling_params": {"top_q": 1}})
+    assert bad.status_code == 400 and "top_q" in bad.json()["error"]["message"]
+
+
+def test_stop_strings_and_n_through_the_api(client):
+    full = client.completions.create(
+        model="tiny",
+        prompt="The rain in Spain",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = full.choices[0].text
+    stop = text[5:8]
+    cut = client.completions.create(
+        model="tiny",
+        prompt="The rain in Spain",
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    many = client.chat.completions.create(
+        model="tiny", messages=CHAT, n=3, max_tokens=6, temperature=1.0, seed=1
+    )
+    assert len(many.choices) == 3 and many.usage.completion_tokens <= 18
