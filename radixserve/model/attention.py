@@ -123,17 +123,15 @@ def paged_attention(
         out[:b] = o.reshape(b, num_heads, dim)
     for span in batch.prefill_spans:
         rows = slice(span.start, span.start + span.num_new)
-        qs = q[rows].transpose(0, 1)  # [H, n, D]
         if span.prefix_len == 0:
-            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
-            )
+            ks, vs = k[rows], v[rows]
         else:
-            ks = pool.k[layer][span.context_slots].transpose(0, 1)
-            vs = pool.v[layer][span.context_slots].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True
-            )
-        out[rows] = o.transpose(0, 1)
+            ks, vs = pool.k[layer][span.context_slots], pool.v[layer][span.context_slots]
+        # [1, heads, n, D]: the CPU flash kernel wants a batch axis (3-D inputs fall back to
+        # the slow reference path) and handles grouped KV heads itself.
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+            attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
+        )
+        out[rows] = o[0].transpose(0, 1)
     return out
