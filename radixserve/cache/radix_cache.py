@@ -40,6 +40,7 @@ from radixserve.cache.events import (
     chain_page_hashes,
 )
 from radixserve.cache.eviction import LeafHeap, get_eviction_policy
+from radixserve.cache.tree_check import check_tree, tree_summary
 
 
 class TreeNode:
@@ -307,95 +308,8 @@ class RadixCache(PrefixCache):
         return freed
 
     # ------------------------------------------------------------------ inspection
-    def _walk(self):
-        """Yield (node, depth_in_tokens) for every non-root node."""
-        for root in self._roots.values():
-            stack = [(child, 0) for child in root.children.values()]
-            while stack:
-                node, depth = stack.pop()
-                depth += len(node.key)
-                yield node, depth
-                stack.extend((c, depth) for c in node.children.values())
-
     def summary(self, top: int = 10) -> TreeSummary:
-        nodes = list(self._walk())
-        shared = sorted(
-            (n for n in nodes if n[0].hit_count > 0),
-            key=lambda n: (n[1], n[0].hit_count),
-            reverse=True,
-        )
-        top_prefixes = []
-        for node, depth in shared[:top]:
-            path, n = [], node
-            while n.parent is not None:
-                path.append(n.key)
-                n = n.parent
-            head = np.concatenate(path[::-1])[:16].tolist()  # first tokens, for display
-            top_prefixes.append(
-                {
-                    "prefix_tokens": depth,
-                    "hit_count": node.hit_count,
-                    "lock_ref": node.lock_ref,
-                    "head_token_ids": head,
-                    "namespace": repr(node.namespace),
-                }
-            )
-        return TreeSummary(
-            num_nodes=len(nodes), cached_tokens=self.total_size(), top_prefixes=top_prefixes
-        )
+        return tree_summary(self, top)
 
     def check_integrity(self, held_indices: torch.Tensor | None = None) -> None:
-        p = self.page_size
-        evictable = protected = 0
-        leaves: set[TreeNode] = set()
-        slot_runs: list[torch.Tensor] = []
-        for ns, root in self._roots.items():
-            _require(root.namespace == ns and root.parent is None, "bad namespace root")
-            _require(root.children or ns is None, f"empty namespace root {ns!r} kept")
-        for node, _ in self._walk():
-            parent = node.parent
-            size = len(node.key)
-            _require(
-                parent is not None and parent.children.get(self._child_key(node.key)) is node,
-                f"{node!r} is not its parent's child under its first key",
-            )
-            _require(
-                size > 0 and size % p == 0 and len(node.value) == size,
-                f"{node!r}: edge of {size} tokens, {len(node.value)} slots, page {p}",
-            )
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            _require(node.lock_ref >= child_locks >= 0, f"{node!r}: lock below its children's")
-            if node.lock_ref == 0:
-                evictable += size
-                if not node.children:
-                    leaves.add(node)
-            else:
-                protected += size
-            if self.events is not None:
-                _require(len(node.page_hashes) == size // p, f"{node!r}: page hashes lost")
-            slot_runs.append(node.value)
-        _require(
-            evictable == self._evictable_size,
-            f"evictable size {self._evictable_size} != actual {evictable}",
-        )
-        _require(
-            protected == self._protected_size,
-            f"protected size {self._protected_size} != actual {protected}",
-        )
-        _require(leaves == self._evictable_leaves, "evictable-leaf set is stale")
-        _require(
-            leaves <= self._heap.live_nodes(self._is_evictable_leaf),
-            "an evictable leaf has no live heap entry",
-        )
-        slots = torch.cat(slot_runs) if slot_runs else EMPTY_INDICES
-        _require(torch.unique(slots).numel() == slots.numel(), "a slot is cached twice")
-        if p > 1 and slots.numel():
-            runs = slots.view(-1, p)
-            _require(bool((runs[:, 0] % p == 0).all()), "a cached page does not start a page")
-            _require(bool((runs.diff(dim=1) == 1).all()), "a cached page is not contiguous")
-        self.allocator.check(slots, held_indices)
-
-
-def _require(condition: Any, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+        check_tree(self, held_indices)
