@@ -22,7 +22,10 @@ ENGINE_FLAGS = {
     ),
     "device": dict(default="cpu", help="torch device (cpu, cuda, cuda:1); default %(default)s"),
     "dtype": dict(
-        default="float32", choices=DTYPES, help="weights and KV dtype; default %(default)s"
+        default="auto",
+        choices=DTYPES,
+        help="weights and KV dtype; auto: bfloat16 on hardware that computes it natively "
+        "(AVX512-BF16, AMX, recent GPUs), else float32",
     ),
     "chunked_prefill_size": dict(
         type=int, default=512, help="most prompt tokens computed per step; default %(default)s"

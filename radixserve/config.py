@@ -15,7 +15,7 @@ from typing import Any
 from radixserve.cache.eviction import EVICTION_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -44,7 +44,7 @@ def parse_bytes(value: int | str) -> int:
 class EngineConfig:
     model: str | None = None  # .gguf file or HF directory; None: SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the hardware has it natively, else float32
     enable_prefix_caching: bool = True
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens

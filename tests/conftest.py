@@ -71,14 +71,14 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer):
 def tiny_loaded(tiny_model_dir):
     from radixserve.model import load_model
 
-    return load_model(str(tiny_model_dir), progress=False)
+    return load_model(str(tiny_model_dir), dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
 def real_loaded():
     from radixserve.model import load_model
 
-    return load_model(None, progress=False)
+    return load_model(None, dtype="float32", progress=False)
 
 
 @pytest.fixture

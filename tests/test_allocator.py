@@ -74,8 +74,11 @@ def test_kv_pool_write_and_memory_sizing():
     v = torch.randn(3, 3, 4)
     slots = torch.tensor([7, 2, 5])
     pool.write(1, slots, k, v)
-    assert torch.equal(pool.k[1][slots], k) and torch.equal(pool.v[1][slots], v)
-    assert pool.k[:, pool.pad_slot].abs().sum() == 0
+    assert torch.equal(pool.k[1][:, slots].transpose(0, 1), k)
+    assert torch.equal(pool.v[1][:, slots].transpose(0, 1), v)
+    gk, gv = pool.gather(1, slots)
+    assert torch.equal(gk.transpose(0, 1), k) and torch.equal(gv.transpose(0, 1), v)
+    assert pool.k[:, :, pool.pad_slot].abs().sum() == 0 and pool.k[0].shape == (3, 11, 4)
     assert pool.nbytes() == 10 * shape.bytes_per_token()
     with pytest.raises(ValueError, match="positive"):
         shape.slots_for_memory(0)

@@ -76,7 +76,7 @@ def tiny_pair(request, tmp_path_factory, default_tokenizer):
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
         hf.save_pretrained(path)
-    return hf, load_model(str(path), progress=False).model
+    return hf, load_model(str(path), dtype="float32", progress=False).model
 
 
 def test_prefill_from_scratch(tiny_pair):

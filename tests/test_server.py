@@ -18,18 +18,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with running_server(
-        "--model",
-        str(tiny_model_dir),
-        "--max-total-tokens",
-        "1024",
-        "--api-key",
-        KEY,
-        "--served-model-name",
-        "tiny",
-        "--chunked-prefill-size",
-        "128",
-    ) as url:
+    # float32: greedy outputs must not depend on whether the prefix came from the cache
+    args = "--max-total-tokens 1024 --api-key {key} --served-model-name tiny "
+    args += "--chunked-prefill-size 128 --dtype float32"
+    with running_server("--model", str(tiny_model_dir), *args.format(key=KEY).split()) as url:
         yield url
 
 

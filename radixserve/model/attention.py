@@ -39,7 +39,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] rows whose next-token logits are wanted
     num_decode: int = 0  # rows [0, num_decode) are decode tokens
     decode_context: torch.Tensor | None = None  # [num_decode, max_len] slots, padded
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_len] bool
+    decode_bias: torch.Tensor | None = None  # [1, num_decode, 1, max_len]: 0 or -inf
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
 
     @property
@@ -61,15 +61,16 @@ def build_forward_batch(
     """
     ids, pos, out = [], [], []
     logits_rows: list[int] = []
-    decode_context = decode_mask = None
+    decode_context = decode_bias = None
     if decode:
         lens = torch.tensor([len(c) for _, _, c in decode])
         ctx = torch.nn.utils.rnn.pad_sequence(
             [c for _, _, c in decode], batch_first=True, padding_value=pad_slot
         )
         decode_context = ctx.to(device)
-        mask = torch.arange(ctx.shape[1])[None, :] < lens[:, None]
-        decode_mask = mask[:, None, None, :].to(device)
+        past_end = torch.arange(ctx.shape[1])[None, :] >= lens[:, None]
+        decode_bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+        decode_bias = decode_bias[None, :, None, :].to(device)
         ids.append(torch.tensor([t for t, _, _ in decode]))
         pos.append(torch.tensor([p for _, p, _ in decode]))
         out.append(torch.stack([c[-1] for _, _, c in decode]))
@@ -96,7 +97,7 @@ def build_forward_batch(
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         num_decode=len(decode),
         decode_context=decode_context,
-        decode_mask=decode_mask,
+        decode_bias=decode_bias,
         prefill_spans=spans,
     )
 
@@ -116,22 +117,27 @@ def paged_attention(
     out = torch.empty_like(q)
     b = batch.num_decode
     if b:
-        kc = pool.k[layer][batch.decode_context].transpose(1, 2)  # [B, KVH, L, D]
-        vc = pool.v[layer][batch.decode_context].transpose(1, 2)
-        qd = q[:b].view(b, num_kv, num_heads // num_kv, dim)
-        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=batch.decode_mask, scale=scale)
-        out[:b] = o.reshape(b, num_heads, dim)
+        # KV heads lead as SDPA's batch axis, the sequences as its head axis, and a KV head's
+        # query heads as the query length: [KVH, B, group, D] against [KVH, B, L, D].
+        ctx = batch.decode_context
+        kc, vc = pool.gather(layer, ctx.view(-1))
+        kc, vc = kc.view(num_kv, b, ctx.shape[1], dim), vc.view(num_kv, b, ctx.shape[1], dim)
+        # Two batched matmuls beat SDPA here: its CPU kernel is slow for 1-token queries.
+        qd = q[:b].view(b, num_kv, num_heads // num_kv, dim).transpose(0, 1)
+        scores = torch.matmul(qd, kc.transpose(-1, -2)).float().mul_(scale)
+        probs = scores.add_(batch.decode_bias).softmax(dim=-1).to(vc.dtype)
+        out[:b] = torch.matmul(probs, vc).transpose(0, 1).reshape(b, num_heads, dim)
     for span in batch.prefill_spans:
         rows = slice(span.start, span.start + span.num_new)
         if span.prefix_len == 0:
-            ks, vs = k[rows], v[rows]
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            ks, vs = pool.k[layer][span.context_slots], pool.v[layer][span.context_slots]
+            ks, vs = pool.gather(layer, span.context_slots)
         # [1, heads, n, D]: the CPU flash kernel wants a batch axis (3-D inputs fall back to
         # the slow reference path) and handles grouped KV heads itself.
         o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+            q[rows].transpose(0, 1)[None], ks[None], vs[None],
             attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
-        )
+        )  # fmt: skip
         out[rows] = o[0].transpose(0, 1)
     return out

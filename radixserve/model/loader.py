@@ -64,23 +64,39 @@ def resolve_model_path(model: str | Path | None) -> Path:
     )
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def cpu_has_fast_bf16() -> bool:
+    """True where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(torch.cpu, probe, None)
+        if check is not None and check():
+            return True
+    return False
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """``auto``: bfloat16 where the hardware computes it natively, else float32 (CPU) or
+    float16 (older GPUs). bfloat16 halves weight and KV memory traffic and, on CPUs with
+    AVX512-BF16, runs matmuls about 4x faster than float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(table)}")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(table)}")
     return table[dtype]
 
 
 def load_model(
     model: str | Path | None = None,
     device: str = "cpu",
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     progress: bool = True,
 ) -> LoadedModel:
     path = resolve_model_path(model)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, device)
     if path.is_file():
         config, weights = load_gguf(path, torch_dtype, progress)
     else:
