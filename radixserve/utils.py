@@ -1,8 +1,9 @@
-"""Small helpers with no better home: memory probes for sizing the KV pool."""
+"""Small helpers with no better home: memory probes for sizing the KV pool, the cache dir."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -29,3 +30,12 @@ def default_kv_cache_bytes(device: str) -> int:
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free * GPU_KV_SHARE)
     return int(min(CPU_KV_MAX_BYTES, available_ram_bytes() * CPU_KV_SHARE))
+
+
+def cache_dir() -> Path:
+    """Where radixserve keeps files it can rebuild (tokenizers built from GGUF, kernels):
+    ``$RADIXSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/radixserve`` or ``~/.cache/radixserve``."""
+    root = os.environ.get("RADIXSERVE_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"

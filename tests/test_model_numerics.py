@@ -87,7 +87,19 @@ def test_prefill_from_scratch(tiny_pair):
     assert_close(logits, reference_logits(hf, PROMPT), 5e-5)
 
 
-def test_prefill_after_cached_prefix_then_decode(tiny_pair):
+@pytest.fixture(params=["native", "pytorch"])
+def decode_kernels(request, monkeypatch):
+    """Decode attention both ways: the C++ kernels (when they build) and pure PyTorch."""
+    from radixserve.model import native
+
+    if request.param == "pytorch":
+        monkeypatch.setattr(native, "paged_ops", lambda: None)
+    elif native.paged_ops() is None:
+        pytest.skip("the native kernels did not build on this machine")
+    return request.param
+
+
+def test_prefill_after_cached_prefix_then_decode(tiny_pair, decode_kernels):
     hf, model = tiny_pair
     ref = reference_logits(hf, PROMPT)
     run = Runner(model)
@@ -101,7 +113,7 @@ def test_prefill_after_cached_prefix_then_decode(tiny_pair):
         assert_close(logits[0], ref[pos], 5e-5)
 
 
-def test_mixed_step_of_decodes_and_chunks(tiny_pair):
+def test_mixed_step_of_decodes_and_chunks(tiny_pair, decode_kernels):
     hf, model = tiny_pair
     a, b, c = PROMPT, PROMPT[::-1], PROMPT[3:] + PROMPT[:5]
     run = Runner(model)
@@ -167,3 +179,30 @@ def test_real_default_model_matches_transformers(real_loaded, real_reference):
         logits = run2.step(decode=[(token, pos, torch.arange(pos + 1))])
         assert_close(logits[0], ref[pos], 5e-4)
     assert logits[0].argmax() == ref[n + 1].argmax()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_matches_the_pytorch_path(dtype):
+    from radixserve.cache import KVShape
+    from radixserve.model import native
+    from radixserve.model.attention import _decode_attention
+
+    if native.paged_ops() is None:
+        pytest.skip("the native kernels did not build on this machine")
+    torch.manual_seed(0)
+    pool = KVPool(KVShape(num_layers=2, num_kv_heads=2, head_dim=32, dtype=dtype), 500)
+    pool.k.normal_()
+    pool.v.normal_()
+    contexts = [torch.randperm(500)[:n] for n in (7, 130, 1, 64)]  # scattered slots
+    batch = build_forward_batch(
+        [(5, len(c) - 1, c) for c in contexts], [], pool.device, pool.pad_slot
+    )
+    q = torch.randn(4, 6, 32).to(dtype)
+    fast = _decode_attention(1, q, batch, pool, 0.2)
+    native._loaded["ops"], ops = None, native._loaded["ops"]  # the PyTorch path, once
+    try:
+        slow = _decode_attention(1, q, batch, pool, 0.2)
+    finally:
+        native._loaded["ops"] = ops
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (fast.float() - slow.float()).abs().max() < tol

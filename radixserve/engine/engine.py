@@ -23,7 +23,7 @@ from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
-from radixserve.model import LoadedModel, build_forward_batch, load_model
+from radixserve.model import LoadedModel, build_forward_batch, load_model, native
 from radixserve.utils import default_kv_cache_bytes
 
 
@@ -62,6 +62,8 @@ class Engine:
         else:
             budget = config.kv_cache_memory or default_kv_cache_bytes(config.device)
             num_slots = shape.slots_for_memory(int(budget), config.page_size)
+        if torch.device(config.device).type == "cpu":
+            native.paged_ops()  # build (first run) or load the kernels now, not mid-request
         self.allocator = PagedAllocator(num_slots, config.page_size)
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
         self.kv_events = KVEventQueue() if config.enable_kv_events else None

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool
+from radixserve.model import native
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ForwardBatch:
     num_decode: int = 0  # rows [0, num_decode) are decode tokens
     decode_context: torch.Tensor | None = None  # [num_decode, max_len] slots, padded
     decode_bias: torch.Tensor | None = None  # [1, num_decode, 1, max_len]: 0 or -inf
+    decode_lens: torch.Tensor | None = None  # [num_decode] int64 context lengths
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
 
     @property
@@ -61,7 +63,7 @@ def build_forward_batch(
     """
     ids, pos, out = [], [], []
     logits_rows: list[int] = []
-    decode_context = decode_bias = None
+    decode_context = decode_bias = decode_lens = None
     if decode:
         lens = torch.tensor([len(c) for _, _, c in decode])
         ctx = torch.nn.utils.rnn.pad_sequence(
@@ -71,6 +73,7 @@ def build_forward_batch(
         past_end = torch.arange(ctx.shape[1])[None, :] >= lens[:, None]
         decode_bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
         decode_bias = decode_bias[None, :, None, :].to(device)
+        decode_lens = lens.to(device)
         ids.append(torch.tensor([t for t, _, _ in decode]))
         pos.append(torch.tensor([p for _, p, _ in decode]))
         out.append(torch.stack([c[-1] for _, _, c in decode]))
@@ -98,6 +101,7 @@ def build_forward_batch(
         num_decode=len(decode),
         decode_context=decode_context,
         decode_bias=decode_bias,
+        decode_lens=decode_lens,
         prefill_spans=spans,
     )
 
@@ -113,20 +117,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
     pool.write(layer, batch.out_slots, k, v)
-    num_heads, num_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     out = torch.empty_like(q)
     b = batch.num_decode
     if b:
-        # KV heads lead as SDPA's batch axis, the sequences as its head axis, and a KV head's
-        # query heads as the query length: [KVH, B, group, D] against [KVH, B, L, D].
-        ctx = batch.decode_context
-        kc, vc = pool.gather(layer, ctx.view(-1))
-        kc, vc = kc.view(num_kv, b, ctx.shape[1], dim), vc.view(num_kv, b, ctx.shape[1], dim)
-        # Two batched matmuls beat SDPA here: its CPU kernel is slow for 1-token queries.
-        qd = q[:b].view(b, num_kv, num_heads // num_kv, dim).transpose(0, 1)
-        scores = torch.matmul(qd, kc.transpose(-1, -2)).float().mul_(scale)
-        probs = scores.add_(batch.decode_bias).softmax(dim=-1).to(vc.dtype)
-        out[:b] = torch.matmul(probs, vc).transpose(0, 1).reshape(b, num_heads, dim)
+        out[:b] = _decode_attention(layer, q[:b], batch, pool, scale)
     for span in batch.prefill_spans:
         rows = slice(span.start, span.start + span.num_new)
         if span.prefix_len == 0:
@@ -141,3 +135,24 @@ def paged_attention(
         )  # fmt: skip
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(layer: int, q: torch.Tensor, batch: ForwardBatch, pool: KVPool,
+                      scale: float) -> torch.Tensor:  # fmt: skip
+    """One query token per sequence, against its context slots. Scores are laid out
+    [KVH, B, group, L]: a KV head's query heads share each K/V row read."""
+    b, num_heads, dim = q.shape
+    num_kv = pool.shape.num_kv_heads
+    ctx = batch.decode_context
+    ops = native.paged_ops() if pool.device.type == "cpu" and dim % 16 == 0 else None
+    if ops is not None:  # straight from the pool, no gathered copy of K and V
+        scores = ops.paged_scores(q.contiguous(), pool.k[layer], ctx, batch.decode_lens)
+        probs = scores.mul_(scale).add_(batch.decode_bias).softmax(dim=-1)
+        return ops.paged_values(probs, pool.v[layer], ctx, batch.decode_lens)
+    kc, vc = pool.gather(layer, ctx.view(-1))
+    kc, vc = kc.view(num_kv, b, ctx.shape[1], dim), vc.view(num_kv, b, ctx.shape[1], dim)
+    # Two batched matmuls beat SDPA here: its CPU kernel is slow for 1-token queries.
+    qd = q.view(b, num_kv, num_heads // num_kv, dim).transpose(0, 1)
+    scores = torch.matmul(qd, kc.transpose(-1, -2)).float().mul_(scale)
+    probs = scores.add_(batch.decode_bias).softmax(dim=-1).to(vc.dtype)
+    return torch.matmul(probs, vc).transpose(0, 1).reshape(b, num_heads, dim)

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from radixserve.utils import cache_dir
+
 
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
@@ -81,11 +83,8 @@ class Tokenizer:
 
 def _tokenizer_cache_dir(gguf_path: Path) -> Path | None:
     """Where the tokenizer built from this exact file is kept (None: caching disabled)."""
-    root = os.environ.get("RADIXSERVE_CACHE_DIR")
-    if root == "":
+    if os.environ.get("RADIXSERVE_CACHE_DIR") == "":
         return None
-    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     stat = gguf_path.stat()
     key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return (base if root else base / "radixserve") / "tokenizers" / digest
+    return cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -96,9 +97,16 @@ async def serve(config: EngineConfig, sock: socket.socket, args: argparse.Namesp
         "on" if config.enable_prefix_caching else "off",
     )
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again; let that end in an
+    # exception (not a hard kill) so the engine process and its sockets are cleaned up below.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
     print(f"radixserve listening on http://{host}:{port}", flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:
         await client.close()
     return 0
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -76,6 +76,9 @@ class EngineClient:
         if self._reader is not None:
             self._reader.cancel()
         if self._process.is_alive():
+            await self._push.send_pyobj(("shutdown",))
+            await asyncio.to_thread(self._process.join, 10)
+        if self._process.is_alive():
             self._process.terminate()
             self._process.join(10)
         self._push.close(linger=0)

@@ -4,6 +4,7 @@ Messages in (PULL, pickled tuples):
     ("add", request_id, prompt_ids, SamplingParams)   -> ("added", id) or ("rejected", id, msg)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
+    ("shutdown",)                                     -> the process exits
 Messages out (PUSH): the above replies, ("outputs", [StepOutput], stats) after every step,
 ("ready", info) once the model is loaded, ("fatal", traceback) before dying on a bug.
 
@@ -13,8 +14,10 @@ sleeps on the socket when idle. ``stats`` is a small dict the HTTP side turns in
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import signal
 import traceback
 from typing import Any
 
@@ -24,6 +27,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 
 IDLE_POLL_MS = 200
+PR_SET_PDEATHSIG = 1
 
 
 def engine_stats(engine: Engine) -> dict[str, Any]:
@@ -41,6 +45,10 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
         "cache": cache.stats.snapshot(),
         "num_retractions": engine.scheduler.num_retractions,
     }
+
+
+class _Shutdown(Exception):
+    pass
 
 
 class EngineLoop:
@@ -62,6 +70,8 @@ class EngineLoop:
             out = self.engine.abort_request(rid, reason)
             if out is not None:
                 self.push.send_pyobj(("outputs", [out], engine_stats(self.engine)))
+        elif kind == "shutdown":
+            raise _Shutdown
         elif kind == "rpc":
             _, call_id, name, kwargs = msg
             try:
@@ -88,10 +98,16 @@ class EngineLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        parent = os.getppid()
         while True:
             timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
+            if timeout and os.getppid() != parent:
+                return  # the HTTP process is gone: nobody will read our outputs
             while poller.poll(timeout):
-                self.handle(self.pull.recv_pyobj())
+                try:
+                    self.handle(self.pull.recv_pyobj())
+                except _Shutdown:
+                    return
                 timeout = 0
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
@@ -102,8 +118,17 @@ class EngineLoop:
                 self.push.send_pyobj(("outputs", outputs, stats))
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the idle loop's parent check still ends the process
+
+
 def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     """Entry point of the spawned process."""
+    _die_with_parent()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
