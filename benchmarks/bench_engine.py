@@ -7,8 +7,8 @@
 2. Decode throughput at batch 1, 8 and 32: each request a 128-token prompt, 64 greedy tokens
    (``ignore_eos``); tokens/s over the decode steps only (prefill excluded).
 3. A 5-turn chat whose history reaches ~1.5K tokens: time to the first token of each turn,
-   with the cache on and off (the same conversation, replayed with fixed answers so both see
-   the same prompts). Reports turns 2 and 5 and the speed-up.
+   with the cache on (the model writes each 250-token answer, as in a real chat) and off
+   (the same five prompts, the answers replayed). Reports turns 2 and 5 and the speed-ups.
 
 Prints one JSON line. Usage: ``python benchmarks/bench_engine.py [--repeat 3] [--dtype float32]``.
 """
@@ -42,8 +42,15 @@ def median_time(fn, repeat: int) -> float:
 def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 40000, n).tolist()
-    engine = Engine(EngineConfig(load_progress=False, chunked_prefill_size=n,
-                                 enable_prefix_caching=False, max_total_tokens=n + 64), loaded)
+    engine = Engine(
+        EngineConfig(
+            load_progress=False,
+            chunked_prefill_size=n,
+            enable_prefix_caching=False,
+            max_total_tokens=n + 64,
+        ),
+        loaded,
+    )
 
     def ours():
         engine.add_request("p", ids, SamplingParams(max_tokens=1))
@@ -73,9 +80,15 @@ def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
 
 def bench_decode(loaded, batch: int, prompt_len: int = 128, new_tokens: int = 64) -> dict:
     rng = np.random.default_rng(batch)
-    engine = Engine(EngineConfig(load_progress=False, max_total_tokens=batch * 256 + 256,
-                                 chunked_prefill_size=batch * prompt_len,
-                                 max_running_requests=batch), loaded)
+    engine = Engine(
+        EngineConfig(
+            load_progress=False,
+            max_total_tokens=batch * 256 + 256,
+            chunked_prefill_size=batch * prompt_len,
+            max_running_requests=batch,
+        ),
+        loaded,
+    )
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{i}", rng.integers(100, 40000, prompt_len).tolist(), params)
@@ -87,27 +100,56 @@ def bench_decode(loaded, batch: int, prompt_len: int = 128, new_tokens: int = 64
     return {"batch": batch, "tokens_per_s": round(decoded / elapsed, 1)}
 
 
-def bench_multiturn(loaded, caching: bool) -> dict:
-    """TTFT per turn of a 5-turn chat; answers are fixed text so both runs see the same turns."""
-    llm = LLM.from_engine(Engine(EngineConfig(load_progress=False, max_total_tokens=16384,
-                                              enable_prefix_caching=caching,
-                                              chunked_prefill_size=4096), loaded))
-    topic = ("Explain, in detail, how a radix tree stores shared prefixes of many strings, "
-             "how lookups walk the edges, and why splitting an edge keeps every key intact. ")
-    answer = ("A radix tree keeps each shared run of symbols once; children hang off the first "
-              "symbol of their edge, and a lookup compares whole runs at a time. " * 6)
-    history: list[dict] = [{"role": "system", "content": topic * 4}]
-    ttfts, prompt_lens = [], []
-    for turn in range(5):
-        history.append({"role": "user", "content": f"Question {turn + 1}: " + topic * 2})
-        t0 = time.perf_counter()
-        tracker = None
-        for _, tracker in llm.stream(history, SamplingParams(temperature=0, max_tokens=1)):
-            pass
-        ttfts.append(time.perf_counter() - t0)
-        prompt_lens.append(tracker.prompt_tokens)
+def chat_ttft(llm: LLM, history: list[dict], max_tokens: int) -> tuple[float, str, int]:
+    """Time to first token of one chat turn, the answer's text, and the prompt length."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0, ttft, tracker = time.perf_counter(), None, None
+    for _, tracker in llm.stream(history, params):
+        if ttft is None and tracker.token_ids:
+            ttft = time.perf_counter() - t0
+    return ttft, tracker.text, tracker.prompt_tokens
+
+
+def bench_multiturn(loaded, answer_tokens: int = 250) -> dict:
+    """A 5-turn chat whose history reaches ~1.5K tokens, cache on, the model writing each
+    answer; then the same five prompts (those answers replayed) with the cache off."""
+
+    def make_llm(caching: bool) -> LLM:
+        config = EngineConfig(
+            load_progress=False,
+            max_total_tokens=16384,
+            enable_prefix_caching=caching,
+            chunked_prefill_size=4096,
+        )
+        return LLM.from_engine(Engine(config, loaded))
+
+    system = (
+        "You are a patient teacher of data structures. You explain radix trees, tries, "
+        "hash maps and B-trees with concrete examples and short code sketches. " * 4
+    )
+    questions = [
+        f"Question {i + 1}: explain how a radix tree handles the insertion of a key "
+        f"that shares its first {i + 2} characters with an existing key, step by step."
+        for i in range(5)
+    ]
+    on, history = make_llm(True), [{"role": "system", "content": system}]
+    ttft_on, prompts = [], []
+    for q in questions:
+        history.append({"role": "user", "content": q})
+        ttft, answer, prompt_len = chat_ttft(on, history, answer_tokens)
+        ttft_on.append(ttft)
+        prompts.append(prompt_len)
         history.append({"role": "assistant", "content": answer})
-    return {"ttft_s": [round(t, 4) for t in ttfts], "prompt_tokens": prompt_lens}
+    off, ttft_off = make_llm(False), []
+    for turn in range(5):
+        ttft, _, prompt_len = chat_ttft(off, history[: 2 + 2 * turn], 1)
+        assert prompt_len == prompts[turn]  # the very same prompts
+        ttft_off.append(ttft)
+    return {
+        "prompt_tokens_per_turn": prompts,
+        "ttft_cache_on_s": [round(t, 4) for t in ttft_on],
+        "ttft_cache_off_s": [round(t, 4) for t in ttft_off],
+    }
 
 
 def main() -> None:
@@ -120,19 +162,26 @@ def main() -> None:
     loaded = load_model(None, dtype=args.dtype, progress=False)
     path = loaded.path
     reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, args.dtype)).eval()
-    result = {"bench": "engine", "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "prefill": bench_prefill(loaded, reference, args.repeat)}
+        str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, args.dtype)
+    ).eval()
+    result = {
+        "bench": "engine",
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "prefill": bench_prefill(loaded, reference, args.repeat),
+    }
     del reference
     decode = [bench_decode(loaded, b) for b in (1, 8, 32)]
     result["decode"] = decode
-    result["decode_batch32_vs_batch1"] = round(decode[2]["tokens_per_s"] / decode[0]["tokens_per_s"], 2)
-    on, off = bench_multiturn(loaded, True), bench_multiturn(loaded, False)
+    result["decode_batch32_vs_batch1"] = round(
+        decode[2]["tokens_per_s"] / decode[0]["tokens_per_s"], 2
+    )
+    turns = bench_multiturn(loaded)
+    on, off = turns["ttft_cache_on_s"], turns["ttft_cache_off_s"]
     result["multiturn"] = {
-        "prompt_tokens_per_turn": on["prompt_tokens"],
-        "ttft_cache_on_s": on["ttft_s"], "ttft_cache_off_s": off["ttft_s"],
-        "turn2_speedup": round(off["ttft_s"][1] / on["ttft_s"][1], 2),
-        "turn5_speedup": round(off["ttft_s"][4] / on["ttft_s"][4], 2),
+        **turns,
+        "turn2_speedup": round(off[1] / on[1], 2),
+        "turn5_speedup": round(off[4] / on[4], 2),
     }
     print(json.dumps(result))
 

@@ -1,0 +1,173 @@
+"""The systems a benchmark compares, each started and stopped by the harness.
+
+| system | what runs |
+|---|---|
+| ``radix`` | ``radixserve serve`` with the radix cache and ``--schedule-policy lpm`` |
+| ``no-cache`` | ``radixserve serve --disable-prefix-caching`` |
+| ``fcfs`` | ``radixserve serve --schedule-policy fcfs`` (cache on) |
+| ``dfs-weight`` | ``radixserve serve --schedule-policy dfs-weight`` (cache on) |
+| ``llamacpp`` | llama.cpp's server (PyPI ``xllamacpp``) on the same GGUF file, prompt cache on |
+
+Every server is a child process in its own session on a free loopback port (found by binding
+127.0.0.1:0), with its output in ``<log_dir>/<name>.log``. Startup waits for ``GET /health`` to
+answer 200; a server that exits or is not healthy within ``startup_timeout`` raises a
+``BenchError`` carrying the tail of its log. Stopping sends SIGTERM to the process group, then
+SIGKILL after a grace period. Both engines get the same model file, the same number of
+concurrent requests and the same context per request (``context_length``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from radixserve.bench.client import BenchError
+
+RADIX_SYSTEMS: dict[str, tuple[str, ...]] = {
+    "radix": ("--schedule-policy", "lpm"),
+    "no-cache": ("--disable-prefix-caching",),
+    "fcfs": ("--schedule-policy", "fcfs"),
+    "dfs-weight": ("--schedule-policy", "dfs-weight"),
+}
+SYSTEMS = (*RADIX_SYSTEMS, "llamacpp")
+LOG_TAIL_LINES = 30
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class ServerSettings:
+    model: str | None = None  # .gguf file or HF directory; None: the default model
+    slots: int = 4  # concurrent requests each server must take at once
+    context_length: int = 4096  # tokens of context per request
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # llama.cpp CPU threads
+    radix_args: tuple[str, ...] = ()  # extra `radixserve serve` flags
+    startup_timeout: float = 300.0
+    log_dir: Path = Path(".")
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "context_length", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.startup_timeout > 0:
+            raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path(model: str | None) -> str:
+    """The GGUF file llama.cpp should serve: ``model`` itself or the default model."""
+    from radixserve.model.loader import ModelNotFoundError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except (ModelNotFoundError, ValueError) as e:
+        raise BenchError(str(e)) from e
+    if path.suffix != ".gguf":
+        raise BenchError(f"llamacpp serves .gguf files only; --model {model} is not one")
+    return str(path)
+
+
+def command(system: str, settings: ServerSettings) -> Callable[[int], list[str]]:
+    """The argv that starts ``system`` on a given port."""
+    if system == "llamacpp":
+        if importlib.util.find_spec("xllamacpp") is None:
+            raise BenchError("the llamacpp system needs xllamacpp: run `pip install xllamacpp`")
+        model = gguf_path(settings.model)
+        return lambda port: [
+            sys.executable, "-m", "radixserve.bench.llamacpp_server", "--model", model,
+            "--port", str(port), "--parallel", str(settings.slots),
+            "--ctx-per-slot", str(settings.context_length), "--threads", str(settings.threads),
+        ]  # fmt: skip
+    if system not in RADIX_SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    model = ("--model", settings.model) if settings.model else ()
+    return lambda port: [
+        sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1", "--port",
+        str(port), *model, "--max-model-len", str(settings.context_length),
+        *RADIX_SYSTEMS[system], *settings.radix_args,
+    ]  # fmt: skip
+
+
+class ManagedServer:
+    """A server child process for the span of a ``with`` block; ``base_url`` once healthy."""
+
+    def __init__(
+        self, name: str, argv_for_port: Callable[[int], list[str]], settings: ServerSettings
+    ):
+        self.name, self.settings = name, settings
+        self.port = free_port()
+        self.argv = argv_for_port(self.port)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(settings.log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ManagedServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise BenchError(
+                    f"{self.name} exited with code {self.proc.returncode} while starting"
+                    f"{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise BenchError(
+            f"{self.name} was not healthy within {self.settings.startup_timeout:g} s"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            return ""
+        return f"; last lines of {self.log_path}:\n" + "\n".join(lines)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)  # the group: the server and its engine process
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
