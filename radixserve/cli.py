@@ -28,7 +28,7 @@ ENGINE_FLAGS = {
         "(AVX512-BF16, AMX, recent GPUs), else float32",
     ),
     "chunked_prefill_size": dict(
-        type=int, default=512, help="most prompt tokens computed per step; default %(default)s"
+        type=int, help="most prompt tokens computed per step (default: 256 on CPU, 2048 on GPU)"
     ),
     "max_total_tokens": dict(type=int, help="KV pool size in tokens"),
     "kv_cache_memory": dict(

@@ -49,7 +49,9 @@ class EngineConfig:
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens
     kv_cache_memory: int | str | None = None  # KV pool size in bytes ("4GiB")
-    chunked_prefill_size: int = 512  # most prompt tokens computed in one step
+    # most prompt tokens computed in one step; None: 256 on CPU (a step of 16 decodes and 256
+    # prompt tokens takes ~0.4 s there, so streams stall no longer), 2048 on GPUs
+    chunked_prefill_size: int | None = None
     max_running_requests: int = 64
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
@@ -72,6 +74,8 @@ class EngineConfig:
                 f"unknown eviction_policy {self.eviction_policy!r}; "
                 f"choose one of {tuple(EVICTION_POLICIES)}"
             )
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = 256 if self.device.startswith("cpu") else 2048
         for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_overtakes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
