@@ -75,12 +75,14 @@ def test_dfs_weight_serves_the_heaviest_branch_first(make_engine):
     light, heavy = ids(40), ids(40)
     warm(engine, light + ids(2))
     warm(engine, heavy + ids(2))
+    engine.add_request("cold", ids(45), SHORT)  # first to arrive, but matches nothing
     engine.add_request("light-0", light + ids(5), SHORT)
     for i in range(3):
         engine.add_request(f"heavy-{i}", heavy + ids(5), SHORT)
     drain(engine)
-    # heavy (3 waiting) beats light (1); once heavy is down to 1 too, the older branch wins
-    assert engine.first_token_order == ["heavy-0", "heavy-1", "light-0", "heavy-2"]
+    # heavy (3 waiting) beats light (1); once heavy is down to 1 too, the older branch wins;
+    # a request that matches nothing goes last, so it cannot evict what the others reuse
+    assert engine.first_token_order == ["heavy-0", "heavy-1", "light-0", "heavy-2", "cold"]
 
 
 def test_lpm_does_not_starve_a_request_without_cache_hits(make_engine):

@@ -5,7 +5,7 @@
   holds their prefix (falls back to fcfs for very long queues, where matching costs more).
 - ``dfs-weight``: walk the radix tree depth-first, heavier branches (more waiting requests)
   first, serving requests branch by branch so a shared prefix is used by all its requests
-  before eviction can take it.
+  before eviction can take it; requests that match nothing come last.
 
 Starvation guard: a request overtaken by ``max_overtakes`` younger admissions goes first,
 whatever the policy. Look-ahead matches use ``record_stats=False``: they admit nothing.
@@ -63,10 +63,16 @@ def _dfs_weight_order(reqs: list[Request], kv: RequestKV) -> list[Request]:
     def visit_last_first(nodes):  # the stack pops the heaviest (then oldest) node first
         return sorted(nodes, key=lambda n: (weight[n], -oldest[n]))
 
+    # Post-order: a node's subtree (deepest matches, heaviest branch first) before the requests
+    # that matched only the node itself, so requests with no match at all come last and do not
+    # evict the prefixes the others are about to use.
     ordered: list[Request] = []
-    stack = visit_last_first(roots)
+    stack = [(node, False) for node in visit_last_first(roots)]
     while stack:
-        node = stack.pop()
-        ordered.extend(at_node.get(node, ()))
-        stack.extend(visit_last_first(children.get(node, ())))
+        node, expanded = stack.pop()
+        if expanded:
+            ordered.extend(at_node.get(node, ()))
+        else:
+            stack.append((node, True))
+            stack.extend((child, False) for child in visit_last_first(children.get(node, ())))
     return ordered + at_node.get(None, [])  # namespaces with nothing cached yet
