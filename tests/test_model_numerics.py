@@ -1,7 +1,7 @@
 """Our forward pass against transformers on the same weights.
 
 Covered: prefill from scratch, prefill after a cached prefix, decode, and one packed step that
-mixes decode tokens with prefill chunks; for Llama, Qwen2 (QKV bias) and Llama-3 RoPE
+mixes decode tokens with prefill chunks; for Llama, Mistral, Qwen2 (QKV bias), Llama-3 RoPE
 scaling; for GGUF files of several tensor types; and for the real default model.
 """
 
@@ -48,6 +48,7 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 VARIANTS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 4096}),
     "llama3-rope": (
         "LlamaConfig",
         {
