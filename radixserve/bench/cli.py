@@ -28,6 +28,7 @@ from radixserve.bench.data import DatasetError
 from radixserve.bench.loadgen import LoadConfig
 from radixserve.bench.runner import BASE_URL_SYSTEM, run_plan
 from radixserve.bench.workloads import WORKLOADS, Workload, build_workload
+from radixserve.cli import flag
 
 DEFAULT_SYSTEMS = {
     "sharegpt-multiturn": ("radix", "no-cache", "llamacpp"),
@@ -76,10 +77,6 @@ def spec_options() -> dict[str, dict[str, Any]]:
             )
             entry.setdefault("defaults", {})[name] = f.default
     return options
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
