@@ -44,10 +44,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_options: Any
     ):
-        self.config = EngineConfig.from_options(model=model, **engine_options)
-        self.engine = Engine(self.config, loaded)
-        self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
+        self._attach(Engine(EngineConfig.from_options(model=model, **engine_options), loaded))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -57,9 +54,12 @@ class LLM:
     def from_engine(cls, engine: Engine) -> LLM:
         """An LLM front end over an engine that already exists (tests, benchmarks)."""
         llm = cls.__new__(cls)
-        llm.config, llm.engine, llm.tokenizer = engine.config, engine, engine.tokenizer
-        llm._ids = itertools.count()
+        llm._attach(engine)
         return llm
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine, self.config, self.tokenizer = engine, engine.config, engine.tokenizer
+        self._ids = itertools.count()
 
     def generate(
         self,
