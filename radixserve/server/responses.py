@@ -12,8 +12,6 @@ from radixserve.engine.request import TokenLogprob
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.serving import Job
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-
 
 def usage(job: Job, num_prompts: int) -> dict[str, Any]:
     per_prompt = len(job.trackers) // num_prompts
@@ -61,84 +59,95 @@ def completion_logprobs(
     }
 
 
-def chat_response(job: Job, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> dict:
-    choices = []
-    for i, t in enumerate(job.trackers):
-        choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": t.text},
-                "logprobs": chat_logprobs(tokenizer, t.logprobs) if want_logprobs else None,
-                "finish_reason": FINISH_REASONS.get(t.finish_reason, t.finish_reason),
-            }
-        )
+def _envelope(job: Job, model: str, obj: str, choices: list[dict], **extra: Any) -> dict:
     return {
         "id": job.response_id,
-        "object": "chat.completion",
+        "object": obj,
         "created": job.created,
         "model": model,
         "choices": choices,
-        "usage": usage(job, 1),
+        **extra,
     }
+
+
+def chat_response(job: Job, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> dict:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": t.text},
+            "logprobs": chat_logprobs(tokenizer, t.logprobs) if want_logprobs else None,
+            "finish_reason": t.finish_reason,
+        }
+        for i, t in enumerate(job.trackers)
+    ]
+    return _envelope(job, model, "chat.completion", choices, usage=usage(job, 1))
 
 
 def completion_response(
     job: Job, model: str, tokenizer: Tokenizer, want_logprobs: bool, num_prompts: int
 ) -> dict:
-    choices = []
-    for i, t in enumerate(job.trackers):
-        choices.append(
-            {
-                "index": i,
-                "text": t.text,
-                "logprobs": completion_logprobs(tokenizer, t.logprobs) if want_logprobs else None,
-                "finish_reason": FINISH_REASONS.get(t.finish_reason, t.finish_reason),
-            }
-        )
-    return {
-        "id": job.response_id,
-        "object": "text_completion",
-        "created": job.created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(job, num_prompts),
-    }
+    choices = [
+        {
+            "index": i,
+            "text": t.text,
+            "logprobs": completion_logprobs(tokenizer, t.logprobs) if want_logprobs else None,
+            "finish_reason": t.finish_reason,
+        }
+        for i, t in enumerate(job.trackers)
+    ]
+    return _envelope(job, model, "text_completion", choices, usage=usage(job, num_prompts))
 
 
-class ChatStream:
-    """Chunk builders for a streamed chat completion."""
+class _Stream:
+    """Chunk builders for a streamed response: ``chunks`` after each change of one choice,
+    ``final`` once at the end (the usage chunk, when asked for)."""
 
-    def __init__(self, model: str, tokenizer: Tokenizer, want_logprobs: bool, include_usage: bool):
+    object_name = ""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        want_logprobs: bool,
+        include_usage: bool,
+        num_prompts: int = 1,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
-        self.started: set[int] = set()
+        self.num_prompts = num_prompts
 
-    def _chunk(self, job: Job, choices: list[dict], **extra: Any) -> dict:
-        return {
-            "id": job.response_id,
-            "object": "chat.completion.chunk",
-            "created": job.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
+    def _chunk(self, job: Job, choice: dict) -> dict:
+        return _envelope(job, self.model, self.object_name, [choice])
+
+    def final(self, job: Job) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [
+            _envelope(job, self.model, self.object_name, [], usage=usage(job, self.num_prompts))
+        ]
+
+
+class ChatStream(_Stream):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.started: set[int] = set()
 
     def chunks(self, job: Job, index: int) -> list[dict]:
         t = job.trackers[index]
         out = []
-        if index not in self.started:
+        if index not in self.started:  # the first chunk of a choice names the role
             self.started.add(index)
             out.append(
                 self._chunk(
                     job,
-                    [
-                        {
-                            "index": index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    },
                 )
             )
         text, _, logprobs = t.take_stream_delta()
@@ -147,72 +156,47 @@ class ChatStream:
             out.append(
                 self._chunk(
                     job,
-                    [
-                        {
-                            "index": index,
-                            "delta": {"content": text},
-                            "logprobs": lp,
-                            "finish_reason": None,
-                        }
-                    ],
+                    {
+                        "index": index,
+                        "delta": {"content": text},
+                        "logprobs": lp,
+                        "finish_reason": None,
+                    },
                 )
             )
         if t.finished:
-            reason = FINISH_REASONS.get(t.finish_reason, t.finish_reason)
             out.append(
                 self._chunk(
-                    job, [{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+                    job,
+                    {
+                        "index": index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": t.finish_reason,
+                    },
                 )
             )
         return out
 
-    def final(self, job: Job) -> list[dict]:
-        return [self._chunk(job, [], usage=usage(job, 1))] if self.include_usage else []
 
+class CompletionStream(_Stream):
+    object_name = "text_completion"
 
-class CompletionStream:
-    """Chunk builders for a streamed text completion."""
-
-    def __init__(
-        self,
-        model: str,
-        tokenizer: Tokenizer,
-        want_logprobs: bool,
-        include_usage: bool,
-        num_prompts: int,
-    ):
-        self.model, self.tokenizer = model, tokenizer
-        self.want_logprobs, self.include_usage = want_logprobs, include_usage
-        self.num_prompts = num_prompts
-        self.offsets: dict[int, int] = {}
-
-    def _chunk(self, job: Job, choices: list[dict], **extra: Any) -> dict:
-        return {
-            "id": job.response_id,
-            "object": "text_completion",
-            "created": job.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.offsets: dict[int, int] = {}  # characters streamed per choice, for text_offset
 
     def chunks(self, job: Job, index: int) -> list[dict]:
         t = job.trackers[index]
         text, _, logprobs = t.take_stream_delta()
         if not text and not t.finished and not (self.want_logprobs and logprobs):
             return []
-        lp = None
-        if self.want_logprobs:
-            lp = completion_logprobs(self.tokenizer, logprobs, self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + len(text)
-        reason = FINISH_REASONS.get(t.finish_reason, t.finish_reason) if t.finished else None
+        offset = self.offsets.get(index, 0)
+        lp = completion_logprobs(self.tokenizer, logprobs, offset) if self.want_logprobs else None
+        self.offsets[index] = offset + len(text)
+        reason = t.finish_reason if t.finished else None
         return [
             self._chunk(
-                job, [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}]
+                job, {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
             )
         ]
-
-    def final(self, job: Job) -> list[dict]:
-        if not self.include_usage:
-            return []
-        return [self._chunk(job, [], usage=usage(job, self.num_prompts))]
