@@ -38,14 +38,6 @@ class StepOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-@dataclass
-class StepStats:
-    num_decode: int = 0
-    num_prefill_tokens: int = 0
-    num_retracted: int = 0
-    evicted_tokens: int = 0
-
-
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
@@ -76,7 +68,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
-        self.last_step = StepStats()
+        self.last_step_evicted_tokens = 0  # for the per-step eviction histogram
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -143,11 +135,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         evicted_before = self.cache.stats.evicted_tokens
         step = self.scheduler.schedule()
-        self.last_step = StepStats(
-            num_decode=len(step.decodes),
-            num_prefill_tokens=sum(n for _, n in step.prefills),
-            num_retracted=len(step.retracted),
-        )
+        self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
         if step.empty:
             return []
         decode = [
@@ -183,7 +171,6 @@ class Engine:
                 self.scheduler.finish(r, reason)
                 self.requests.pop(r.request_id, None)
             outputs.append(self._output(r, [token], [logprob] if logprob else []))
-        self.last_step.evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:

@@ -38,7 +38,6 @@ DEDUP_MIN_SHARED_TOKENS = 32
 class Step:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk size)
-    retracted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -74,7 +73,7 @@ class Scheduler:
         step = Step()
         decodes = [r for r in self.running if r.is_decoding]
         while decodes and not self.kv.extend_decode(decodes):
-            victim = self._retract_newest(step)
+            victim = self._retract_newest()
             if victim in decodes:
                 decodes.remove(victim)
         step.decodes = decodes
@@ -92,7 +91,7 @@ class Scheduler:
         if not blocked and budget > 0 and self.waiting:
             self._admit(step, budget)
         if step.empty and self.running:
-            self._retract_newest(step)  # memory too short for anyone: make room for the oldest
+            self._retract_newest()  # memory too short for anyone: make room for the oldest
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
@@ -142,7 +141,7 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------------------ leaving
-    def _retract_newest(self, step: Step) -> Request:
+    def _retract_newest(self) -> Request:
         victim = max(self.running, key=lambda r: r.arrival)
         self.kv.release(victim)
         self.running.remove(victim)
@@ -150,7 +149,6 @@ class Scheduler:
         victim.num_retractions += 1
         self.num_retractions += 1
         self.waiting.append(victim)
-        step.retracted.append(victim)
         self.new_token_ratio = max(self.new_token_ratio, RETRACT_NEW_TOKEN_RATIO)
         return victim
 

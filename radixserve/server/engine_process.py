@@ -113,7 +113,7 @@ class EngineLoop:
                 outputs = self.engine.step()
                 stats = {
                     **engine_stats(self.engine),
-                    "step_evicted_tokens": self.engine.last_step.evicted_tokens,
+                    "step_evicted_tokens": self.engine.last_step_evicted_tokens,
                 }
                 self.push.send_pyobj(("outputs", outputs, stats))
 
