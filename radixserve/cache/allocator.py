@@ -108,12 +108,6 @@ class PagedAllocator:
         self._stack[self._top : self._top + k] = pages
         self._top += k
 
-    def reset(self) -> None:
-        """Mark every page free (only for a pool nobody references any more)."""
-        self._stack = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64)
-        self._top = self.num_pages
-        self._is_free.fill_(True)
-
     # ----------------------------------------------------------------- for integrity checks
     def free_pages(self) -> torch.Tensor:
         return self._stack[: self._top]

@@ -12,7 +12,6 @@ then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +66,6 @@ class Request:
         self.num_retractions = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
-        self.created_at = time.monotonic()
-        self.first_token_at: float | None = None
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -86,8 +83,6 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self._ids[self.num_tokens] = token_id
         self.num_tokens += 1
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
 
     # ------------------------------------------------------------------ progress
     @property
@@ -105,9 +100,6 @@ class Request:
     @property
     def remaining_output(self) -> int:
         return self.max_tokens - self.num_output
-
-    def computed_slots(self) -> torch.Tensor:
-        return self.slots[: self.num_computed]
 
     def held_slots(self) -> torch.Tensor:
         """Slots this request owns (not the tree's): computed beyond the cached prefix."""

@@ -90,9 +90,10 @@ async def serve(config: EngineConfig, sock: socket.socket, args: argparse.Namesp
     app = create_app(client, tokenizer, name, args.api_key)
     host, port = sock.getsockname()[:2]
     log.info(
-        "model %s loaded; KV pool of %d tokens; schedule policy %s; prefix caching %s",
+        "model %s loaded; KV pool of %d tokens (%.2f GiB); schedule policy %s; prefix caching %s",
         name,
         info["kv_capacity_tokens"],
+        info["kv_bytes"] / 2**30,
         config.schedule_policy,
         "on" if config.enable_prefix_caching else "off",
     )

@@ -143,6 +143,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> Non
                     "model_name": engine.model_name,
                     "max_model_len": engine.max_model_len,
                     "kv_capacity_tokens": engine.kv.capacity(),
+                    "kv_bytes": engine.pool.nbytes(),
                     "page_size": config.page_size,
                     "pid": os.getpid(),
                 },
