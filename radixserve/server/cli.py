@@ -77,7 +77,7 @@ async def serve(config: EngineConfig, sock: socket.socket, args: argparse.Namesp
     except ModelNotFoundError as e:
         print(f"radixserve serve: error: {e}", file=sys.stderr)
         return 2
-    client = EngineClient(config, on_stats=lambda stats: None)
+    client = EngineClient(config, on_stats=lambda stats: None, log_level=log.getEffectiveLevel())
     try:
         start = asyncio.create_task(client.start())
         tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, model_path, [])

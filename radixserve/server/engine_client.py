@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing as mp
 import shutil
 import tempfile
@@ -30,7 +31,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, on_stats: Callable[[dict[str, Any]], None]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_stats: Callable[[dict[str, Any]], None],
+        log_level: int = logging.INFO,
+    ):
         self.config = config
         self.on_stats = on_stats
         self._dir = tempfile.mkdtemp(prefix="radixserve-")
@@ -42,7 +48,7 @@ class EngineClient:
         self._pull.bind(out_addr)
         self._process = mp.get_context("spawn").Process(
             target=run_engine_process,
-            args=(config, in_addr, out_addr),
+            args=(config, in_addr, out_addr, log_level),
             daemon=True,
             name="radixserve-engine",
         )

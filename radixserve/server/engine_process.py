@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import signal
 import traceback
@@ -126,8 +127,11 @@ def _die_with_parent() -> None:
         pass  # not Linux: the idle loop's parent check still ends the process
 
 
-def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str) -> None:
-    """Entry point of the spawned process."""
+def run_engine_process(
+    config: EngineConfig, in_addr: str, out_addr: str, log_level: int = logging.INFO
+) -> None:
+    """Entry point of the spawned process (which inherits no logging set-up: redo it)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(message)s")
     _die_with_parent()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
