@@ -15,6 +15,12 @@ from typing import Any
 import numpy as np
 
 
+# Which tier a page is stored on or removed from (vLLM's events call this the medium).
+MEDIUM_DEVICE = "device"
+MEDIUM_HOST = "host"
+MEDIUM_STORAGE = "storage"
+
+
 @dataclass(frozen=True)
 class BlockStored:
     block_hashes: list[int]
@@ -22,12 +28,14 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_key: Any = None
+    medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
     extra_key: Any = None
+    medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)
