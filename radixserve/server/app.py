@@ -8,6 +8,7 @@ but ``/health`` needs ``Authorization: Bearer <key>``.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.engine.stats import EngineStats
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.metrics import Metrics
@@ -40,7 +42,7 @@ def create_app(
     client: EngineClient, tokenizer: Tokenizer, served_model_name: str, api_key: str | None = None
 ) -> FastAPI:
     app = FastAPI(title="radixserve", version="0.1.0")
-    metrics = Metrics(served_model_name)
+    metrics = Metrics(served_model_name, client.info)
     client.on_stats = metrics.update_stats
     serving = Serving(client, tokenizer, metrics)
     started = int(time.time())
@@ -100,7 +102,7 @@ def create_app(
                     "object": "model",
                     "created": started,
                     "owned_by": "radixserve",
-                    "max_model_len": client.info.get("max_model_len"),
+                    "max_model_len": client.info.max_model_len,
                 }
             ],
         }
@@ -167,16 +169,20 @@ def create_app(
     @app.get("/cache")
     async def cache(top: int = 10) -> dict:
         summary = await client.call("cache_summary", top=min(max(top, 1), 100))
-        for prefix in summary["top_prefixes"]:
-            prefix["head_text"] = tokenizer.decode(
-                prefix.pop("head_token_ids"), skip_special_tokens=False
+        prefixes = []
+        for prefix in summary.top_prefixes:
+            head = prefix.pop("head_token_ids")
+            prefixes.append(
+                {**prefix, "head_text": tokenizer.decode(head, skip_special_tokens=False)}
             )
-        stats = await client.call("stats")
+        stats: EngineStats = await client.call("stats")
         return {
-            **summary,
-            "capacity_tokens": stats["kv_capacity_tokens"],
-            "evictable_tokens": stats["evictable_tokens"],
-            "stats": stats["cache"],
+            "num_nodes": summary.num_nodes,
+            "cached_tokens": summary.cached_tokens,
+            "top_prefixes": prefixes,
+            "capacity_tokens": stats.kv_capacity_tokens,
+            "evictable_tokens": stats.evictable_tokens,
+            "stats": dataclasses.asdict(stats.cache),
         }
 
     @app.get("/metrics")

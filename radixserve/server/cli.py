@@ -77,7 +77,9 @@ async def serve(config: EngineConfig, sock: socket.socket, args: argparse.Namesp
     except ModelNotFoundError as e:
         print(f"radixserve serve: error: {e}", file=sys.stderr)
         return 2
-    client = EngineClient(config, on_stats=lambda stats: None, log_level=log.getEffectiveLevel())
+    client = EngineClient(
+        config, on_stats=lambda stats, after_step: None, log_level=log.getEffectiveLevel()
+    )
     try:
         start = asyncio.create_task(client.start())
         tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, model_path, [])
@@ -86,14 +88,14 @@ async def serve(config: EngineConfig, sock: socket.socket, args: argparse.Namesp
         print(f"radixserve serve: error: {e}", file=sys.stderr)
         await client.close()
         return 1
-    name = args.served_model_name or info["model_name"]
+    name = args.served_model_name or info.model_name
     app = create_app(client, tokenizer, name, args.api_key)
     host, port = sock.getsockname()[:2]
     log.info(
         "model %s loaded; KV pool of %d tokens (%.2f GiB); schedule policy %s; prefix caching %s",
         name,
-        info["kv_capacity_tokens"],
-        info["kv_bytes"] / 2**30,
+        info.kv_capacity_tokens,
+        info.kv_bytes / 2**30,
         config.schedule_policy,
         "on" if config.enable_prefix_caching else "off",
     )

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from radixserve.config import EngineConfig
 from radixserve.engine import SamplingParams, StepOutput
+from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.server.engine_process import run_engine_process
 
 
@@ -34,7 +35,7 @@ class EngineClient:
     def __init__(
         self,
         config: EngineConfig,
-        on_stats: Callable[[dict[str, Any]], None],
+        on_stats: Callable[[EngineStats, bool], None],
         log_level: int = logging.INFO,
     ):
         self.config = config
@@ -56,18 +57,19 @@ class EngineClient:
         self._pending: dict[Any, asyncio.Future] = {}
         self._calls = itertools.count()
         self._reader: asyncio.Task | None = None
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo | None = None
+        self.pid: int | None = None
         self.dead: str | None = None
 
     # ------------------------------------------------------------------ life cycle
-    async def start(self, timeout: float = 600.0) -> dict[str, Any]:
+    async def start(self, timeout: float = 600.0) -> EngineInfo:
         self._process.start()
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             if await self._pull.poll(500):
                 msg = await self._pull.recv_pyobj()
                 if msg[0] == "ready":
-                    self.info = msg[1]
+                    _, self.info, self.pid = msg
                     break
                 if msg[0] == "fatal":
                     raise EngineDeadError(f"the engine failed to start:\n{msg[1]}")
@@ -108,13 +110,13 @@ class EngineClient:
                         entry[0].put_nowait((entry[1], out))
                         if out.finished:
                             del self._queues[out.request_id]
-                self.on_stats(msg[2])
+                self.on_stats(msg[2], msg[3])
             elif kind in ("added", "rejected"):
                 fut = self._pending.pop(("add", msg[1]), None)
                 if fut is not None and not fut.done():
                     fut.set_result(None if kind == "added" else msg[2])
             elif kind == "rpc":
-                self.on_stats(msg[4])
+                self.on_stats(msg[4], False)
                 fut = self._pending.pop(("rpc", msg[1]), None)
                 if fut is not None and not fut.done():
                     fut.set_result((msg[2], msg[3]))
