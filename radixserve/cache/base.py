@@ -154,3 +154,18 @@ class PrefixCache(ABC):
 
     def summary(self, top: int = 10) -> TreeSummary:
         return TreeSummary(num_nodes=0, cached_tokens=self.total_size())
+
+    # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
+    event_block_size: int = 0
+
+    def enable_events(self, queue: Any) -> None:
+        """Emit what is cached now, then every change, to ``queue`` (a ``KVEventQueue``)."""
+        return None
+
+    def disable_events(self) -> None:
+        """Stop emitting (and hashing)."""
+        return None
+
+    def snapshot_events(self) -> list[Any]:
+        """Every cached block as ``BlockStored`` events, parents first."""
+        return []

@@ -106,7 +106,7 @@ class RadixCache(PrefixCache):
         self._evictable_size = 0
         self._protected_size = 0
         if event_queue is not None:
-            self.enable_events(event_queue)
+            self.events = event_queue  # an empty tree: nothing to snapshot
 
     # ------------------------------------------------------------------ events
     @property
@@ -114,8 +114,10 @@ class RadixCache(PrefixCache):
         return self._hasher.block_size
 
     def enable_events(self, queue: KVEventQueue) -> None:
-        """Hash every cached block and emit it as stored, then emit every change to ``queue``."""
+        """Emit ``AllBlocksCleared`` and every cached block as stored (what a subscriber knew
+        may be stale: events were off), then every change, to ``queue``."""
         self.events = queue
+        queue.append(AllBlocksCleared())
         for event in self._hasher.snapshot():
             queue.append(event)
 

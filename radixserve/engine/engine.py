@@ -25,6 +25,7 @@ import torch
 
 from radixserve.cache import KVEventQueue, KVPool, NullCache, PagedAllocator, RadixCache
 from radixserve.cache.base import TreeSummary
+from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request, RequestStatus, TokenLogprob
@@ -72,7 +73,9 @@ class Engine:
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
         self.kv_events = KVEventQueue() if config.enable_kv_events else None
         if config.enable_prefix_caching:
-            self.cache = RadixCache(self.allocator, config.eviction_policy, self.kv_events)
+            self.cache = RadixCache(
+                self.allocator, config.eviction_policy, self.kv_events, config.kv_events_block_size
+            )
         else:
             self.cache = NullCache(self.allocator)
         self.kv = RequestKV(self.cache, self.allocator)
@@ -253,6 +256,7 @@ class Engine:
             kv_bytes_per_token=self.pool.shape.bytes_per_token(),
             dtype=str(self.pool.shape.dtype).removeprefix("torch."),
             prefix_caching=self.cache.reuses_prefixes,
+            kv_events_block_size=self.cache.event_block_size,
         )
 
     def stats(self) -> EngineStats:
@@ -279,3 +283,21 @@ class Engine:
 
     def flush_cache(self) -> int:
         return self.cache.reset()
+
+    # ------------------------------------------------------------------ KV events
+    def set_kv_events(self, on: bool) -> None:
+        """Switch KV events on (``AllBlocksCleared`` and a snapshot of the tree come first) or
+        off (no hashing at all until they are switched on again)."""
+        if on and self.kv_events is None:
+            self.kv_events = KVEventQueue()
+            self.cache.enable_events(self.kv_events)
+        elif not on and self.kv_events is not None:
+            self.cache.disable_events()
+            self.kv_events = None
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv_events.drain() if self.kv_events is not None else []
+
+    def kv_events_snapshot(self) -> list[BlockStored]:
+        """Every cached block as stored events, parents first (a dump for a subscriber)."""
+        return self.cache.snapshot_events()
