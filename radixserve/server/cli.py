@@ -16,6 +16,7 @@ import sys
 
 from radixserve.cli import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
+from radixserve.server.fleet_args import add_fleet_args, kv_event_options
 
 log = logging.getLogger("radixserve")
 
@@ -46,18 +47,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
+    add_fleet_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
-    config = engine_config_from_args(parser, args)
+    config = engine_config_from_args(parser, args, **kv_event_options(parser, args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+    if args.dp > 1:
+        from radixserve.router.launch import cmd_dp
+
+        return cmd_dp(parser, args, sock)
     try:
         return asyncio.run(serve(config, sock, args))
     except KeyboardInterrupt:
