@@ -65,6 +65,31 @@ def start_worker(model_dir, *extra: str) -> Proc:
     )  # fmt: skip
 
 
+def start_dp(model_dir, n: int, *extra: str) -> Proc:
+    """``radixserve serve --dp N``: N instances and the router in front, on one port."""
+    return Proc(
+        ["serve", "--dp", str(n), "--model", str(model_dir), "--port", "0", "--log-level",
+         "warning", "--dtype", "float32", "--max-total-tokens", "4096", *extra],
+        "radixserve router listening on",
+    ).wait()  # fmt: skip
+
+
+def pid_of_server(url: str) -> int:
+    """The process serving ``url`` (a ``serve`` child started with ``--port PORT``)."""
+    port = url.rsplit(":", 1)[1]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "serve" in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return int(entry)
+    raise LookupError(f"no server process for {url}")
+
+
 def start_router(model_dir, workers: list[str], *extra: str) -> Proc:
     args = ["router", "--model", str(model_dir), "--port", "0", "--log-level", "warning"]
     for w in workers:

@@ -1,29 +1,41 @@
-"""``radixserve router`` in front of real ``radixserve serve`` workers (tiny model, free ports).
+"""The router in front of real ``radixserve serve`` workers (tiny model, free ports).
 
-One fleet (two workers, one router) serves the tests in order; the last one kills a worker.
+One fleet, ``radixserve serve --dp 2`` (two instances and the router on one port), serves the
+tests in order; the last one kills an instance.
 """
 
 import asyncio
 import json
+import os
 import re
+import signal
 
 import httpx
 import pytest
-from fleet_helpers import idle, start_router, start_worker, stopping, wait_for
+from fleet_helpers import idle, pid_of_server, start_dp, stopping, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 CHAT = "/v1/chat/completions"
 
 
+class Instance:
+    def __init__(self, url):
+        self.url = url
+
+    def kill(self):
+        os.kill(pid_of_server(self.url), signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
-    workers = [start_worker(tiny_model_dir), start_worker(tiny_model_dir)]
-    with stopping(*workers):
-        for w in workers:
-            w.wait()
-        router = start_router(tiny_model_dir, [w.url for w in workers])
-        with stopping(router):
-            yield router, workers
+    router = start_dp(tiny_model_dir, 2)
+    with stopping(router):
+        listed = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+        assert len(listed) == 2 and all(w["kv_events"]["block_size"] == 16 for w in listed)
+        yield router, [Instance(w["url"]) for w in listed]
+    for w in listed:  # the instances stop with the front process
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{w['url']}/health", timeout=2)
 
 
 def metric(text, name):
