@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_router_parser(sub)
+        from radixserve.router.ray_cli import add_ray_parser
+
+        add_ray_parser(sub)
     try:
         from radixserve.bench.cli import add_bench_parser
     except ImportError:
