@@ -28,6 +28,6 @@ def test_bad_fleet_flags_name_the_flag(argv, message, capsys):
 
 
 def test_dp_children_get_the_parent_flags_but_not_its_placement():
-    argv = ["--model", "m", "--dp", "4", "--port=9", "--host", "0.0.0.0", "--gate-tokens", "5",
-            "--router-policy", "round-robin", "--max-total-tokens", "100", "--page-size=16"]  # fmt: skip
+    argv = ["--model", "m", "--dp", "4", "--port=9", "--host", "0.0.0.0", "--gate-tokens", "5"]
+    argv += ["--router-policy", "round-robin", "--max-total-tokens", "100", "--page-size=16"]
     assert child_argv(argv) == ["--model", "m", "--max-total-tokens", "100", "--page-size=16"]
