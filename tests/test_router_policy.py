@@ -210,3 +210,12 @@ def test_cache_aware_work_per_request_does_not_grow_with_the_fleet():
     per_route(8)  # warm up
     small, large = min(per_route(8) for _ in range(3)), min(per_route(1000) for _ in range(3))
     assert large < 3 * small, (small, large)
+
+
+def test_a_worker_that_leaves_and_returns_starts_with_zero_load():
+    policy = fleet("cache-aware", n=2)
+    r = policy.route(request(list(range(64))), now=0, exclude={"w1"})
+    policy.remove_worker("w0")  # unreachable: out of the fleet with a request in flight
+    policy.add_worker("w0", has_events=True)
+    policy.finish(r.ticket)  # the old request ends after the worker came back
+    assert policy.board.running["w0"] == 0 and policy.board.load("w0") == 0

@@ -22,6 +22,7 @@ class LoadBoard:
         self.decode_weight = decode_weight
         self.running: dict[str, int] = {}
         self.pending: dict[str, float] = {}
+        self.epoch: dict[str, int] = {}  # a worker that leaves and comes back starts afresh
         self._version: dict[str, int] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._counter = itertools.count()
@@ -35,19 +36,24 @@ class LoadBoard:
     def add_worker(self, worker: str) -> None:
         if worker not in self.running:
             self.running[worker], self.pending[worker] = 0, 0.0
+            self.epoch[worker] = next(self._counter)
             self._push(worker)
 
     def remove_worker(self, worker: str) -> None:
         self.running.pop(worker, None)
         self.pending.pop(worker, None)
+        self.epoch.pop(worker, None)
         self._version.pop(worker, None)  # its heap entries are all stale now
 
     def load(self, worker: str) -> float:
         return self.pending[worker] + self.decode_weight * self.running[worker]
 
-    def change(self, worker: str, running: int = 0, pending: float = 0.0) -> None:
-        """Add to a worker's counters; a worker removed meanwhile is ignored."""
-        if worker not in self.running:
+    def change(
+        self, worker: str, running: int = 0, pending: float = 0.0, epoch: int | None = None
+    ) -> None:
+        """Add to a worker's counters. A change for a worker removed meanwhile, or for an
+        earlier membership of it (``epoch``), is ignored: its counters started afresh."""
+        if worker not in self.running or (epoch is not None and epoch != self.epoch[worker]):
             return
         self.running[worker] += running
         self.pending[worker] = max(0.0, self.pending[worker] + pending)

@@ -106,6 +106,7 @@ class PolicyStats:
 @dataclass
 class _Ticket:
     worker: str
+    epoch: int  # the worker's membership the ticket counts against
     pending: float
     predicted: int
     prompt_tokens: int
@@ -157,7 +158,8 @@ class Policy:
         ticket = self._next_ticket
         self._next_ticket += 1
         pending = float(request.num_tokens - cached)
-        self._tickets[ticket] = _Ticket(worker, pending, cached, request.num_tokens)
+        epoch = self.board.epoch[worker]
+        self._tickets[ticket] = _Ticket(worker, epoch, pending, cached, request.num_tokens)
         self.board.change(worker, running=1, pending=pending)
         s = self.stats
         s.routes += 1
@@ -169,7 +171,7 @@ class Policy:
     def first_token(self, ticket: int) -> None:
         t = self._tickets.get(ticket)
         if t is not None and t.pending:
-            self.board.change(t.worker, pending=-t.pending)
+            self.board.change(t.worker, pending=-t.pending, epoch=t.epoch)
             t.pending = 0.0
 
     def finish(self, ticket: int, cached_tokens: int | None = None) -> None:
@@ -177,7 +179,7 @@ class Policy:
         t = self._tickets.pop(ticket, None)
         if t is None:
             return
-        self.board.change(t.worker, running=-1, pending=-t.pending)
+        self.board.change(t.worker, running=-1, pending=-t.pending, epoch=t.epoch)
         self.stats.finished += 1
         if cached_tokens is not None:
             self.stats.reported_tokens += cached_tokens

@@ -108,6 +108,9 @@ class WorkerPool:
 
     def _join(self, worker: Worker) -> None:
         self.policy.add_worker(worker.url, has_events=worker.block_size is not None)
+        self._subscribe(worker)
+
+    def _subscribe(self, worker: Worker) -> None:
         if worker.block_size is not None and worker.task is None:
             url = worker.url
             worker.subscriber = EventSubscriber(
@@ -158,12 +161,30 @@ class WorkerPool:
         except httpx.HTTPError:
             ok = False
         worker.failures = 0 if ok else worker.failures + 1
+        if ok and worker.block_size is not None:
+            await self._refresh_events(worker)
         if ok and not worker.healthy:
             worker.healthy = True
             self._join(worker)
             log.info("worker %s is healthy again", worker.url)
         elif not ok and worker.healthy and worker.failures >= self.max_failures:
             self.mark_failed(worker.url)
+
+    async def _refresh_events(self, worker: Worker) -> None:
+        """A restarted engine may publish elsewhere (port 0): follow it there."""
+        try:
+            r = await self.client.get(f"{worker.url}/kv_events", timeout=2.0)
+            events = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        if events and events.get("endpoint") != worker.events.get("endpoint"):
+            log.info("worker %s now publishes KV events at %s", worker.url, events["endpoint"])
+            worker.events = events
+            if worker.healthy and worker.task is not None:
+                worker.task.cancel()
+                worker.task = None
+                self.policy.worker_lost_events(worker.url)
+                self._subscribe(worker)
 
     async def _health_loop(self) -> None:
         while True:
