@@ -80,10 +80,11 @@ class FileBackend(StorageBackend):
                         _unlink(entry.path)
                         self._count(corrupt_pages=1)
         found.sort()
-        for _, hexkey, size in found:
-            self._lru[hexkey] = size
-            self._used += size
-        self._delete(self._evict_over_cap())
+        with self._lock:
+            for _, hexkey, size in found:
+                self._lru[hexkey] = size
+                self._used += size
+            self._evict_over_cap()
 
     # -- the interface --------------------------------------------------------------------
 
@@ -93,7 +94,7 @@ class FileBackend(StorageBackend):
             hexkey = key.hex()
             with self._lock:
                 known = hexkey in self._lru
-            if not known and not self._adopt(hexkey):
+            if not known and not self._adopt(hexkey):  # written by an instance sharing the dir?
                 break
             n += 1
         self._count(exists_queries=len(keys), exists_hits=n)
@@ -126,11 +127,11 @@ class FileBackend(StorageBackend):
                 break
             pages.write_page(n, payload)
             with self._lock:
-                if hexkey in self._lru:
+                known = hexkey in self._lru
+                if known:
                     self._lru.move_to_end(hexkey)
-                else:  # written by another instance sharing the directory
-                    self._lru[hexkey] = self._record
-                    self._used += self._record
+            if not known:
+                self._adopt(hexkey)
             n += 1
         self._count(pages_read=n, bytes_read=n * self._record)
         return n
@@ -138,7 +139,6 @@ class FileBackend(StorageBackend):
     def set(self, keys: Sequence[bytes], pages: HostPages) -> int:
         self._check_batch(keys, pages)
         n = written = 0
-        victims: list[str] = []
         for key in keys:
             hexkey = key.hex()
             with self._lock:
@@ -147,13 +147,8 @@ class FileBackend(StorageBackend):
                 if not self._write(key, hexkey, pages.read_page(n)):
                     break
                 written += 1
-                with self._lock:
-                    if hexkey not in self._lru:
-                        self._lru[hexkey] = self._record
-                        self._used += self._record
-                    victims += self._evict_over_cap()
+                self._adopt(hexkey)  # (unless a concurrent clear() has deleted it already)
             n += 1
-        self._delete(victims)
         self._count(pages_written=written, bytes_written=written * self._record)
         return n
 
@@ -161,11 +156,11 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._lru.clear()
             self._used = 0
-        for sub in _scandir(self.dir):
-            if sub.is_dir(follow_symlinks=False):
-                for entry in _scandir(sub.path):
-                    if entry.name.endswith(SUFFIX):
-                        _unlink(entry.path)
+            for sub in _scandir(self.dir):
+                if sub.is_dir(follow_symlinks=False):
+                    for entry in _scandir(sub.path):
+                        if entry.name.endswith(SUFFIX):
+                            _unlink(entry.path)
 
     def stats(self) -> StorageStats:
         with self._lock:
@@ -215,17 +210,24 @@ class FileBackend(StorageBackend):
             return False
 
     def _adopt(self, hexkey: str) -> bool:
-        """A page written by another instance sharing the directory joins our index."""
-        try:
-            size = self._path(hexkey).stat().st_size
-        except OSError:
-            return False
-        if size != self._record:
-            return False
+        """Index a page file that is on disk now (and evict past the cap); False if none.
+
+        The index changes only under the lock and only after checking the disk there, and
+        eviction deletes under the same lock, so the index never names a deleted file for
+        long: a reader's page can be evicted mid-read, never resurrected in the index.
+        """
         with self._lock:
-            if hexkey not in self._lru:
-                self._lru[hexkey] = size
-                self._used += size
+            if hexkey in self._lru:
+                return True
+            try:
+                size = self._path(hexkey).stat().st_size
+            except OSError:
+                return False
+            if size != self._record:
+                return False
+            self._lru[hexkey] = size
+            self._used += size
+            self._evict_over_cap()
         return True
 
     def _forget(self, hexkey: str) -> None:
@@ -234,20 +236,16 @@ class FileBackend(StorageBackend):
             if size is not None:
                 self._used -= size
 
-    def _evict_over_cap(self) -> list[str]:
-        """Pop the oldest entries until under the cap (caller holds the lock or is alone)."""
-        victims = []
+    def _evict_over_cap(self) -> None:
+        """Delete the oldest pages until under the cap (the caller holds the lock)."""
+        evicted = 0
         while self.capacity_bytes is not None and self._used > self.capacity_bytes:
             hexkey, size = self._lru.popitem(last=False)
             self._used -= size
-            victims.append(hexkey)
-        return victims
-
-    def _delete(self, victims: list[str]) -> None:
-        for hexkey in victims:
             _unlink(self._path(hexkey))
-        if victims:
-            self._count(evicted_pages=len(victims))
+            evicted += 1
+        if evicted:
+            self._count(evicted_pages=evicted)
 
 
 def _write_all(f, data) -> None:
