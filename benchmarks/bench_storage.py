@@ -70,47 +70,57 @@ def drop_from_page_cache(backend: FileBackend) -> None:
 def bench_loads(layout: PageLayout, tokens: int, repeat: int, redis_url: str, root: str) -> dict:
     scope = StorageScope("bench-storage", layout)
     n = max(1, tokens // layout.page_size)
-    rng = np.random.default_rng(0)
-    keys = chain_page_keys(scope, None, rng.integers(0, 49152, n * layout.page_size))
     src = TensorPages(torch.randn((n, *layout.page_shape)).to(layout.torch_dtype))
-    dst = TensorPages.empty(layout, n)
-    one = TensorPages.empty(layout, 1)
     out = {"page_size": layout.page_size, "dtype": layout.dtype, "pages": n,
            "page_bytes": layout.record_nbytes}  # fmt: skip
     for name, url in (("file", f"file://{root}"), ("redis", redis_url)):
         backend = open_backend(url, scope)
         backend.clear()
-        fresh = iter(range(10**9))
-
-        def new_keys():
-            salt = next(fresh)
-            return chain_page_keys(scope, None, np.arange(n * layout.page_size) + salt * 7)
-
-        batch = {}
-        set_ms = median_ms(lambda b=backend: b.set(batch["keys"], src), repeat,
-                           setup=lambda: batch.update(keys=new_keys()))  # fmt: skip
-        assert backend.set(keys, src) == n
-        get_ms = median_ms(lambda b=backend: b.get(keys, dst), repeat)
-        assert backend.get(keys, dst) == n and torch.equal(dst.tensor, src.tensor)
-        single_ms = median_ms(lambda b=backend: b.get(keys[:1], one), repeat)
-        out[f"{name}_get_ms_per_page"] = round(get_ms / n, 4)
-        out[f"{name}_get_single_page_ms"] = round(single_ms, 4)
-        out[f"{name}_set_ms_per_page"] = round(set_ms / n, 4)
-        if name == "file":
-            cold_ms = median_ms(lambda b=backend: b.get(keys, dst), repeat,
-                                setup=lambda b=backend: drop_from_page_cache(b))  # fmt: skip
-            out["file_cold_get_ms_per_page"] = round(cold_ms / n, 4)
+        out.update(time_backend(name, backend, src, repeat))
         backend.clear()
         backend.close()
+    return out
+
+
+def time_backend(name: str, backend, src: TensorPages, repeat: int) -> dict:
+    layout, n = backend.layout, len(src)
+    dst, one = TensorPages.empty(layout, n), TensorPages.empty(layout, 1)
+    prompts = iter(range(1, 10**9))  # a fresh prompt per timed set: nothing is stored yet
+    batch: list[list[bytes]] = []
+
+    def fresh_keys() -> None:
+        ids = np.arange(n * layout.page_size) + next(prompts) * 100_000
+        batch[:] = [chain_page_keys(backend.scope, None, ids)]
+
+    set_ms = median_ms(lambda: backend.set(batch[0], src), repeat, setup=fresh_keys)
+    keys = chain_page_keys(backend.scope, None, np.arange(n * layout.page_size))
+    assert backend.set(keys, src) == n
+    get_ms = median_ms(lambda: backend.get(keys, dst), repeat)
+    assert backend.get(keys, dst) == n and torch.equal(dst.tensor, src.tensor)
+    out = {
+        f"{name}_get_ms_per_page": round(get_ms / n, 4),
+        f"{name}_get_single_page_ms": round(
+            median_ms(lambda: backend.get(keys[:1], one), repeat), 4
+        ),
+        f"{name}_set_ms_per_page": round(set_ms / n, 4),
+    }
+    if name == "file":
+        cold_ms = median_ms(lambda: backend.get(keys, dst), repeat,
+                            setup=lambda: drop_from_page_cache(backend))  # fmt: skip
+        out["file_cold_get_ms_per_page"] = round(cold_ms / n, 4)
     return out
 
 
 def bench_recompute(loaded, page_size: int, context: int, repeat: int, dtype: str) -> float:
     """Marginal ms to compute one page after ``context`` cached tokens (median)."""
     engine = Engine(
-        EngineConfig(load_progress=False, page_size=page_size, dtype=dtype,
-                     chunked_prefill_size=context + 2 * page_size + 8,
-                     max_total_tokens=64 * (context + 2 * page_size)),  # fmt: skip
+        EngineConfig(
+            load_progress=False,
+            page_size=page_size,
+            dtype=dtype,
+            chunked_prefill_size=context + 2 * page_size + 8,
+            max_total_tokens=64 * (context + 2 * page_size),
+        ),  # fmt: skip
         loaded,
     )
     rng = np.random.default_rng(page_size * 1000 + context)
@@ -156,8 +166,9 @@ def main() -> None:
                                     dtype)  # fmt: skip
                 row = bench_loads(layout, args.tokens, args.repeat, server.url, root)
                 row["recompute_ms_per_page"] = {str(c): round(t, 3) for c, t in recompute.items()}
-                slowest = max(row["file_cold_get_ms_per_page"], row["redis_get_ms_per_page"],
-                              row["file_get_single_page_ms"], row["redis_get_single_page_ms"])  # fmt: skip
+                slowest = max(
+                    row[k] for k in row if k.startswith(("file_", "redis_")) and "_get" in k
+                )
                 row["recompute_over_slowest_load"] = {
                     str(c): round(t / slowest, 1) for c, t in recompute.items()
                 }
