@@ -14,7 +14,9 @@ Recomputation is measured on the real engine with the real model and prefix cach
 the marginal cost of a page: with a cached prefix of C tokens, time a request that computes
 the next page plus one token, minus a request that computes only the one token (its whole
 prefix cached), median over fresh random prompts. It runs in the engine's ``--dtype``; a
-page load is worth it when ``recompute_ms`` exceeds its load cost (``speedup`` > 1).
+page load is worth it when ``recompute_over_slowest_load`` > 1 (recompute time over the
+slowest of the load figures). The 1-minute load average before and after is printed: on a
+shared machine compute suffers from other tenants far more than a page read does.
 
 Prints one JSON line. Usage: ``python benchmarks/bench_storage.py [--repeat 5]``.
 """
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's dtype for recompute")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
+    load_before = os.getloadavg()[0]  # a busy shared machine slows compute more than I/O
     loaded = load_model(None, dtype=args.dtype, progress=False)
     cfg = loaded.model.config
     engine_dtype = str(loaded.model.dtype).removeprefix("torch.")
@@ -184,6 +187,7 @@ def main() -> None:
                    "head_dim": cfg.head_dim},
         "recompute_dtype": engine_dtype,
         "threads": torch.get_num_threads(),
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "results": rows,
     }))  # fmt: skip
 
