@@ -153,7 +153,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens' worth of pages")
     parser.add_argument("--contexts", default="0,1024", help="cached tokens before the page")
     parser.add_argument("--dtype", default="auto", help="the engine's dtype for recompute")
+    busy = "1 on a busy machine, where waiting thread barriers slow compute past its share"
+    parser.add_argument("--threads", type=int, default=None, help=f"torch threads; {busy}")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     load_before = os.getloadavg()[0]  # a busy shared machine slows compute more than I/O
     loaded = load_model(None, dtype=args.dtype, progress=False)
