@@ -12,6 +12,9 @@
 - Peak KV: the largest ``kv_cache_used_tokens`` scraped from ``/metrics`` during the run, also
   in bytes when the server exports ``kv_cache_used_bytes`` or ``kv_cache_bytes_per_token``;
   None (``n/a``) for servers without these metrics (llama.cpp exports none).
+- Fleet imbalance (router systems): the router's ``radix_router_requests_imbalance`` and
+  ``radix_router_prefill_imbalance`` at the end of the run, max / mean over its workers of
+  requests routed and of uncached prompt tokens computed; None for a single server.
 - ``server_hit_rate``: growth of ``radix_cache_hit_tokens_total`` over that of
   ``radix_cache_query_tokens_total`` during the run, a cross-check from the server's side.
 
@@ -99,6 +102,18 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prompt_tokens": sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None) or None,
         "cache_hit_rate": sum(c for c, _ in usage) / prompt_total if prompt_total else None,
         **kv_figures(result.metrics),
+        **fleet_figures(result.metrics),
+    }
+
+
+def fleet_figures(samples: list[dict[str, float]]) -> dict[str, Any]:
+    def last(name: str) -> float | None:
+        values = [s[name] for s in samples if name in s]
+        return values[-1] if values else None
+
+    return {
+        "requests_imbalance": last("radix_router_requests_imbalance"),
+        "prefill_imbalance": last("radix_router_prefill_imbalance"),
     }
 
 
@@ -179,6 +194,14 @@ def markdown(group: WorkloadRuns, summaries: dict[str, dict[str, Any]]) -> str:
             f"| {_ms(s['ttft_p99_s'])} |{turns} {_num(s['requests_per_s'])} "
             f"| {_num(s['output_tokens_per_s'], 1)} | {hit} | {_kv(s, run.info)} |"
         )
+    fleet = [
+        f"{run.name} {_num(s['requests_imbalance'])} / {_num(s['prefill_imbalance'])}"
+        for run in group.runs
+        if (s := summaries.get(run.name)) and s["requests_imbalance"] is not None
+    ]
+    if fleet:
+        lines += ["", "Load imbalance, max / mean over workers of requests / prefill tokens: "
+                  + "; ".join(fleet)]  # fmt: skip
     lines += ["", *(f"![{w.name} {p}]({w.name}_{p}.png)" for p in plots.PLOTS), ""]
     return "\n".join(lines)
 

@@ -150,7 +150,7 @@ def create_router_app(
         out_headers = {k: v for k, v in upstream.headers.items() if k in KEEP_RESPONSE_HEADERS}
         out_headers[WORKER_HEADER] = route.worker
         return StreamingResponse(
-            _relay(route, upstream, chunks, first),
+            _relay(route, wanted.num_tokens, upstream, chunks, first),
             status_code=upstream.status_code,
             headers=out_headers,
         )
@@ -173,7 +173,11 @@ def create_router_app(
             return None, None, b""
 
     async def _relay(
-        route: Route, upstream: httpx.Response, chunks: AsyncIterator[bytes], first: bytes
+        route: Route,
+        prompt_tokens: int,
+        upstream: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
     ) -> AsyncIterator[bytes]:
         tail = first[-TAIL_BYTES:]
         try:
@@ -189,7 +193,7 @@ def create_router_app(
             found = CACHED.findall(tail)
             reported = int(found[-1]) if found else None
             policy.finish(route.ticket, reported)
-            metrics.on_finish(route.cached_tokens, reported)
+            metrics.on_finish(route.worker, prompt_tokens, route.cached_tokens, reported)
 
     for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
         app.add_api_route(path, _endpoint(proxy, path), methods=["POST"])

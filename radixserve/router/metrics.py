@@ -7,8 +7,10 @@ the confirmed part (per request ``min(predicted, reported)``), so that
     hit rate           = reported / prompt tokens
     routing precision  = confirmed / predicted
 
-Load imbalance is max / mean over workers of requests in flight, and of requests routed so
-far. Routing latency is the policy's decision alone; preparation is tokenizing and hashing.
+Load imbalance is max / mean over workers of requests in flight, of requests routed so far,
+and of prefill work so far (prompt tokens the workers reported they computed, i.e. not
+cached, so an instance that recomputes much counts as loaded). Routing latency is the
+policy's decision alone; preparation is tokenizing and hashing.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class RouterMetrics:
             **r,
         )
         self.routed: dict[str, int] = {}
+        self.computed: dict[str, int] = {}  # uncached prompt tokens, as workers reported
         self.registry.register(self)
 
     def on_route(self, worker: str, prompt_tokens: int, predicted: int) -> None:
@@ -67,10 +70,14 @@ class RouterMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.routed[worker] = self.routed.get(worker, 0) + 1
 
-    def on_finish(self, predicted: int, reported: int | None) -> None:
+    def on_finish(
+        self, worker: str, prompt_tokens: int, predicted: int, reported: int | None
+    ) -> None:
         if reported is not None:
             self.reported.inc(reported)
             self.confirmed.inc(min(predicted, reported))
+            computed = max(prompt_tokens - reported, 0)
+            self.computed[worker] = self.computed.get(worker, 0) + computed
 
     def collect(self):
         board = self.policy.board
@@ -90,6 +97,12 @@ class RouterMetrics:
             "radix_router_requests_imbalance",
             "max / mean requests routed over workers",
             value=_imbalance(routed),
+        )
+        computed = [float(self.computed.get(w, 0)) for w in self.policy.workers]
+        yield GaugeMetricFamily(
+            "radix_router_prefill_imbalance",
+            "max / mean over workers of uncached prompt tokens they computed",
+            value=_imbalance(computed),
         )
         index = getattr(self.policy, "index", None)
         if index is not None:
