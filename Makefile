@@ -25,7 +25,9 @@ test: setup
 	$(BIN)/ruff check radixserve tests benchmarks
 	$(BIN)/python -m pytest -q
 
+# the slow tests include Ray Serve's (tests/test_ray_serve.py), hence the `ray` extra
 test-all: setup
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	$(BIN)/python -m pytest -q -m ""
 
 lint: setup
