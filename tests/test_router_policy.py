@@ -219,3 +219,115 @@ def test_a_worker_that_leaves_and_returns_starts_with_zero_load():
     policy.add_worker("w0", has_events=True)
     policy.finish(r.ticket)  # the old request ends after the worker came back
     assert policy.board.running["w0"] == 0 and policy.board.load("w0") == 0
+
+
+# Known failure modes of existing routers, each reproduced on simulated workers.
+
+
+def spread(workers):
+    """max / mean requests per worker (1.0: perfectly even)."""
+    counts = [workers.count(w) for w in set(workers)]
+    return max(counts) / (len(workers) / 4)
+
+
+def test_leaked_counters_would_pile_requests_on_one_worker_ours_do_not():
+    """Load counters not decremented on some path: the worker that took the failed or aborted
+    requests looks ever busier (or, with a negative leak, ever idler) and attracts or repels
+    everything. After hundreds of requests ending on every path, a burst of new conversations
+    still spreads evenly."""
+    policy = fleet("cache-aware")
+    rng = random.Random(3)
+    for i in range(400):
+        r = policy.route(request(conversation(1000 + i, 1)[0]), now=i)
+        path = rng.choice(("ok", "abort-before-first-token", "fail-and-retry", "abort-mid"))
+        if path == "fail-and-retry":  # the worker failed before any byte: retried elsewhere
+            policy.finish(r.ticket)
+            r = policy.route(request(conversation(1000 + i, 1)[0]), now=i, exclude={r.worker})
+        if path != "abort-before-first-token":
+            policy.first_token(r.ticket)
+        policy.finish(r.ticket, cached_tokens=0 if path == "ok" else None)
+    assert all(policy.board.load(w) == 0 for w in policy.workers)
+    burst = [policy.route(request(conversation(c, 1)[0]), now=500) for c in range(40)]
+    assert spread([r.worker for r in burst]) <= 1.3
+    for r in burst:
+        policy.finish(r.ticket)
+
+
+def test_a_burst_sharing_a_system_prompt_does_not_pile_on_its_first_holder():
+    """Requests sharing a long system prompt arrive before any event: the approximate entry of
+    the first route makes its worker the only holder. Its queued prefill must count against
+    it, or every request of the burst would wait on one worker while the others idle."""
+    policy = fleet("cache-aware")
+    system = list(range(50_000, 50_000 + 1024))
+    burst = [policy.route(request(system + conversation(c, 1, 32)[0]), now=0) for c in range(16)]
+    assert len({r.worker for r in burst}) == 4
+    assert spread([r.worker for r in burst]) <= 1.5
+    for r in burst:
+        policy.finish(r.ticket)
+
+
+def test_a_partial_hit_on_a_busy_worker_does_not_outweigh_an_idle_one():
+    """The cache-miss fallback must pick an idle worker, and a small cached prefix on a busy
+    worker is not worth its queue: cost is uncached tokens + load, so 32 cached tokens do not
+    buy a place behind 3,000 tokens of queued prefill."""
+    policy = fleet("cache-aware", n=3)
+    prefix = list(range(32))
+    policy.apply_events("w0", stored(prefix))
+    queued = [policy.route(RouteRequest([], 1000), now=0, exclude={"w1", "w2"}) for _ in range(3)]
+    policy.route(RouteRequest([], 200), now=0, exclude={"w0", "w2"})  # w1 a little busy
+    r = policy.route(request(prefix + list(range(100, 400))), now=1)
+    assert r.worker == "w2"  # the idle one, not w0 (the holder) nor w1 (busier)
+    for t in queued:
+        policy.finish(t.ticket)
+    policy.apply_events("w0", stored(prefix + list(range(100, 400))))
+    r = policy.route(request(prefix + list(range(100, 420))), now=2)
+    assert r.worker == "w0" and r.cached_tokens == 320  # once idle, the prefix wins again
+
+
+def test_imbalance_gates_per_request_never_fleet_wide():
+    """Some routers switch the whole fleet to load balancing once loads diverge, losing every
+    conversation's affinity. Ours gates only the overloaded holder: with one worker 10x busier
+    than the rest, every conversation homed elsewhere keeps its worker."""
+    policy = fleet("cache-aware", n=8)
+    homes = {}
+    for c in range(32):
+        tokens = conversation(c, 2)[0]
+        r = policy.route(request(tokens), now=0)
+        policy.apply_events(r.worker, stored(tokens))
+        policy.finish(r.ticket)
+        homes[c] = r.worker
+    hot = homes[0]
+    pinned = [
+        policy.route(RouteRequest([], 4000), now=1, exclude=set(policy.workers) - {hot})
+        for _ in range(10)
+    ]
+    kept = moved = 0
+    for c in range(32):
+        r = policy.route(request(conversation(c, 2)[1]), now=2)
+        if homes[c] == hot:
+            moved += r.worker != hot
+        else:
+            kept += r.worker == homes[c]
+        policy.finish(r.ticket)
+    assert kept == sum(h != hot for h in homes.values())  # all of them
+    assert moved == sum(h == hot for h in homes.values()) > 0
+    for r in pinned:
+        policy.finish(r.ticket)
+
+
+def test_work_per_request_is_bounded_by_the_candidates_not_the_fleet():
+    """O(fleet) per request, counted rather than timed: with 1,000 workers all holding the
+    same system prompt, one route looks at the load of at most ``candidates`` + 1 workers."""
+    policy = fleet("cache-aware", n=1000, candidates=8)
+    system = list(range(256))
+    for w in policy.workers:
+        policy.apply_events(w, stored(system))
+    looked = []
+    load = policy.board.load
+    policy.board.load = lambda w: looked.append(w) or load(w)
+    for c in range(20):
+        looked.clear()
+        r = policy.route(request(system + conversation(c, 1)[0]), now=c)
+        assert len(set(looked)) <= 9 and len(looked) <= 20, len(looked)
+        assert r.cached_tokens == 256
+        policy.finish(r.ticket)
