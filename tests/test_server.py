@@ -14,12 +14,13 @@ from server_helpers import running_server
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": "Bearer admin-key"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     # float32: greedy outputs must not depend on whether the prefix came from the cache
-    args = "--max-total-tokens 1024 --api-key {key} --served-model-name tiny "
+    args = "--max-total-tokens 1024 --api-key {key} --admin-key admin-key --served-model-name tiny "
     args += "--chunked-prefill-size 128 --dtype float32"
     with running_server("--model", str(tiny_model_dir), *args.format(key=KEY).split()) as url:
         yield url
@@ -42,7 +43,7 @@ def metrics(server) -> dict[str, float]:
 
 def assert_healthy(server) -> None:
     assert httpx.get(server + "/health").json() == {"status": "ok"}
-    r = httpx.get(server + "/debug/check_integrity", headers=AUTH, timeout=30)
+    r = httpx.get(server + "/debug/check_integrity", headers=ADMIN, timeout=30)
     assert r.status_code == 200, r.text
 
 
@@ -239,10 +240,12 @@ def test_generate_flush_and_cache_summary(server):
     assert len(out["output_ids"]) == 4 and out["meta_info"]["prompt_tokens"] == 40
     again = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
     assert again.json()["meta_info"]["cached_tokens"] == 39
-    summary = httpx.get(server + "/cache", headers=AUTH).json()
+    assert httpx.get(server + "/cache", headers=AUTH).status_code == 403  # admin only
+    summary = httpx.get(server + "/cache", headers=ADMIN).json()
     assert summary["cached_tokens"] > 0 and summary["num_nodes"] > 0
     assert any(p["prefix_tokens"] >= 39 for p in summary["top_prefixes"])
-    flushed = post(server, "/flush_cache", {}).json()["flushed_tokens"]
+    assert post(server, "/flush_cache", {}).status_code == 403
+    flushed = post(server, "/flush_cache", {}, headers=ADMIN).json()["flushed_tokens"]
     assert flushed > 0 and metrics(server)["radix_cache_cached_tokens"] == 0
     after = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
     assert after.json()["meta_info"]["cached_tokens"] == 0
