@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import running_server
+from server_helpers import read_metrics, running_server
+from server_helpers import wait_idle as wait_for_idle
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -32,13 +31,7 @@ def client(server):
 
 
 def metrics(server) -> dict[str, float]:
-    text = httpx.get(server + "/metrics", headers=AUTH).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.labels.get("le") and "finish_reason" not in s.labels:
-                out[s.name] = s.value
-    return out
+    return read_metrics(server, AUTH)
 
 
 def assert_healthy(server) -> None:
@@ -48,13 +41,7 @@ def assert_healthy(server) -> None:
 
 
 def wait_idle(server, timeout: float = 30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0:
-            return m
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.2)
+    return wait_for_idle(server, AUTH, timeout)
 
 
 CHAT = [{"role": "user", "content": "Tell me about radix trees."}]

@@ -78,7 +78,9 @@ class SamplingParams:
         self._number("frequency_penalty", -2.0, 2.0)
         self._number("presence_penalty", -2.0, 2.0)
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS}")
+            raise ValueError(
+                f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         for s in self.stop:

@@ -170,9 +170,18 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     try:
-        return asyncio.run(serve(config, server_config, sock, args.log_level))
+        code = asyncio.run(serve(config, server_config, sock, args.log_level))
     except KeyboardInterrupt:
-        return 0
+        code = 0
+    except SystemExit as e:  # SIGTERM, once the server has drained and closed the engine
+        code = e.code if isinstance(e.code, int) else 0
+    # Everything that needed closing is closed (the engine joined, its sockets and directory
+    # gone); the interpreter's own teardown of torch and the tokenizer takes several seconds
+    # on a busy machine, which a supervisor's stop deadline should not pay for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 async def serve(

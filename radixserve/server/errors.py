@@ -81,6 +81,11 @@ def _from_validation_error(e: RequestValidationError) -> ApiError:
     param = loc[0] if loc else None  # the top-level field the client sent
     if err.get("type") == "json_invalid":
         message = f"the body is not valid JSON: {err.get('msg')}"
+    elif not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        message = "the body must be a JSON object (with Content-Type: application/json)"
+    elif not loc and err.get("type") == "value_error" and "error" in err.get("ctx", {}):
+        message = str(err["ctx"]["error"])  # a check of the whole body; it names the field
+        param = message.split(" ")[0].split(".")[0]
     elif err.get("type") == "extra_forbidden":
         message = f"unsupported parameter {'.'.join(loc)!r}"
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
 from radixserve.server.errors import ApiError
@@ -123,7 +123,7 @@ class _Sampling(_Body):
         seed_offset: int = 0,
     ) -> SamplingParams:
         seed = self.seed
-        if seed is not None and seed + seed_offset > SEED_MAX:
+        if seed is not None and seed <= SEED_MAX < seed + seed_offset:
             seed -= 2**64  # wrap, so that choice i's seed stays within what torch takes
         fields = {
             "max_tokens": max_tokens,
@@ -255,13 +255,22 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+# the OpenAPI description of /generate's sampling_params: SamplingParams' own fields
+_SAMPLING_SCHEMA = {
+    "properties": TypeAdapter(SamplingParams).json_schema()["properties"],
+    "additionalProperties": False,
+}
+
+
 class GenerateRequest(_Body):
     """The native endpoint: token ids (or text) in, token ids out. ``sampling_params`` are
     ``SamplingParams`` fields, checked there (strictly typed, since JSON reaches it as is)."""
 
     input_ids: list[int] | None = None
     text: str | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra=_SAMPLING_SCHEMA
+    )
     stream: bool = False
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:

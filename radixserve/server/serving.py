@@ -35,7 +35,7 @@ from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.errors import ApiError, internal_error, unavailable
 from radixserve.server.metrics import Metrics
 
-DISCONNECT_POLL_SECONDS = 0.5
+DISCONNECT_POLL_SECONDS = 0.2
 ENGINE_ERROR = "the engine failed while computing this request; the details are in the server log"
 
 log = logging.getLogger("radixserve.server")
