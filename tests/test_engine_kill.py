@@ -74,4 +74,4 @@ def test_kill_9_fails_requests_fast_then_recovers_then_gives_up(tiny_model_dir):
         os.kill(engine_pid(srv.proc.pid), signal.SIGKILL)  # a second death: over the limit
         assert srv.proc.wait(timeout=60) == 1
         assert "giving up" in srv.log
-        print(f"kill -9: requests failed after {failed_after:.2f} s, 200 after {recovered_after:.1f} s")
+        print(f"kill -9: errors after {failed_after:.2f} s, 200 after {recovered_after:.1f} s")

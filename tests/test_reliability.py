@@ -329,6 +329,16 @@ def test_short_soak_ends_with_nothing_held(url):
     assert m["engine_restarts_total"] == 0
 
 
+@pytest.mark.slow
+def test_long_soak_ends_with_nothing_held(url):
+    """The same soak for five minutes (``make test-all``); 30 minutes on the real model with
+    RSS samples: ``python tests/soak.py --minutes 30``."""
+    report = run_soak(url, KEYS, ADMIN_KEY, 300, workers=8, seed=2)
+    assert not report.server_errors, report.summary()
+    m = check_server_after(url, KEYS, ADMIN_KEY)
+    assert m["engine_restarts_total"] == 0 and m["radix_retracted_requests_total"] > 0
+
+
 def test_sigterm_waits_at_most_the_shutdown_timeout(srv):
     """Last: stops the module's server. Running requests hold shutdown 2 s, no more."""
     before = read_metrics(srv.url, A)["generation_tokens_total"]

@@ -205,3 +205,39 @@ def test_generation_defaults_from_gguf_metadata_then_the_family_table(tmp_path, 
     assert generation_defaults(family).values["top_k"] == 20
     real = generation_defaults(default_gguf)  # the default model: SmolLM2's model card
     assert real.values == {"temperature": 0.2, "top_p": 0.9}
+
+
+class Writes:
+    """A stdout that keeps every write, to see what was printed when."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_chat_streams_tokens_and_reports_the_cache_split(make_engine, monkeypatch):
+    from radixserve import LLM
+    from radixserve.cli import stream_answer
+
+    llm = LLM.from_engine(make_engine())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    history = [{"role": "user", "content": "Tell me a story."}]
+    out = Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    first = stream_answer(llm, history, params)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More."}]
+    second = stream_answer(llm, history, params)
+    text_writes = [w for w in out.writes if w and not w.startswith("\n[")]
+    assert len(text_writes) >= 6  # piece by piece, not the whole answer at once
+    summaries = [w for w in out.writes if w.startswith("\n[prompt")]
+    assert f"{first.prompt_tokens} tokens: 0 from the cache" in summaries[0]
+    cached = second.cached_tokens
+    assert cached > first.prompt_tokens
+    assert f"{cached} from the cache, {second.prompt_tokens - cached} computed" in summaries[1]
+    assert "tokens/s" in summaries[1]

@@ -113,6 +113,14 @@ class Serving:
         extra_key: str | None = None,
     ) -> tuple[Job, asyncio.Queue]:
         self.check_size(len(prompts))
+        limit = self.client.info.get("max_model_len")
+        longest = max(map(len, prompts), default=0)
+        if limit and longest >= limit:  # refused here, not shipped to the engine to be refused
+            raise ApiError(
+                400,
+                f"the prompt has {longest} tokens but the model's context is {limit} tokens, "
+                "which must also hold at least one output token",
+            )
         base = uuid.uuid4().hex[:24]
         job = Job(
             kind=kind, prompts=prompts, trackers=[], request_ids=[], response_id=f"{kind}-{base}"
