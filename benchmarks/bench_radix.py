@@ -46,7 +46,7 @@ def timed(fn, repeat: int = 7) -> float:
 def insert_new(cache: RadixCache, seq: np.ndarray) -> None:
     """Cache ``seq`` the way a finished request does: only its uncached suffix gets slots."""
     m = cache.match_prefix(seq)
-    cache.insert(seq, torch.cat([m.indices, cache.allocator.alloc(len(seq) - m.length)]))
+    cache.insert(seq, torch.cat([m.device_indices, cache.allocator.alloc(len(seq) - m.device_len)]))
 
 
 def bench_long_prefix(n: int) -> dict:
@@ -64,7 +64,7 @@ def bench_long_prefix(n: int) -> dict:
     insert_us = round(statistics.median(fresh_insert() for _ in range(5)), 2)
     cache = RadixCache(PagedAllocator(n + 1024))
     insert_new(cache, seq)
-    slots = cache.match_prefix(seq).indices
+    slots = cache.match_prefix(seq).device_indices
     return {
         "cached_tokens": n,
         "match_us": timed(lambda: cache.match_prefix(query)),
@@ -84,7 +84,7 @@ def bench_many_conversations(num_convs: int = 10_000, system_len: int = 2048) ->
 
     def match_and_insert():
         m = cache.match_prefix(new_conv)
-        cache.insert(new_conv, torch.cat([m.indices, slots]))
+        cache.insert(new_conv, torch.cat([m.device_indices, slots]))
 
     return {
         "conversations": num_convs,

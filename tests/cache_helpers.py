@@ -14,19 +14,19 @@ def cache_sequence(cache: PrefixCache, alloc: PagedAllocator, tokens: list[int],
     even after evicting everything evictable.
     """
     match = cache.match_prefix(tokens, extra_key)
-    cache.inc_lock_ref(match.last_node)
-    need = len(tokens) - match.length
+    cache.inc_lock_ref(match.handle)
+    need = len(tokens) - match.device_len
     new = alloc.alloc(need)
     if new is None:
         cache.evict(need - alloc.free_size())
         new = alloc.alloc(need)
     if new is None:
-        cache.dec_lock_ref(match.last_node)
+        cache.dec_lock_ref(match.handle)
         return None
-    slots = torch.cat([match.indices, new])
+    slots = torch.cat([match.device_indices, new])
     aligned = len(tokens) // alloc.page_size * alloc.page_size
     already = cache.insert(tokens[:aligned], slots[:aligned], extra_key)
-    alloc.free(slots[match.length : max(already, match.length)])
+    alloc.free(slots[match.device_len : max(already, match.device_len)])
     alloc.free(slots[aligned:])
-    cache.dec_lock_ref(match.last_node)
+    cache.dec_lock_ref(match.handle)
     return already

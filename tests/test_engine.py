@@ -64,8 +64,9 @@ def test_preemption_under_memory_pressure_keeps_outputs_and_leaks_nothing(make_e
             make_engine, batch, params, max_total_tokens=260, enable_prefix_caching=caching
         )
         assert tokens_of(tight) == tokens_of(roomy)
-        assert engine.scheduler.num_retractions > 0  # the pool really was too small
-        assert engine.allocator.free_size() + engine.cache.total_size() == 260
+        stats = engine.stats()
+        assert stats.num_retractions > 0  # the pool really was too small
+        assert stats.kv_used_tokens == stats.cached_tokens and stats.kv_capacity_tokens == 260
 
 
 def test_page_size_16_gives_same_outputs(make_engine):
@@ -73,7 +74,8 @@ def test_page_size_16_gives_same_outputs(make_engine):
     _, p1 = run(make_engine, batch)
     engine, p16 = run(make_engine, batch, page_size=16, chunked_prefill_size=20)
     assert tokens_of(p16) == tokens_of(p1)
-    assert engine.cache.total_size() % 16 == 0 and engine.cache.total_size() > 0
+    cached = engine.stats().cached_tokens
+    assert cached % 16 == 0 and cached > 0
 
 
 def test_bfloat16_runs_and_mostly_agrees(make_engine, tiny_model_dir):
@@ -147,7 +149,8 @@ def test_abort_releases_everything(make_engine):
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
-    assert engine.allocator.free_size() + engine.cache.total_size() == 4096
+    stats = engine.stats()
+    assert stats.kv_used_tokens == stats.cached_tokens and stats.kv_capacity_tokens == 4096
 
 
 def test_a_missing_model_names_the_install_command(monkeypatch, tmp_path):

@@ -26,8 +26,12 @@ def test_insert_then_match_returns_the_same_slots():
     slots = alloc.alloc(5)
     assert cache.insert([1, 2, 3, 4, 5], slots) == 0
     m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
-    assert m.length == 5 and torch.equal(m.indices, slots) and m.indices.dtype == torch.int64
-    assert cache.match_prefix([9, 1]).length == 0
+    assert (
+        m.device_len == 5
+        and torch.equal(m.device_indices, slots)
+        and m.device_indices.dtype == torch.int64
+    )
+    assert cache.match_prefix([9, 1]).device_len == 0
     assert cache.total_size() == 5 and cache.evictable_size() == 5
     cache.check_integrity(held_indices=NO_HELD)
 
@@ -37,10 +41,10 @@ def test_match_splits_an_edge_without_changing_content():
     slots = alloc.alloc(6)
     cache.insert([1, 2, 3, 4, 5, 6], slots)
     m = cache.match_prefix([1, 2, 3, 9])
-    assert m.length == 3 and torch.equal(m.indices, slots[:3])
+    assert m.device_len == 3 and torch.equal(m.device_indices, slots[:3])
     assert cache.summary().num_nodes == 2  # the edge was split in two
     assert cache.total_size() == 6
-    assert torch.equal(cache.match_prefix([1, 2, 3, 4, 5, 6]).indices, slots)
+    assert torch.equal(cache.match_prefix([1, 2, 3, 4, 5, 6]).device_indices, slots)
     cache.check_integrity(held_indices=NO_HELD)
 
 
@@ -78,9 +82,9 @@ def test_page_alignment():
     assert cache_sequence(cache, alloc, tokens) == 0
     assert cache.total_size() == 8  # the partial third page is not cached
     m = cache.match_prefix(tokens[:7])
-    assert m.length == 4 and m.indices[0] % 4 == 0
+    assert m.device_len == 4 and m.device_indices[0] % 4 == 0
     m = cache.match_prefix(list(range(6)) + [99, 99])  # diverges inside page 2
-    assert m.length == 4
+    assert m.device_len == 4
     cache.check_integrity(held_indices=NO_HELD)
     assert cache_sequence(cache, alloc, list(range(6)) + [50, 51]) == 4
     assert cache.total_size() == 12
@@ -90,9 +94,9 @@ def test_page_alignment():
 def test_namespaces_never_share_nodes():
     cache, alloc = make()
     cache_sequence(cache, alloc, [1, 2, 3], extra_key="lora-a")
-    assert cache.match_prefix([1, 2, 3]).length == 0
-    assert cache.match_prefix([1, 2, 3], extra_key="lora-b").length == 0
-    assert cache.match_prefix([1, 2, 3], extra_key="lora-a").length == 3
+    assert cache.match_prefix([1, 2, 3]).device_len == 0
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-b").device_len == 0
+    assert cache.match_prefix([1, 2, 3], extra_key="lora-a").device_len == 3
     assert cache_sequence(cache, alloc, [1, 2, 3]) == 0
     assert cache.total_size() == 6
     cache.reset()
@@ -105,16 +109,16 @@ def test_lock_moves_sizes_between_evictable_and_protected():
     cache_sequence(cache, alloc, [1, 2, 3, 4])
     cache_sequence(cache, alloc, [1, 2, 5, 6, 7])
     m = cache.match_prefix([1, 2, 5, 6, 7])
-    cache.inc_lock_ref(m.last_node)
+    cache.inc_lock_ref(m.handle)
     assert cache.protected_size() == 5 and cache.evictable_size() == 2
-    cache.inc_lock_ref(m.last_node)
+    cache.inc_lock_ref(m.handle)
     assert cache.protected_size() == 5
-    cache.dec_lock_ref(m.last_node)
+    cache.dec_lock_ref(m.handle)
     assert cache.protected_size() == 5
-    cache.dec_lock_ref(m.last_node)
+    cache.dec_lock_ref(m.handle)
     assert cache.protected_size() == 0 and cache.evictable_size() == 7
     with pytest.raises(RuntimeError, match="unlocked"):
-        cache.dec_lock_ref(m.last_node)
+        cache.dec_lock_ref(m.handle)
     cache.check_integrity(held_indices=NO_HELD)
 
 
@@ -123,11 +127,11 @@ def test_locked_prefixes_survive_eviction_and_reset():
     cache_sequence(cache, alloc, [1, 2, 3, 4])
     cache_sequence(cache, alloc, [1, 2, 8, 9])
     m = cache.match_prefix([1, 2, 3, 4])
-    cache.inc_lock_ref(m.last_node)
+    cache.inc_lock_ref(m.handle)
     assert cache.evict(100) == 2  # only [8, 9] was evictable
     assert cache.reset() == 0
-    assert cache.match_prefix([1, 2, 3, 4]).length == 4
-    cache.dec_lock_ref(m.last_node)
+    assert cache.match_prefix([1, 2, 3, 4]).device_len == 4
+    cache.dec_lock_ref(m.handle)
     assert cache.reset() == 4 and cache.total_size() == 0
     assert alloc.free_size() == 256
     cache.check_integrity(held_indices=NO_HELD)
@@ -139,8 +143,8 @@ def test_lru_evicts_least_recently_used_leaf_first():
         cache_sequence(cache, alloc, seq)
     cache.match_prefix([1, 1])  # touch: [2, 2] is now the oldest
     assert cache.evict(1) == 2
-    assert cache.match_prefix([2, 2]).length == 0
-    assert cache.match_prefix([1, 1]).length == 2 and cache.match_prefix([3, 3]).length == 2
+    assert cache.match_prefix([2, 2]).device_len == 0
+    assert cache.match_prefix([1, 1]).device_len == 2 and cache.match_prefix([3, 3]).device_len == 2
 
 
 def test_lfu_evicts_least_frequently_hit_leaf_first():
@@ -152,8 +156,8 @@ def test_lfu_evicts_least_frequently_hit_leaf_first():
         cache.match_prefix([3, 3])
     cache.match_prefix([2, 2])  # most recent, but hit only once
     cache.evict(1)
-    assert cache.match_prefix([2, 2], record_stats=False).length == 0
-    assert cache.match_prefix([1, 1]).length == 2
+    assert cache.match_prefix([2, 2], record_stats=False).device_len == 0
+    assert cache.match_prefix([1, 1]).device_len == 2
 
 
 def test_unknown_policy_is_an_error():
@@ -227,14 +231,14 @@ def test_match_accepts_lists_numpy_and_tensors():
     cache, alloc = make()
     cache_sequence(cache, alloc, [5, 6, 7])
     for ids in ([5, 6, 7], np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
-        assert cache.match_prefix(ids).length == 3
+        assert cache.match_prefix(ids).device_len == 3
 
 
 def test_null_cache_caches_nothing_and_frees_on_insert():
     alloc = PagedAllocator(32)
     cache = NullCache(alloc)
     assert cache_sequence(cache, alloc, [1, 2, 3]) == 0
-    assert cache.match_prefix([1, 2, 3]).length == 0
+    assert cache.match_prefix([1, 2, 3]).device_len == 0
     assert cache.total_size() == 0 and alloc.free_size() == 32
     cache.check_integrity(held_indices=NO_HELD)
 

@@ -42,34 +42,40 @@ def make_machine(page_size: int, capacity: int, alphabet: int, max_pages: int):
         def match(self, tokens, ns):
             m = self.cache.match_prefix(tokens, ns)
             n, slots = self.ref_match(ns, tokens)
-            assert m.length == n
-            assert torch.equal(m.indices, slots)
+            assert m.device_len == n
+            assert torch.equal(m.device_indices, slots)
+
+        @rule(tokens=sequences, ns=st.sampled_from(NAMESPACES))
+        def peek(self, tokens, ns):
+            nodes = self.cache.summary().num_nodes
+            assert self.cache.peek_prefix(tokens, ns).length == self.ref_match(ns, tokens)[0]
+            assert self.cache.summary().num_nodes == nodes  # a peek never splits an edge
 
         @rule(tokens=sequences, ns=st.sampled_from(NAMESPACES))
         def insert(self, tokens, ns):
             m = self.cache.match_prefix(tokens, ns)
-            self.cache.inc_lock_ref(m.last_node)
+            self.cache.inc_lock_ref(m.handle)
             aligned = len(tokens) // page_size * page_size
-            need = aligned - m.length
+            need = aligned - m.device_len
             new = self.alloc.alloc(need)
             if new is None:
                 self.evict_and_sync(need - self.alloc.free_size())
                 new = self.alloc.alloc(need)
             if new is not None:
-                slots = torch.cat([m.indices, new])
+                slots = torch.cat([m.device_indices, new])
                 expected, _ = self.ref_match(ns, tokens)
                 already = self.cache.insert(tokens[:aligned], slots, ns)
                 assert already == expected
-                self.alloc.free(slots[m.length : already])
+                self.alloc.free(slots[m.device_len : already])
                 for end in range(already + page_size, aligned + 1, page_size):
                     self.ref[(ns, tuple(tokens[:end]))] = slots[end - page_size : end]
-            self.cache.dec_lock_ref(m.last_node)
+            self.cache.dec_lock_ref(m.handle)
 
         @rule(tokens=sequences, ns=st.sampled_from(NAMESPACES))
         def lock(self, tokens, ns):
             m = self.cache.match_prefix(tokens, ns)
-            self.cache.inc_lock_ref(m.last_node)
-            self.locks.append((m.last_node, ns, tuple(tokens[: m.length])))
+            self.cache.inc_lock_ref(m.handle)
+            self.locks.append((m.handle, ns, tuple(tokens[: m.device_len])))
 
         @precondition(lambda self: self.locks)
         @rule(data=st.data())
@@ -101,7 +107,7 @@ def make_machine(page_size: int, capacity: int, alphabet: int, max_pages: int):
             # reference what the tree no longer has, then check the tree gained nothing.
             kept = {}
             for (ns, prefix), slots in self.ref.items():
-                if self.cache.match_prefix(list(prefix), ns, record_stats=False).length == len(
+                if self.cache.match_prefix(list(prefix), ns, record_stats=False).device_len == len(
                     prefix
                 ):
                     kept[(ns, prefix)] = slots

@@ -1,7 +1,14 @@
 """KV storage and the prefix cache: pool, slot allocator, radix tree, null cache, events."""
 
 from radixserve.cache.allocator import OutOfSlotsError, PagedAllocator
-from radixserve.cache.base import MatchResult, PrefixCache, as_token_array
+from radixserve.cache.base import (
+    CacheHandle,
+    CacheStats,
+    MatchResult,
+    PrefixCache,
+    PrefixPeek,
+    as_token_array,
+)
 from radixserve.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.kv_pool import KVPool, KVShape
@@ -13,6 +20,8 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "CacheHandle",
+    "CacheStats",
     "KVEventQueue",
     "KVPool",
     "KVShape",
@@ -21,6 +30,7 @@ __all__ = [
     "OutOfSlotsError",
     "PagedAllocator",
     "PrefixCache",
+    "PrefixPeek",
     "RadixCache",
     "TreeNode",
     "as_token_array",

@@ -4,15 +4,22 @@ Ownership of KV slots (every slot of the pool is in exactly one place)::
 
     capacity = free (allocator) + cached (tree) + held (running requests)
 
-    request life:   match_prefix ──> inc_lock_ref(last_node)      prefix slots: tree-owned, locked
-                    allocator.alloc ──> new slots                 held by the request
-                    insert(tokens, slots) ──> returns k           tree takes slots[k:aligned]
+    request life:   match_prefix ──> inc_lock_ref(handle)          prefix slots: tree-owned, locked
+                    allocator.alloc ──> new slots                  held by the request
+                    insert(tokens, slots) ──> returns k            tree takes slots[k:aligned]
                     caller frees slots[prefix_len:k] (duplicates) and slots[aligned:] (tail)
-                    dec_lock_ref(old last_node)
+                    dec_lock_ref(old handle)
 
 ``insert`` takes ownership of ``indices[k:]`` where ``k`` is its return value (the count of
 leading tokens already cached). Only page-aligned runs are cached: the caller passes
 ``len // page_size * page_size`` tokens and keeps the unaligned tail.
+
+A match describes one contiguous cached prefix, tier by tier: ``device_len`` tokens whose KV
+is in the device pool now (``device_indices``), then ``host_len`` tokens held in host memory,
+then ``storage_len`` tokens a storage backend holds. Only the device part can be read by
+attention; the lower tiers must be loaded first. The ``handle`` is opaque: callers pass it
+back to lock, unlock and credit the prefix, and never look inside. ``peek_prefix`` answers
+"how long is the cached prefix?" without touching anything (no split, no recency update).
 
 Token ids are converted once to an ``int32`` numpy array (``as_token_array``); callers that
 already hold one (the engine does) pay nothing for it.
@@ -21,7 +28,7 @@ already hold one (the engine does) pay nothing for it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +37,7 @@ import torch
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
+CacheHandle = Any  # opaque to callers: whatever the cache needs to find the matched prefix
 
 
 def as_token_array(token_ids: TokenIds) -> np.ndarray:
@@ -42,9 +50,26 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
 
 @dataclass
 class MatchResult:
-    indices: torch.Tensor  # 1-D int64 slot indices of the matched prefix
-    last_node: Any  # lock this node to protect the prefix; None for NullCache
+    """The longest cached prefix: device part first, then the parts on lower tiers."""
+
+    device_indices: torch.Tensor  # 1-D int64 slots of the device part
+    handle: CacheHandle  # lock it to protect the prefix; None when nothing matched
+    device_len: int
+    host_len: int = 0
+    storage_len: int = 0
+
+    @property
+    def total_len(self) -> int:
+        return self.device_len + self.host_len + self.storage_len
+
+
+@dataclass(frozen=True)
+class PrefixPeek:
+    """What ``peek_prefix`` sees: the cached length over all tiers and the path of nodes it
+    runs through (opaque, hashable ids from the root down; schedulers group requests by it)."""
+
     length: int
+    path: tuple[Hashable, ...] = ()
 
 
 @dataclass
@@ -58,8 +83,8 @@ class CacheStats:
     evictions: int = 0  # evicted nodes
     evict_calls: int = 0
 
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def copy(self) -> CacheStats:
+        return CacheStats(**self.__dict__)
 
 
 @dataclass
@@ -72,15 +97,23 @@ class TreeSummary:
 class PrefixCache(ABC):
     page_size: int
     stats: CacheStats
+    # False for a cache that keeps nothing (NullCache): publishing a running request's prefix
+    # or waiting for another request's prefix to land would gain nothing.
+    reuses_prefixes: bool = True
 
     @abstractmethod
     def match_prefix(
         self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
     ) -> MatchResult:
         """Longest cached prefix (page-aligned). May split an edge; never changes what is
-        cached. ``record_stats=False`` for look-ahead matches (scheduling) that admit nothing."""
+        cached. ``record_stats=False`` for matches that admit nothing."""
 
-    def record_hit(self, node: Any, lookup_tokens: int, hit_tokens: int) -> None:
+    @abstractmethod
+    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+        """The length ``match_prefix`` would return over all tiers, without any side effect:
+        no split, no recency or hit update, no statistics."""
+
+    def record_hit(self, handle: CacheHandle, lookup_tokens: int, hit_tokens: int) -> None:
         """Count one lookup (``match_prefix`` with ``record_stats`` does this itself): the
         counters, and for trees the hit counts of the matched path (which LFU evicts by)."""
         self.stats.lookups += 1
@@ -92,10 +125,10 @@ class PrefixCache(ABC):
         """Cache ``token_ids -> indices``; return how many leading tokens were cached already."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> None: ...
+    def inc_lock_ref(self, handle: CacheHandle) -> None: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any) -> None: ...
+    def dec_lock_ref(self, handle: CacheHandle) -> None: ...
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:

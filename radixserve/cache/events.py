@@ -14,6 +14,11 @@ from typing import Any
 
 import numpy as np
 
+# Which tier a page is stored on or removed from (vLLM's events call this the medium).
+MEDIUM_DEVICE = "device"
+MEDIUM_HOST = "host"
+MEDIUM_STORAGE = "storage"
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -22,12 +27,14 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     extra_key: Any = None
+    medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
     extra_key: Any = None
+    medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """NullCache: the prefix-cache interface with caching switched off (the A/B baseline).
 
 Nothing ever matches; ``insert`` takes ownership of the slots as the contract says and frees
-them at once, so a request's slots go back to the allocator when it finishes.
+them at once, so a request's slots go back to the allocator when it finishes. It answers every
+call of the interface, so callers never ask which cache they hold.
 """
 
 from __future__ import annotations
@@ -11,10 +12,20 @@ from typing import Any
 import torch
 
 from radixserve.cache.allocator import PagedAllocator
-from radixserve.cache.base import EMPTY_INDICES, CacheStats, MatchResult, PrefixCache, TokenIds
+from radixserve.cache.base import (
+    EMPTY_INDICES,
+    CacheHandle,
+    CacheStats,
+    MatchResult,
+    PrefixCache,
+    PrefixPeek,
+    TokenIds,
+)
 
 
 class NullCache(PrefixCache):
+    reuses_prefixes = False
+
     def __init__(self, allocator: PagedAllocator):
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -24,9 +35,11 @@ class NullCache(PrefixCache):
         self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
     ) -> MatchResult:
         if record_stats:
-            self.stats.lookups += 1
-            self.stats.lookup_tokens += len(token_ids)
-        return MatchResult(indices=EMPTY_INDICES, last_node=None, length=0)
+            self.record_hit(None, len(token_ids), 0)
+        return MatchResult(device_indices=EMPTY_INDICES, handle=None, device_len=0)
+
+    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+        return PrefixPeek(0)
 
     def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
         if len(indices) != len(token_ids):
@@ -35,10 +48,10 @@ class NullCache(PrefixCache):
         self.allocator.free(indices[:end])
         return 0
 
-    def inc_lock_ref(self, node: Any) -> None:
+    def inc_lock_ref(self, handle: CacheHandle) -> None:
         pass
 
-    def dec_lock_ref(self, node: Any) -> None:
+    def dec_lock_ref(self, handle: CacheHandle) -> None:
         pass
 
     def evict(self, num_tokens: int) -> int:

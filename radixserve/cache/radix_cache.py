@@ -28,6 +28,7 @@ from radixserve.cache.base import (
     CacheStats,
     MatchResult,
     PrefixCache,
+    PrefixPeek,
     TokenIds,
     TreeSummary,
     as_token_array,
@@ -225,7 +226,28 @@ class RadixCache(PrefixCache):
             indices = EMPTY_INDICES
         else:
             indices = values[0] if len(values) == 1 else torch.cat(values)
-        return MatchResult(indices=indices, last_node=node, length=matched)
+        return MatchResult(device_indices=indices, handle=node, device_len=matched)
+
+    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+        key = as_token_array(token_ids)
+        node = self._roots.get(extra_key)
+        if node is None:
+            return PrefixPeek(0)
+        end = len(key) - len(key) % self.page_size
+        matched, path = 0, [node.id]
+        while matched < end:
+            child = node.children.get(self._child_key(key[matched:]))
+            if child is None:
+                break
+            n = self._match_len(child.key, key[matched:end])
+            if n == 0:
+                break
+            matched += n
+            path.append(child.id)
+            if n < len(child.key):
+                break
+            node = child
+        return PrefixPeek(matched, tuple(path))
 
     def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
         key = as_token_array(token_ids)

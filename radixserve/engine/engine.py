@@ -6,25 +6,36 @@ for empty, out-of-vocabulary, too-long or pool-exceeding prompts) and queues it;
 per request that produced a token or finished. Text, stop strings and chat templates belong
 to the front end (``output.py``, ``llm.py``, the server), which calls ``abort_request`` when a
 stop string ends a request early.
+
+A step that fails does not take the engine down: if the forward pass raises, the requests of
+that step end with ``finish_reason="error"``; if sampling raises, each row is sampled alone and
+only the requests whose rows fail end so. Their slots go back through their ledgers, and the
+traceback goes to the log, never to the client. ``stats()`` and ``info()`` are the engine's
+typed boundary (``stats.py``): callers never reach into the scheduler, allocator or cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from radixserve.cache import KVEventQueue, KVPool, NullCache, PagedAllocator, RadixCache
+from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.scheduler import Scheduler, Step
+from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.model import LoadedModel, build_forward_batch, load_model, native
 from radixserve.utils import default_kv_cache_bytes
+
+log = logging.getLogger("radixserve")
 
 
 @dataclass
@@ -142,31 +153,26 @@ class Engine:
         self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
         if step.empty:
             return []
-        decode = [
-            (int(r.token_ids[r.num_computed]), r.num_computed, r.slots[: r.num_computed + 1])
-            for r in step.decodes
-        ]
-        prefill = [
-            (
-                torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
-                r.num_computed,
-                r.slots[: r.num_computed + n],
-                r.num_computed + n == r.num_tokens,
-            )
-            for r, n in step.prefills
-        ]
-        batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
-        logits = self.model.forward(batch, self.pool)
+        try:
+            logits = self._forward(step)
+        except Exception as e:
+            log.exception("the forward pass failed; failing the requests of this step")
+            failed = step.decodes + [r for r, _ in step.prefills]
+            return [self._fail(r, e) for r in failed]
         sampling = list(step.decodes)
         for r in step.decodes:
-            r.num_computed += 1
+            self.kv.commit(r, 1)
         for r, n in step.prefills:
-            r.num_computed += n
+            self.kv.commit(r, n)
             self.kv.publish(r)
             if r.num_computed == r.num_tokens:
                 sampling.append(r)
         outputs = []
-        for r, (token, logprob) in zip(sampling, sample(logits, sampling), strict=True):
+        for r, drawn in zip(sampling, self._sample(logits, sampling), strict=True):
+            if isinstance(drawn, Exception):
+                outputs.append(self._fail(r, drawn))
+                continue
+            token, logprob = drawn
             r.append_token(token)
             if logprob is not None:
                 r.logprobs.append(logprob)
@@ -176,6 +182,46 @@ class Engine:
                 self.requests.pop(r.request_id, None)
             outputs.append(self._output(r, [token], [logprob] if logprob else []))
         return outputs
+
+    def _forward(self, step: Step) -> torch.Tensor:
+        decode = [
+            (int(r.token_ids[r.num_computed]), r.num_computed, r.kv.slots[: r.num_computed + 1])
+            for r in step.decodes
+        ]
+        prefill = [
+            (
+                torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
+                r.num_computed,
+                r.kv.slots[: r.num_computed + n],
+                r.num_computed + n == r.num_tokens,
+            )
+            for r, n in step.prefills
+        ]
+        batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
+        return self.model.forward(batch, self.pool)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list:
+        """One ``(token, logprob)`` per request, or the exception its row raised."""
+        try:
+            return list(sample(logits, reqs))
+        except Exception:
+            log.exception("sampling a batch failed; sampling its rows one by one")
+        drawn: list = []
+        # Each request draws from its own generator, so a row sampled alone gets what it would
+        # have got in the batch (unless the failed batch call had already advanced it).
+        for i, r in enumerate(reqs):
+            try:
+                drawn.append(sample(logits[i : i + 1], [r])[0])
+            except Exception as e:
+                drawn.append(e)
+        return drawn
+
+    def _fail(self, req: Request, error: Exception) -> StepOutput:
+        self.scheduler.finish(req, "error")
+        self.requests.pop(req.request_id, None)
+        out = self._output(req, [], [])
+        out.error = f"internal error while generating ({type(error).__name__})"
+        return out
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -199,12 +245,40 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ inspection
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.config.vocab_size,
+            page_size=self.allocator.page_size,
+            kv_capacity_tokens=self.kv.capacity(),
+            kv_bytes=self.pool.nbytes(),
+            kv_bytes_per_token=self.pool.shape.bytes_per_token(),
+            dtype=str(self.pool.shape.dtype).removeprefix("torch."),
+            prefix_caching=self.cache.reuses_prefixes,
+        )
+
+    def stats(self) -> EngineStats:
+        capacity = self.kv.capacity()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_capacity_tokens=capacity,
+            kv_used_tokens=capacity - self.allocator.free_size(),
+            kv_available_tokens=self.kv.available(),
+            cached_tokens=self.cache.total_size(),
+            evictable_tokens=self.cache.evictable_size(),
+            num_retractions=self.scheduler.num_retractions,
+            step_evicted_tokens=self.last_step_evicted_tokens,
+            cache=self.cache.stats.copy(),
+        )
+
+    def cache_summary(self, top: int = 10) -> TreeSummary:
+        """The longest shared prefixes and node counts (``/cache``); walks the whole tree."""
+        return self.cache.summary(top)
+
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.scheduler.running)
 
     def flush_cache(self) -> int:
         return self.cache.reset()
-
-    def kv_usage(self) -> float:
-        """Share of the pool not obtainable now (held by requests or locked in the tree)."""
-        return 1.0 - self.kv.available() / self.kv.capacity()

@@ -1,22 +1,57 @@
 """RequestKV: the request side of the slot-ownership contract (see ``cache/base.py``).
 
-Every slot is free (allocator), cached (tree) or held by one running request. This module is
-the only code that moves slots between a request and the other two owners:
+Every slot is free (allocator), cached (tree) or held by one running request. Each request
+keeps one ledger (``KVLedger``) and this module is the only code that writes it::
 
-    admit:       match_prefix -> lock last node -> slots[:prefix_len] are the tree's
-    allocate:    allocator (evicting unlocked tree leaves when short) -> slots held
-    publish:     after a prefill chunk, insert the computed prefix into the tree and re-lock,
-                 so queued requests sharing it hit the cache before this one finishes
-    release:     on finish, abort or retraction, insert what was computed, free duplicates
-                 and the unaligned tail, unlock
+    ledger.slots:  [0 ...... cached ...... computed ...... allocated)
+                    tree-owned,            held, KV        held, reserved for
+                    locked via handle      written         the step under way
+
+    invariant: cached <= computed <= allocated
+
+    admit:     match_prefix -> lock the handle -> cached = computed = allocated = prefix
+    allocate:  extend / extend_decode take slots from the allocator (evicting unlocked tree
+               leaves when short): allocated grows
+    commit:    after a forward pass wrote their KV: computed grows (never past allocated)
+    publish:   after a prefill chunk, insert the computed prefix into the tree and re-lock,
+               so queued requests sharing it hit the cache before this one finishes
+    release:   on finish, abort, failure or retraction: insert what was computed, free the
+               duplicates and everything up to ``allocated``, unlock
+
+Because ``release`` frees up to ``allocated`` whatever happened in between, an exception, an
+abort or an interrupted load between ``schedule()`` and the end of a step cannot leak a slot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from radixserve.cache import MatchResult, PagedAllocator, PrefixCache, RadixCache
-from radixserve.engine.request import Request
+from radixserve.cache import MatchResult, PagedAllocator, PrefixCache, PrefixPeek
+from radixserve.cache.base import CacheHandle
+
+
+class KVLedger:
+    """One request's KV slots and how far they are cached, computed and allocated."""
+
+    __slots__ = ("slots", "cached", "computed", "allocated", "handle")
+
+    def __init__(self, capacity: int):
+        self.slots = torch.empty(capacity, dtype=torch.int64)
+        self.cached = 0
+        self.computed = 0
+        self.allocated = 0
+        self.handle: CacheHandle = None
+
+    def held(self) -> torch.Tensor:
+        """Slots the request owns (the tree owns ``slots[:cached]``)."""
+        return self.slots[self.cached : self.allocated]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVLedger(cached={self.cached}, computed={self.computed}, allocated={self.allocated})"
+        )
 
 
 class RequestKV:
@@ -24,7 +59,10 @@ class RequestKV:
         self.cache = cache
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.caching = isinstance(cache, RadixCache)
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        return self.cache.reuses_prefixes
 
     # ------------------------------------------------------------------ sizes
     def available(self) -> int:
@@ -35,86 +73,109 @@ class RequestKV:
         return self.allocator.num_slots
 
     # ------------------------------------------------------------------ admission
-    def match(self, req: Request, record_stats: bool = False) -> MatchResult:
-        # At most num_tokens - 1: the last token is always computed, for its logits.
-        return self.cache.match_prefix(
-            req.token_ids[: req.num_tokens - 1], req.extra_key, record_stats
-        )
+    # A match covers at most num_tokens - 1 tokens: the last one is always computed, for its
+    # logits.
+    def match(self, req) -> MatchResult:
+        return self.cache.match_prefix(req.token_ids[:-1], req.extra_key, record_stats=False)
 
-    def admit(self, req: Request, match: MatchResult) -> None:
-        self.cache.inc_lock_ref(match.last_node)
-        req.last_node = match.last_node
-        req.slots[: match.length] = match.indices
-        req.prefix_len = req.num_computed = match.length
+    def peek(self, req) -> PrefixPeek:
+        """How much of ``req`` is cached, without touching the cache (scheduling policies)."""
+        return self.cache.peek_prefix(req.token_ids[:-1], req.extra_key)
 
-    def record_admission(self, req: Request, matched: int) -> None:
+    def admit(self, req, match: MatchResult) -> None:
+        kv: KVLedger = req.kv
+        if kv.allocated:
+            raise RuntimeError(f"{req!r} is admitted while it still holds slots")
+        self.cache.inc_lock_ref(match.handle)
+        kv.handle = match.handle
+        kv.slots[: match.device_len] = match.device_indices
+        kv.cached = kv.computed = kv.allocated = match.device_len
+
+    def record_admission(self, req, matched: int) -> None:
         """Count a request's cache hit once, when it is first admitted (not on resumption)."""
         if req.admitted_once:
             return
         req.admitted_once = True
         req.cached_tokens = min(matched, req.prompt_len)
-        self.cache.record_hit(req.last_node, req.prompt_len, req.cached_tokens)
+        self.cache.record_hit(req.kv.handle, req.prompt_len, req.cached_tokens)
 
     # ------------------------------------------------------------------ allocation
-    def _alloc_with_eviction(self, alloc, num_tokens: int) -> torch.Tensor | None:
+    def _alloc_with_eviction(
+        self, alloc: Callable[[], torch.Tensor | None], num_tokens: int
+    ) -> torch.Tensor | None:
         slots = alloc()
-        if slots is None and self.caching:
+        if slots is None:
             self.cache.evict(num_tokens + self.page_size - self.allocator.free_size())
             slots = alloc()
         return slots
 
-    def extend(self, req: Request, n: int) -> bool:
+    def extend(self, req, n: int) -> bool:
         """Give ``req`` slots for its next ``n`` tokens; False (nothing taken) if impossible."""
-        last = int(req.slots[req.num_computed - 1]) if req.num_computed else None
+        kv: KVLedger = req.kv
+        last = int(kv.slots[kv.allocated - 1]) if kv.allocated else None
         slots = self._alloc_with_eviction(lambda: self.allocator.alloc_extend(last, n), n)
         if slots is None:
             return False
-        req.slots[req.num_computed : req.num_computed + n] = slots
+        kv.slots[kv.allocated : kv.allocated + n] = slots
+        kv.allocated += n
         return True
 
-    def extend_decode(self, reqs: list[Request]) -> bool:
+    def extend_decode(self, reqs: list) -> bool:
         """One slot for the pending token of each decoding request, all or nothing."""
         if self.page_size == 1:
             alloc = lambda: self.allocator.alloc(len(reqs))
         else:
-            last = torch.stack([r.slots[r.num_computed - 1] for r in reqs])
+            last = torch.stack([r.kv.slots[r.kv.allocated - 1] for r in reqs])
             alloc = lambda: self.allocator.alloc_decode(last)
         slots = self._alloc_with_eviction(alloc, len(reqs))
         if slots is None:
             return False
         for r, s in zip(reqs, slots.tolist(), strict=True):
-            r.slots[r.num_computed] = s
+            r.kv.slots[r.kv.allocated] = s
+            r.kv.allocated += 1
         return True
 
+    def commit(self, req, n: int) -> None:
+        """The KV of ``req``'s next ``n`` tokens is now written in the pool."""
+        kv: KVLedger = req.kv
+        if kv.computed + n > kv.allocated:
+            raise RuntimeError(f"{req!r}: committing {n} tokens beyond its allocated slots")
+        kv.computed += n
+
     # ------------------------------------------------------------------ tree updates
-    def publish(self, req: Request) -> None:
+    def publish(self, req) -> None:
         """Insert the computed prefix of a still-running request and lock it in the tree."""
-        aligned = req.num_computed - req.num_computed % self.page_size
-        if not self.caching or aligned <= req.prefix_len:
+        kv: KVLedger = req.kv
+        aligned = kv.computed - kv.computed % self.page_size
+        if not self.reuses_prefixes or aligned <= kv.cached:
             return
-        ids, slots = req.token_ids[:aligned], req.slots[:aligned]
+        ids, slots = req.token_ids[:aligned], kv.slots[:aligned]
         already = self.cache.insert(ids, slots, req.extra_key)
-        self.allocator.free(req.slots[req.prefix_len : already])
+        self.allocator.free(kv.slots[kv.cached : already])
         match = self.cache.match_prefix(ids, req.extra_key, record_stats=False)
-        if match.length != aligned:
-            raise AssertionError(f"published {aligned} tokens but {match.length} match")
-        self.cache.inc_lock_ref(match.last_node)
-        self.cache.dec_lock_ref(req.last_node)
-        req.slots[:aligned] = match.indices
-        req.prefix_len = aligned
-        req.last_node = match.last_node
+        if match.device_len != aligned:
+            raise AssertionError(f"published {aligned} tokens but {match.device_len} match")
+        self.cache.inc_lock_ref(match.handle)
+        self.cache.dec_lock_ref(kv.handle)
+        kv.slots[:aligned] = match.device_indices
+        kv.cached = aligned
+        kv.handle = match.handle
 
-    def release(self, req: Request) -> None:
-        """Hand everything back: computed tokens to the tree (or the allocator), lock dropped."""
-        n = req.num_computed
-        aligned = n - n % self.page_size
-        already = self.cache.insert(req.token_ids[:aligned], req.slots[:aligned], req.extra_key)
-        self.allocator.free(req.slots[req.prefix_len : max(already, req.prefix_len)])
-        self.allocator.free(req.slots[aligned:n])  # aligned >= prefix_len: both page-aligned
-        self.cache.dec_lock_ref(req.last_node)
-        req.last_node = None
-        req.prefix_len = req.num_computed = 0
+    def release(self, req) -> None:
+        """Hand everything back: computed tokens to the tree (or the allocator), every other
+        allocated slot to the allocator, the lock dropped. Safe at any point of a step."""
+        kv: KVLedger = req.kv
+        aligned = kv.computed - kv.computed % self.page_size
+        if aligned > kv.cached:
+            already = self.cache.insert(req.token_ids[:aligned], kv.slots[:aligned], req.extra_key)
+            self.allocator.free(kv.slots[kv.cached : max(already, kv.cached)])
+        else:
+            aligned = kv.cached
+        self.allocator.free(kv.slots[aligned : kv.allocated])  # page-aligned start: whole pages
+        self.cache.dec_lock_ref(kv.handle)
+        kv.handle = None
+        kv.cached = kv.computed = kv.allocated = 0
 
-    def check_integrity(self, running: list[Request]) -> None:
-        held = [r.held_slots() for r in running]
+    def check_integrity(self, running: list) -> None:
+        held = [r.kv.held() for r in running]
         self.cache.check_integrity(torch.cat(held) if held else torch.empty(0, dtype=torch.int64))

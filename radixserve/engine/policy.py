@@ -8,13 +8,14 @@
   before eviction can take it; requests that match nothing come last.
 
 Starvation guard: a request overtaken by ``max_overtakes`` younger admissions goes first,
-whatever the policy. Look-ahead matches use ``record_stats=False``: they admit nothing.
+whatever the policy. Policies look with ``peek_prefix``, which changes nothing in the cache
+(no split, no recency update), and see the tree only as opaque node ids along a path.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from collections.abc import Hashable
 
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
@@ -29,10 +30,10 @@ def order_waiting(
         (r for r in waiting if r.times_overtaken >= max_overtakes), key=lambda r: r.arrival
     )
     rest = [r for r in waiting if r.times_overtaken < max_overtakes]
-    if policy == "fcfs" or not kv.caching or len(rest) > LPM_MAX_QUEUE:
+    if policy == "fcfs" or len(rest) > LPM_MAX_QUEUE:
         ordered = sorted(rest, key=lambda r: r.arrival)
     elif policy == "lpm":
-        lengths = {id(r): kv.match(r).length for r in rest}
+        lengths = {id(r): kv.peek(r).length for r in rest}
         ordered = sorted(rest, key=lambda r: (-lengths[id(r)], r.arrival))
     elif policy == "dfs-weight":
         ordered = _dfs_weight_order(rest, kv)
@@ -42,23 +43,25 @@ def order_waiting(
 
 
 def _dfs_weight_order(reqs: list[Request], kv: RequestKV) -> list[Request]:
-    at_node: dict[Any, list[Request]] = defaultdict(list)
-    weight: dict[Any, int] = defaultdict(int)
-    oldest: dict[Any, int] = {}  # earliest arrival in the subtree: breaks weight ties
-    children: dict[Any, set[Any]] = defaultdict(set)
-    roots: set[Any] = set()
+    """Order by a weighted post-order walk of the tree paths the requests match."""
+    at_node: dict[Hashable, list[Request]] = defaultdict(list)
+    weight: dict[Hashable, int] = defaultdict(int)
+    oldest: dict[Hashable, int] = {}  # earliest arrival in the subtree: breaks weight ties
+    children: dict[Hashable, set[Hashable]] = defaultdict(set)
+    roots: set[Hashable] = set()
+    unmatched: list[Request] = []  # namespaces with nothing cached yet
     for r in sorted(reqs, key=lambda r: r.arrival):
-        node = kv.match(r).last_node
-        at_node[node].append(r)
-        while node is not None:
+        path = kv.peek(r).path
+        if not path:
+            unmatched.append(r)
+            continue
+        at_node[path[-1]].append(r)
+        roots.add(path[0])
+        for i, node in enumerate(path):
             weight[node] += 1
             oldest.setdefault(node, r.arrival)
-            parent = getattr(node, "parent", None)
-            if parent is None:
-                roots.add(node)
-            else:
-                children[parent].add(node)
-            node = parent
+            if i:
+                children[path[i - 1]].add(node)
 
     def visit_last_first(nodes):  # the stack pops the heaviest (then oldest) node first
         return sorted(nodes, key=lambda n: (weight[n], -oldest[n]))
@@ -75,4 +78,4 @@ def _dfs_weight_order(reqs: list[Request], kv: RequestKV) -> list[Request]:
         else:
             stack.append((node, True))
             stack.extend((child, False) for child in visit_last_first(children.get(node, ())))
-    return ordered + at_node.get(None, [])  # namespaces with nothing cached yet
+    return ordered + unmatched

@@ -1,9 +1,9 @@
 """Request: one sequence's tokens, KV slots and progress through the engine.
 
 Token ids (prompt, then output) live in one int32 buffer sized for the request's whole life,
-so appending is O(1) and the radix tree gets a zero-copy view. ``slots[:num_computed]`` are
-the KV slots of the tokens already computed: the first ``prefix_len`` belong to the tree
-(locked through ``last_node``), the rest are held by the request.
+so appending is O(1) and the radix tree gets a zero-copy view. The request's KV slots and how
+far they are cached, computed and allocated live in its ledger ``kv`` (a ``KVLedger``), which
+only ``RequestKV`` writes; ``num_computed`` reads it.
 
 States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
 then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its output.
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.engine.kv_manager import KVLedger
 from radixserve.engine.sampling_params import SamplingParams
 
 
@@ -54,10 +55,7 @@ class Request:
         self._ids = np.empty(self.prompt_len + max_tokens, dtype=np.int32)
         self._ids[: self.prompt_len] = prompt_ids
         self.num_tokens = self.prompt_len
-        self.slots = torch.empty(self.prompt_len + max_tokens, dtype=torch.int64)
-        self.num_computed = 0
-        self.prefix_len = 0
-        self.last_node: Any = None
+        self.kv = KVLedger(self.prompt_len + max_tokens)
         self.cached_tokens = 0  # prompt tokens served from the cache at first admission
         self.admitted_once = False
         self.status = RequestStatus.WAITING
@@ -86,6 +84,10 @@ class Request:
 
     # ------------------------------------------------------------------ progress
     @property
+    def num_computed(self) -> int:
+        return self.kv.computed
+
+    @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
@@ -101,12 +103,8 @@ class Request:
     def remaining_output(self) -> int:
         return self.max_tokens - self.num_output
 
-    def held_slots(self) -> torch.Tensor:
-        """Slots this request owns (not the tree's): computed beyond the cached prefix."""
-        return self.slots[self.prefix_len : self.num_computed]
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed}, prefix={self.prefix_len})"
+            f"{self.kv!r})"
         )

@@ -108,7 +108,9 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.config.max_running_requests:
                 break
             match = self.kv.match(req)
-            if self.kv.caching and self._shares_inflight_prefix(req, match.length, inflight):
+            if self.kv.reuses_prefixes and self._shares_inflight_prefix(
+                req, match.device_len, inflight
+            ):
                 continue
             self.kv.admit(req, match)
             if req.num_uncomputed + self._reserved_output(req) > self.kv.available() - reserved:
@@ -118,7 +120,7 @@ class Scheduler:
             if not self.kv.extend(req, n):
                 self.kv.release(req)
                 break
-            self.kv.record_admission(req, match.length)
+            self.kv.record_admission(req, match.device_len)
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING

@@ -11,6 +11,7 @@ selects its cache namespace, so tenants never share cached tokens or their timin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.engine.stats import EngineStats
 from radixserve.model.generation_defaults import GenerationDefaults
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.config import ServerConfig
@@ -52,7 +54,7 @@ def create_app(
     sampling = sampling or GenerationDefaults()
     defaults = sampling.values
     app = FastAPI(title="radixserve", version="0.1.0")
-    metrics = Metrics(served_model_name, lambda: client.num_restarts)
+    metrics = Metrics(served_model_name, client.info, lambda: client.num_restarts)
     client.on_stats = metrics.update_stats
     serving = Serving(client, tokenizer, metrics, config, client.config.max_running_requests)
     app.add_middleware(Guard, config=config)
@@ -92,7 +94,7 @@ def create_app(
                     "object": "model",
                     "created": started,
                     "owned_by": "radixserve",
-                    "max_model_len": client.info.get("max_model_len"),
+                    "max_model_len": client.info.max_model_len,
                     "default_sampling": defaults,
                     "default_sampling_source": sampling.source,
                 }
@@ -167,18 +169,23 @@ def create_app(
     @app.get("/cache")
     async def cache(top: int = 10) -> dict:
         summary = await engine_call("cache_summary", top=min(max(top, 1), 100))
-        for prefix in summary["top_prefixes"]:
+        prefixes = []
+        for prefix in summary.top_prefixes:
             head = prefix.pop("head_token_ids")
             if config.debug_cache_text:
-                prefix["head_text"] = tokenizer.decode(head, skip_special_tokens=False)
+                prefixes.append(
+                    {**prefix, "head_text": tokenizer.decode(head, skip_special_tokens=False)}
+                )
             else:  # who sent what stays private: a digest tells prefixes apart, nothing more
-                prefix["head_hash"] = token_digest(head)
-        stats = await engine_call("stats")
+                prefixes.append({**prefix, "head_hash": token_digest(head)})
+        stats: EngineStats = await engine_call("stats")
         return {
-            **summary,
-            "capacity_tokens": stats["kv_capacity_tokens"],
-            "evictable_tokens": stats["evictable_tokens"],
-            "stats": stats["cache"],
+            "num_nodes": summary.num_nodes,
+            "cached_tokens": summary.cached_tokens,
+            "top_prefixes": prefixes,
+            "capacity_tokens": stats.kv_capacity_tokens,
+            "evictable_tokens": stats.evictable_tokens,
+            "stats": dataclasses.asdict(stats.cache),
         }
 
     @app.get("/metrics")

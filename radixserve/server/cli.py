@@ -203,7 +203,7 @@ async def serve(
     gave_up = asyncio.Event()
     client = EngineClient(
         config,
-        on_stats=lambda stats: None,
+        on_stats=lambda stats, after_step: None,
         log_level=log.getEffectiveLevel(),
         max_restarts=server_config.engine_restarts,
         on_give_up=gave_up.set,
@@ -216,7 +216,7 @@ async def serve(
         print(f"radixserve serve: error: {e}", file=sys.stderr)
         await client.close()
         return 1
-    server_config.served_model_name = server_config.served_model_name or info["model_name"]
+    server_config.served_model_name = server_config.served_model_name or info.model_name
     sampling = generation_defaults(model_path)
     sampling.values.update(server_config.default_sampling)
     if server_config.default_sampling:
@@ -226,8 +226,8 @@ async def serve(
     log.info(
         "model %s loaded; KV pool of %d tokens (%.2f GiB); schedule policy %s; prefix caching %s",
         server_config.served_model_name,
-        info["kv_capacity_tokens"],
-        info["kv_bytes"] / 2**30,
+        info.kv_capacity_tokens,
+        info.kv_bytes / 2**30,
         config.schedule_policy,
         "on" if config.enable_prefix_caching else "off",
     )

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from radixserve.config import EngineConfig
 from radixserve.engine import SamplingParams, StepOutput
+from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.server.engine_process import run_engine_process
 
 log = logging.getLogger("radixserve.server")
@@ -52,7 +53,7 @@ class EngineClient:
     def __init__(
         self,
         config: EngineConfig,
-        on_stats: Callable[[dict[str, Any]], None],
+        on_stats: Callable[[EngineStats, bool], None],
         log_level: int = logging.INFO,
         max_restarts: int = 3,
         on_give_up: Callable[[], None] | None = None,
@@ -70,7 +71,8 @@ class EngineClient:
         self._calls = itertools.count()
         self._supervisor: asyncio.Task | None = None
         self._restart_times: deque[float] = deque()
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo | None = None
+        self.pid: int | None = None  # the engine process's, as it reported when ready
         self.state = "starting"  # starting, ready, restarting, dead
         self.dead: str | None = None  # why the client gave up
         self.num_restarts = 0
@@ -83,10 +85,6 @@ class EngineClient:
     @property
     def num_inflight(self) -> int:
         return len(self._queues)
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
 
     def _spawn(self) -> None:
         """A new engine process on new sockets (the old ones are closed unread)."""
@@ -109,13 +107,14 @@ class EngineClient:
         )
         self._process.start()
 
-    async def _wait_ready(self, timeout: float) -> dict[str, Any]:
+    async def _wait_ready(self, timeout: float) -> EngineInfo:
         deadline = time.monotonic() + timeout
         while True:
             if await self._pull.poll(POLL_MS):
                 msg = await self._pull.recv_pyobj()
                 if msg[0] == "ready":
-                    return msg[1]
+                    _, info, self.pid = msg
+                    return info
                 if msg[0] == "fatal":
                     log.error("the engine failed to start:\n%s", msg[1])
                     raise EngineDeadError(f"the engine failed to start: {_last_line(msg[1])}")
@@ -124,7 +123,7 @@ class EngineClient:
             if time.monotonic() > deadline:
                 raise EngineDeadError("the engine did not start in time")
 
-    async def start(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
+    async def start(self, timeout: float = START_TIMEOUT_S) -> EngineInfo:
         self._spawn()
         self.info = await self._wait_ready(timeout)
         self.state = "ready"
@@ -194,7 +193,7 @@ class EngineClient:
                 log.error("the restarted engine did not come up: %s", e)
                 continue
             self.state = "ready"
-            log.warning("the engine is back (pid %s)", self.info.get("pid"))
+            log.warning("the engine is back (pid %s)", self.pid)
             return True
 
     async def _read_until_death(self) -> str:
@@ -213,13 +212,13 @@ class EngineClient:
                         entry[0].put_nowait((entry[1], out))
                         if out.finished:
                             del self._queues[out.request_id]
-                self.on_stats(msg[2])
+                self.on_stats(msg[2], msg[3])
             elif kind in ("added", "rejected"):
                 fut = self._pending.pop(("add", msg[1]), None)
                 if fut is not None and not fut.done():
                     fut.set_result(None if kind == "added" else msg[2])
             elif kind == "rpc":
-                self.on_stats(msg[4])
+                self.on_stats(msg[4], False)
                 fut = self._pending.pop(("rpc", msg[1]), None)
                 if fut is not None and not fut.done():
                     fut.set_result((msg[2], msg[3]))

@@ -6,11 +6,14 @@ Messages in (PULL, pickled tuples):
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
-Messages out (PUSH): the above replies, ("outputs", [StepOutput], stats) after every step,
-("ready", info) once the model is loaded, ("fatal", traceback) before dying on a bug.
+Messages out (PUSH): the above replies, ("outputs", [StepOutput], stats, after_step) after
+every step (after_step True) or abort (False),
+("ready", EngineInfo, pid) once the model is loaded, ("fatal", traceback) before dying on a
+bug.
 
 New messages are read between steps: the loop never blocks while requests are running, and
-sleeps on the socket when idle. ``stats`` is a small dict the HTTP side turns into metrics.
+sleeps on the socket when idle. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
+boundary), which the HTTP side turns into metrics.
 
 The loop never dies on one message: a message that cannot be read or handled is logged with
 its traceback and answered with a short error for that request alone. A step that raises
@@ -27,12 +30,13 @@ import logging
 import os
 import signal
 import traceback
-from typing import Any
 
 import zmq
 
+from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
+from radixserve.engine.stats import EngineStats
 
 IDLE_POLL_MS = 200
 PR_SET_PDEATHSIG = 1
@@ -41,23 +45,6 @@ STEP_ERROR = "the engine failed while computing this request; the details are in
 ADD_ERROR = "the engine could not take this request; the details are in the server log"
 
 log = logging.getLogger("radixserve.engine")
-
-
-def engine_stats(engine: Engine) -> dict[str, Any]:
-    cache = engine.cache
-    capacity = engine.kv.capacity()
-    return {
-        "num_running": len(engine.scheduler.running),
-        "num_waiting": len(engine.scheduler.waiting),
-        "kv_usage": engine.kv_usage(),
-        "kv_used_tokens": capacity - engine.allocator.free_size(),
-        "kv_capacity_tokens": capacity,
-        "kv_bytes_per_token": engine.pool.shape.bytes_per_token(),
-        "cached_tokens": cache.total_size(),
-        "evictable_tokens": cache.evictable_size(),
-        "cache": cache.stats.snapshot(),
-        "num_retractions": engine.scheduler.num_retractions,
-    }
 
 
 class _Shutdown(Exception):
@@ -86,7 +73,7 @@ class EngineLoop:
             _, rid, reason = msg
             out = self.engine.abort_request(rid, reason)
             if out is not None:
-                self.push.send_pyobj(("outputs", [out], engine_stats(self.engine)))
+                self.push.send_pyobj(("outputs", [out], self.engine.stats(), False))
         elif kind == "shutdown":
             raise _Shutdown
         elif kind == "rpc":
@@ -95,7 +82,7 @@ class EngineLoop:
                 value, ok = getattr(self, f"rpc_{name}")(**kwargs), True
             except Exception as e:  # report to the caller; the loop goes on
                 value, ok = f"{type(e).__name__}: {e}", False
-            self.push.send_pyobj(("rpc", call_id, ok, value, engine_stats(self.engine)))
+            self.push.send_pyobj(("rpc", call_id, ok, value, self.engine.stats()))
         else:
             raise ValueError(f"unknown message {kind!r}")
 
@@ -131,13 +118,9 @@ class EngineLoop:
                 self.engine.check_integrity()
             except Exception:
                 log.critical("the KV slot ledger is broken after a failed step; exiting")
-                self.push.send_pyobj(("outputs", outputs, engine_stats(self.engine)))
+                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
                 raise SystemExit(EXIT_CORRUPT) from None
-        stats = {
-            **engine_stats(self.engine),
-            "step_evicted_tokens": self.engine.last_step_evicted_tokens,
-        }
-        self.push.send_pyobj(("outputs", outputs, stats))
+        self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
 
     def _fail_unfinished(self) -> list:
         outputs = []
@@ -154,11 +137,11 @@ class EngineLoop:
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
 
-    def rpc_cache_summary(self, top: int = 10) -> dict[str, Any]:
-        return dataclasses.asdict(self.engine.cache.summary(top))
+    def rpc_cache_summary(self, top: int = 10) -> TreeSummary:
+        return self.engine.cache_summary(top)
 
-    def rpc_stats(self) -> dict[str, Any]:
-        return engine_stats(self.engine)
+    def rpc_stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def rpc_check_integrity(self) -> bool:
         self.engine.check_integrity()
@@ -203,19 +186,7 @@ def run_engine_process(
     pull.connect(in_addr)
     try:
         engine = Engine(config)
-        push.send_pyobj(
-            (
-                "ready",
-                {
-                    "model_name": engine.model_name,
-                    "max_model_len": engine.max_model_len,
-                    "kv_capacity_tokens": engine.kv.capacity(),
-                    "kv_bytes": engine.pool.nbytes(),
-                    "page_size": config.page_size,
-                    "pid": os.getpid(),
-                },
-            )
-        )
+        push.send_pyobj(("ready", engine.info(), os.getpid()))
         EngineLoop(engine, pull, push).run()
     except Exception:
         # the traceback goes to the HTTP process's log, never to a client

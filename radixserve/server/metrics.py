@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from radixserve.engine.stats import EngineInfo, EngineStats
 
 WINDOW_SECONDS = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -24,11 +25,14 @@ EVICT_BUCKETS = (0, 1, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class Metrics:
-    def __init__(self, model_name: str, engine_restarts: Callable[[], int] = lambda: 0):
+    def __init__(
+        self, model_name: str, info: EngineInfo, engine_restarts: Callable[[], int] = lambda: 0
+    ):
         self.model_name = model_name
+        self.info = info
         self.engine_restarts = engine_restarts
         self.registry = CollectorRegistry()
-        self.stats: dict[str, Any] = {}
+        self.stats = EngineStats.idle(info.kv_capacity_tokens)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.requests: dict[str, int] = {}
@@ -56,10 +60,10 @@ class Metrics:
         )
 
     # ------------------------------------------------------------------ updates
-    def update_stats(self, stats: dict[str, Any]) -> None:
+    def update_stats(self, stats: EngineStats, after_step: bool = False) -> None:
         self.stats = stats
-        if "step_evicted_tokens" in stats:  # a snapshot taken right after an engine step
-            self.evict_per_batch.labels(self.model_name).observe(stats["step_evicted_tokens"])
+        if after_step:
+            self.evict_per_batch.labels(self.model_name).observe(stats.step_evicted_tokens)
 
     def on_admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
         now = time.monotonic()
@@ -89,7 +93,7 @@ class Metrics:
 
     # ------------------------------------------------------------------ export
     def collect(self):
-        s, cache, m = self.stats, self.stats.get("cache", {}), self.model_name
+        s, cache, m = self.stats, self.stats.cache, self.model_name
 
         def counter(name: str, doc: str, value: float):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -105,22 +109,22 @@ class Metrics:
         yield counter(
             "radix_cache_query_tokens",
             "Prompt tokens looked up in the radix cache",
-            cache.get("lookup_tokens", 0),
+            cache.lookup_tokens,
         )
         yield counter(
             "radix_cache_hit_tokens",
             "Prompt tokens served from the radix cache",
-            cache.get("hit_tokens", 0),
+            cache.hit_tokens,
         )
         yield counter(
             "radix_evicted_tokens",
             "Tokens evicted from the radix cache",
-            cache.get("evicted_tokens", 0),
+            cache.evicted_tokens,
         )
         yield counter(
             "radix_retracted_requests",
             "Requests preempted for lack of KV slots",
-            s.get("num_retractions", 0),
+            s.num_retractions,
         )
         yield counter("prompt_tokens", "Prompt tokens of admitted requests", self.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens", self.generation_tokens)
@@ -153,25 +157,17 @@ class Metrics:
             f"Average matched prefix per admitted request over the last {WINDOW_SECONDS:.0f} s",
             avg_match,
         )
-        yield gauge(
-            "radix_cache_cached_tokens", "Tokens held by the radix tree", s.get("cached_tokens", 0)
-        )
-        yield gauge(
-            "kv_cache_usage_ratio", "Share of KV slots not obtainable now", s.get("kv_usage", 0.0)
-        )
-        yield gauge(
-            "kv_cache_used_tokens", "KV slots in use (held or cached)", s.get("kv_used_tokens", 0)
-        )
-        yield gauge(
-            "kv_cache_capacity_tokens", "KV pool size in slots", s.get("kv_capacity_tokens", 0)
-        )
+        yield gauge("radix_cache_cached_tokens", "Tokens held by the radix tree", s.cached_tokens)
+        yield gauge("kv_cache_usage_ratio", "Share of KV slots not obtainable now", s.kv_usage)
+        yield gauge("kv_cache_used_tokens", "KV slots in use (held or cached)", s.kv_used_tokens)
+        yield gauge("kv_cache_capacity_tokens", "KV pool size in slots", s.kv_capacity_tokens)
         yield gauge(
             "kv_cache_bytes_per_token",
             "KV bytes per slot (all layers, K and V)",
-            s.get("kv_bytes_per_token", 0),
+            self.info.kv_bytes_per_token,
         )
-        yield gauge("num_running_reqs", "Requests in the running batch", s.get("num_running", 0))
-        yield gauge("num_queue_reqs", "Requests waiting for admission", s.get("num_waiting", 0))
+        yield gauge("num_running_reqs", "Requests in the running batch", s.num_running)
+        yield gauge("num_queue_reqs", "Requests waiting for admission", s.num_waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -113,7 +113,7 @@ class Serving:
         extra_key: str | None = None,
     ) -> tuple[Job, asyncio.Queue]:
         self.check_size(len(prompts))
-        limit = self.client.info.get("max_model_len")
+        limit = self.client.info.max_model_len
         longest = max(map(len, prompts), default=0)
         if limit and longest >= limit:  # refused here, not shipped to the engine to be refused
             raise ApiError(
