@@ -1,0 +1,369 @@
+"""TieredRadixCache: the radix tree over the device pool (L1) and a host pool (L2), with an
+optional storage tier below (L3, ``storage_tier.StorageTier``).
+
+A node holds its tokens' KV on the device (``value``: slots), on the host (``host_value``), or
+on both. Invariants (``check_integrity``, after every test step):
+
+- every node is on the device or the host; the device nodes are closed under ancestors, so
+  off-device nodes form the tail of every path and a match is one contiguous prefix: device
+  part, then host part;
+- locks, the evictable/protected sizes and the device-leaf heap concern device tokens only,
+  exactly as in ``RadixCache`` (a device leaf: nothing below it is on the device);
+- host eviction takes only nodes off the device with no children, and deletes them;
+- each pool: free + cached + held == capacity (host pages under storage I/O count as held).
+
+Write policies, i.e. when a node's KV is copied to the host:
+
+- ``write_through``: as soon as it enters the tree (every computed page);
+- ``write_through_selective`` (default): once it is reused (``record_hit``; with the insert
+  counted as its first hit, this is its second);
+- ``write_back``: only when it is evicted from the device.
+
+A device leaf that is evicted keeps its node when it has a host copy (BlockRemoved, medium
+device); without one it is deleted as in ``RadixCache``. A device leaf with host-only children
+is copied first whatever the policy (else they would hang below nothing), or, with the host
+full, deleted with them. ``load_back`` copies a match's host part to freshly allocated device
+slots, all or nothing, and only from ``load_back_min_tokens`` tokens up. ``reset`` empties
+both pools of everything unlocked.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.cache.allocator import PagedAllocator
+from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds, as_token_array
+from radixserve.cache.events import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventQueue,
+    chain_page_hashes,
+)
+from radixserve.cache.eviction import LeafHeap
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.tier_stats import TierStats
+from radixserve.cache.tree_check import check_host_tier
+
+WRITE_POLICIES = ("write_through_selective", "write_through", "write_back")
+SELECTIVE_MIN_HITS = 1  # write_through_selective copies a node once it was hit this often
+
+
+class TieredNode(TreeNode):
+    __slots__ = ("host_value", "storage_keys")
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.host_value: torch.Tensor | None = None  # host slots, or None: not on the host
+        self.storage_keys: list[bytes] | None = None  # chained page keys, computed on need
+
+
+class TieredRadixCache(RadixCache):
+    node_class = TieredNode
+
+    def __init__(
+        self,
+        allocator: PagedAllocator,
+        host: HostKVPool,
+        write_policy: str = "write_through_selective",
+        eviction_policy: str = "lru",
+        event_queue: KVEventQueue | None = None,
+        load_back_min_tokens: int = 1,
+    ):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"unknown write policy {write_policy!r}; choose one of {WRITE_POLICIES}"
+            )
+        if host.page_size != allocator.page_size:
+            raise ValueError("the host pool and the device pool must use the same page size")
+        super().__init__(allocator, eviction_policy, event_queue)
+        self.host = host
+        self.write_policy = write_policy
+        self.load_back_min_tokens = load_back_min_tokens
+        self.storage: Any = None  # a StorageTier, attached by storage_tier.attach_storage
+        self._host_heap = LeafHeap(self._heap.priority)
+        self._host_leaves: set[TieredNode] = set()
+        self._host_size = 0  # tokens with a host copy
+        self._flushing = False
+        self.tiers = TierStats(write_policy=write_policy, host_capacity_tokens=host.num_slots,
+                               host_bytes_per_token=host.page_nbytes // host.page_size)  # fmt: skip
+
+    # ------------------------------------------------------------------ RadixCache hooks
+    def _split_payload(self, mid: TieredNode, child: TieredNode, n: int) -> None:
+        if child.value is not None:
+            super()._split_payload(mid, child, n)
+        if child.host_value is not None:
+            mid.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
+        if child.storage_keys is not None:
+            keys, cut = child.storage_keys, n // self.page_size
+            mid.storage_keys, child.storage_keys = keys[:cut], keys[cut:]
+
+    def _is_leaf(self, node: TreeNode) -> bool:
+        return all(c.value is None for c in node.children.values())
+
+    def _reuse(self, node: TieredNode, indices: torch.Tensor) -> bool:
+        if node.value is not None:
+            return True
+        self._to_device(node, indices.to(torch.int64, copy=True))  # recomputed: take its slots
+        return False
+
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
+        leaf = super()._add_leaf(parent, key, value)
+        if self.write_policy == "write_through":
+            self._backup(leaf)
+        return leaf
+
+    def _touch(self, node: TreeNode | None) -> None:
+        super()._touch(node)
+        if node in self._host_leaves:
+            self._host_heap.push(node)
+            self._host_heap.maybe_compact(self._host_leaves, len(self._host_leaves))
+
+    def _match_result(self, path: list[TreeNode], last: TreeNode | None) -> MatchResult:
+        k = 0
+        while k < len(path) and path[k].value is not None:
+            k += 1
+        handle = path[k - 1] if k else (path[0].parent if path else last)
+        result = super()._match_result(path[:k], handle)
+        if k < len(path):
+            result.host_len = sum(len(n.key) for n in path[k:])
+            result.lower_handle = path[-1]
+        return result
+
+    def record_hit(self, node: TreeNode | None, lookup_tokens: int, hit_tokens: int,
+                   host_tokens: int = 0, storage_tokens: int = 0) -> None:  # fmt: skip
+        super().record_hit(node, lookup_tokens, hit_tokens, host_tokens, storage_tokens)
+        if self.write_policy != "write_through_selective":
+            return
+        while node is not None and node.parent is not None:
+            if node.host_value is None and node.hit_count >= SELECTIVE_MIN_HITS:
+                self._backup(node)
+            node = node.parent
+
+    def _remove_leaf(self, node: TieredNode) -> int:
+        """Evict a device leaf: keep it on the host if it has (or can get) a host copy."""
+        if node.host_value is None and not self._flushing:
+            if self.write_policy == "write_back" or node.children:
+                self._backup(node)
+        if node.host_value is None:
+            for child in list(node.children.values()):
+                self._delete_host_subtree(child)  # nothing to hang below: drop them
+            return super()._remove_leaf(node)
+        size = len(node.key)
+        self.allocator.free(node.value)
+        node.value = None
+        self._evictable_leaves.discard(node)
+        self._evictable_size -= size
+        self.stats.evicted_tokens += size
+        self.stats.evictions += 1
+        self._event(BlockRemoved, node, MEDIUM_DEVICE)
+        if not node.children:
+            self._mark_host_leaf(node)
+        parent = node.parent
+        if parent.parent is not None and parent.lock_ref == 0 and self._is_leaf(parent):
+            self._mark_leaf(parent)
+        return size
+
+    # ------------------------------------------------------------------ tier moves
+    def _event(self, kind: type, node: TreeNode, medium: str) -> None:
+        if self.events is None:
+            return
+        if kind is BlockRemoved:
+            self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
+            return
+        parent_hash = node.parent.page_hashes[-1] if node.parent.page_hashes else None
+        self.events.append(BlockStored(node.page_hashes, parent_hash, node.key.tolist(),
+                                       self.page_size, node.namespace, medium))  # fmt: skip
+
+    def _backup(self, node: TieredNode) -> bool:
+        """Copy a device node's KV to the host (making host room if needed)."""
+        n = len(node.key)
+        slots = self.host.alloc(n)
+        if slots is None:
+            self.evict_host(n - self.host.allocator.free_size())
+            slots = self.host.alloc(n)
+        if slots is None:
+            self.tiers.backup_failures += 1
+            return False
+        self.host.backup(node.value, slots)
+        node.host_value = slots
+        self._host_size += n
+        self._event(BlockStored, node, MEDIUM_HOST)
+        if self.storage is not None:
+            self.storage.write(self._storage_keys(node), slots)
+        return True
+
+    def _to_device(self, node: TieredNode, slots: torch.Tensor) -> None:
+        """An off-device node gets device slots (its KV is there, or about to be)."""
+        node.value = slots
+        self._host_leaves.discard(node)
+        self._evictable_leaves.discard(node.parent)  # it has a device child now
+        self._evictable_size += len(node.key)  # off-device nodes are never locked
+        if self._is_leaf(node):
+            self._mark_leaf(node)
+        self._event(BlockStored, node, MEDIUM_DEVICE)
+
+    def _mark_host_leaf(self, node: TieredNode) -> None:
+        self._host_leaves.add(node)
+        self._host_heap.push(node)
+
+    def _delete_host_leaf(self, leaf: TieredNode) -> int:
+        parent = leaf.parent
+        size = len(leaf.key)
+        self.host.free(leaf.host_value)
+        self._host_size -= size
+        self._host_leaves.discard(leaf)
+        del parent.children[self._child_key(leaf.key)]
+        self.tiers.host_evicted_tokens += size
+        self._event(BlockRemoved, leaf, MEDIUM_HOST)
+        if parent.parent is None:
+            if not parent.children and parent.namespace is not None:
+                del self._roots[parent.namespace]
+        elif parent.value is None and not parent.children:
+            self._mark_host_leaf(parent)
+        return size
+
+    def _delete_host_subtree(self, node: TieredNode) -> None:
+        for child in list(node.children.values()):
+            self._delete_host_subtree(child)
+        self._host_leaves.add(node)  # a leaf now, whatever the heap says
+        self._delete_host_leaf(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Delete host-only leaves, lowest priority first, until ``num_tokens`` are freed."""
+        freed = 0
+        while freed < num_tokens:
+            leaf = self._host_heap.pop(self._host_leaves.__contains__)
+            if leaf is None:
+                break
+            freed += self._delete_host_leaf(leaf)
+        return freed
+
+    def _alloc_device(self, n: int) -> torch.Tensor | None:
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.evict(n - self.allocator.free_size())
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        if match.host_len == 0 or match.host_len < self.load_back_min_tokens:
+            return match
+        nodes: list[TieredNode] = []
+        node = match.lower_handle
+        while node is not match.handle:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        # Making device room may copy device leaves to the host, which may evict host leaves:
+        # lock the device part and hide the host part's leaf from host eviction meanwhile.
+        hidden = match.lower_handle in self._host_leaves
+        self._host_leaves.discard(match.lower_handle)
+        self.inc_lock_ref(match.handle)
+        try:
+            slots = self._alloc_device(match.host_len)
+        finally:
+            self.dec_lock_ref(match.handle)
+            if hidden:
+                self._mark_host_leaf(match.lower_handle)
+        if slots is None:
+            self.tiers.load_failures += 1
+            return match
+        start = time.perf_counter()
+        try:
+            self.host.restore(torch.cat([n.host_value for n in nodes]), slots)
+        except BaseException:
+            self.allocator.free(slots)
+            raise
+        offset = 0
+        for node in nodes:
+            self._to_device(node, slots[offset : offset + len(node.key)])
+            offset += len(node.key)
+        self.tiers.loads += 1
+        self.tiers.load_latency.observe(time.perf_counter() - start)
+        return MatchResult(
+            device_indices=torch.cat([match.device_indices, slots]),
+            handle=nodes[-1],
+            device_len=match.device_len + match.host_len,
+            storage_len=match.storage_len,
+        )
+
+    def attach_host(
+        self, token_ids: TokenIds, extra_key: Any, start: int, host_slots: torch.Tensor,
+        keys: list[bytes],
+    ) -> int:  # fmt: skip
+        """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
+        cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
+        the tokens added (0 if the prefix is no longer cached)."""
+        key = as_token_array(token_ids)[: start + len(host_slots)]
+        match = self.match_prefix(key, extra_key, record_stats=False)
+        pos = match.total_len
+        if pos < start or pos == len(key):
+            self.host.free(host_slots)
+            return 0
+        self.host.free(host_slots[: pos - start])  # cached meanwhile: duplicates
+        parent = match.lower_handle or match.handle or self._root(extra_key)
+        leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
+        leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
+        leaf.storage_keys = keys[(pos - start) // self.page_size :]
+        leaf.last_access = self._clock
+        parent.children[self._child_key(leaf.key)] = leaf
+        if self.events is not None:
+            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
+            leaf.page_hashes = chain_page_hashes(parent_hash, leaf.key, self.page_size,
+                                                 leaf.namespace)  # fmt: skip
+        self._event(BlockStored, leaf, MEDIUM_HOST)
+        self._host_size += len(leaf.key)
+        self._host_leaves.discard(parent)
+        self._mark_host_leaf(leaf)
+        return len(leaf.key)
+
+    def _storage_keys(self, node: TieredNode) -> list[bytes]:
+        """The node's chained storage keys, computed (and kept) down from the nearest
+        ancestor that has them."""
+        chain = []
+        n = node
+        while n.parent is not None and n.storage_keys is None:
+            chain.append(n)
+            n = n.parent
+        prev = n.storage_keys[-1] if n.parent is not None else None
+        for n in reversed(chain):
+            n.storage_keys = self.storage.page_keys(n.namespace, n.key, prev)
+            prev = n.storage_keys[-1]
+        return node.storage_keys
+
+    # ------------------------------------------------------------------ interface
+    def host_size(self) -> int:
+        return self._host_size
+
+    def reset(self) -> int:
+        self._flushing = True  # no copies to the host: everything goes
+        try:
+            freed = self.evict(self._evictable_size)
+        finally:
+            self._flushing = False
+        freed += self.evict_host(self._host_size)
+        if self.events is not None and self.total_size() == 0 and self._host_size == 0:
+            self.events.append(AllBlocksCleared())
+        return freed
+
+    def tier_stats(self) -> TierStats:
+        t, moved = self.tiers, self.host.stats
+        t.host_cached_tokens = self._host_size
+        t.pages_to_host, t.bytes_to_host = moved.pages_to_host, moved.bytes_to_host
+        t.pages_to_device, t.bytes_to_device = moved.pages_to_device, moved.bytes_to_device
+        if self.storage is not None:
+            self.storage.fill_stats(t)
+        return t.snapshot()
+
+    def check_integrity(self, held_indices: torch.Tensor | None = None) -> None:
+        super().check_integrity(held_indices)
+        held = self.storage.held_host_slots() if self.storage is not None else EMPTY_INDICES
+        check_host_tier(self, held)
