@@ -114,6 +114,9 @@ class HostKVPool:
         """One page's bytes (every layer's K and V), a view: storage reads and writes it."""
         return memoryview(self.data[page].view(torch.uint8).numpy()).cast("B")
 
+    def pages(self, pages: list[int]) -> PageBatch:
+        return PageBatch(self, pages)
+
     # ------------------------------------------------------------------ copies
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         """Copy the KV of ``device_slots`` into ``host_slots`` (same length, whole pages)."""
@@ -183,3 +186,21 @@ class HostKVPool:
         if held_slots is not None:
             held.append(held_slots)
         self.allocator.check(cached_slots, torch.cat(held))
+
+
+class PageBatch:
+    """Host pages as a storage backend sees them (``storage.base.HostPages``): the j-th
+    buffer is page ``pages[j]`` of the pool, read and written in place."""
+
+    def __init__(self, pool: HostKVPool, pages: list[int]):
+        self.pool, self.page_ids = pool, pages
+        self.page_nbytes = pool.page_nbytes
+
+    def __len__(self) -> int:
+        return len(self.page_ids)
+
+    def read_page(self, i: int) -> memoryview:
+        return self.pool.page_buffer(self.page_ids[i])
+
+    def write_page(self, i: int, data: memoryview) -> None:
+        self.pool.page_buffer(self.page_ids[i])[:] = memoryview(data).cast("B")

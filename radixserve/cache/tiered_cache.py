@@ -40,6 +40,7 @@ from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds, as_token
 from radixserve.cache.events import (
     MEDIUM_DEVICE,
     MEDIUM_HOST,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -197,8 +198,26 @@ class TieredRadixCache(RadixCache):
         self._host_size += n
         self._event(BlockStored, node, MEDIUM_HOST)
         if self.storage is not None:
-            self.storage.write(self._storage_keys(node), slots)
+            self.storage.write(self._storage_keys(node), slots, self._on_stored(node))
         return True
+
+    def _on_stored(self, node: TieredNode):
+        """A callback that reports the node's first pages written to storage (KV events)."""
+        if self.events is None:
+            return None
+        parent_hash = node.parent.page_hashes[-1] if node.parent.page_hashes else None
+        hashes, tokens, ns, p = (
+            list(node.page_hashes),
+            node.key.tolist(),
+            node.namespace,
+            self.page_size,
+        )
+
+        def emit(n: int) -> None:
+            stored = BlockStored(hashes[:n], parent_hash, tokens[: n * p], p, ns, MEDIUM_STORAGE)
+            self.events.append(stored)
+
+        return emit
 
     def _to_device(self, node: TieredNode, slots: torch.Tensor) -> None:
         """An off-device node gets device slots (its KV is there, or about to be)."""
@@ -362,6 +381,23 @@ class TieredRadixCache(RadixCache):
         if self.storage is not None:
             self.storage.fill_stats(t)
         return t.snapshot()
+
+    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Any:
+        return self.storage.start_prefetch(token_ids, extra_key) if self.storage else None
+
+    def poll_transfers(self, timeout: float = 0.0) -> None:
+        if self.storage is not None:
+            self.storage.poll(timeout)
+
+    def clear_storage(self) -> bool:
+        if self.storage is None:
+            return False
+        self.storage.clear()
+        return True
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
 
     def check_integrity(self, held_indices: torch.Tensor | None = None) -> None:
         super().check_integrity(held_indices)
