@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.tiered_cache import WRITE_POLICIES
 from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
 
 ENGINE_FLAGS = {
@@ -49,7 +50,40 @@ ENGINE_FLAGS = {
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
+    # the hierarchical cache (README: "Hierarchical cache")
+    "host_kv_memory": dict(
+        help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "
+        "evicts is kept there and loaded back on a hit; default: no host tier"
+    ),
+    "write_policy": dict(
+        choices=WRITE_POLICIES,
+        help="when KV is copied to the host tier: once reused (write_through_selective), as "
+        "soon as computed (write_through) or when evicted (write_back); default "
+        "write_through_selective, or write_through with --kv-storage",
+    ),
+    "kv_storage": dict(
+        help="storage tier (L3) below the host tier, shared by restarts and instances: "
+        "file:///absolute/path or redis://host:port/db"
+    ),
+    "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
+    "load_back_min_tokens": dict(
+        type=int,
+        default=EngineConfig.load_back_min_tokens,
+        help="a shorter host-tier hit is recomputed instead of loaded; default %(default)s",
+    ),
+    "storage_prefetch_min_tokens": dict(
+        type=int,
+        default=EngineConfig.storage_prefetch_min_tokens,
+        help="a shorter storage hit is not fetched; default %(default)s",
+    ),
+    "storage_prefetch_timeout": dict(
+        type=float,
+        default=EngineConfig.storage_prefetch_timeout,
+        help="seconds a request waits for pages from storage before computing them; "
+        "default %(default)s",
+    ),
 }
+ALIASES = {"host_kv_memory": ("--hicache-size",)}  # SGLang's name for the same option
 
 
 def flag(option: str) -> str:
@@ -59,7 +93,7 @@ def flag(option: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for option, kwargs in ENGINE_FLAGS.items():
-        group.add_argument(flag(option), dest=option, **kwargs)
+        group.add_argument(flag(option), *ALIASES.get(option, ()), dest=option, **kwargs)
     group.add_argument(
         "--disable-prefix-caching",
         action="store_true",
@@ -163,9 +197,12 @@ def cmd_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         history.append({"role": "assistant", "content": tracker.text})
         rate = len(tracker.token_ids) / max(elapsed - (ttft or 0), 1e-9)
+        split = ""
+        if config.host_kv_memory is not None:
+            split = " (" + ", ".join(f"{k} {v}" for k, v in tracker.cached_by_tier().items()) + ")"
         print(
             f"\n[prompt {tracker.prompt_tokens} tokens, {tracker.cached_tokens} from cache "
-            f"({100 * tracker.cached_tokens / tracker.prompt_tokens:.0f}%); "
+            f"({100 * tracker.cached_tokens / tracker.prompt_tokens:.0f}%){split}; "
             f"TTFT {ttft or 0:.3f} s; {rate:.1f} tokens/s]"
         )
 
