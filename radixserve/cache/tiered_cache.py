@@ -1,5 +1,6 @@
 """TieredRadixCache: the radix tree over the device pool (L1) and a host pool (L2), with an
-optional storage tier below (L3, ``storage_tier.StorageTier``).
+optional storage tier below (L3, ``storage_tier.StorageTier``). The host-only nodes' own
+bookkeeping is in ``host_tree.HostTree``; this module moves KV between the tiers.
 
 A node holds its tokens' KV on the device (``value``: slots), on the host (``host_value``), or
 on both. Invariants (``check_integrity``, after every test step):
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.allocator import PagedAllocator
-from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds, as_token_array
+from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds
 from radixserve.cache.events import (
     MEDIUM_DEVICE,
     MEDIUM_HOST,
@@ -45,11 +46,10 @@ from radixserve.cache.events import (
     BlockRemoved,
     BlockStored,
     KVEventQueue,
-    chain_page_hashes,
 )
-from radixserve.cache.eviction import LeafHeap
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.host_tree import HostTree, TieredNode
+from radixserve.cache.radix_cache import TreeNode
 from radixserve.cache.tier_stats import TierStats
 from radixserve.cache.tree_check import check_host_tier
 
@@ -57,18 +57,7 @@ WRITE_POLICIES = ("write_through_selective", "write_through", "write_back")
 SELECTIVE_MIN_HITS = 1  # write_through_selective copies a node once it was hit this often
 
 
-class TieredNode(TreeNode):
-    __slots__ = ("host_value", "storage_keys")
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.host_value: torch.Tensor | None = None  # host slots, or None: not on the host
-        self.storage_keys: list[bytes] | None = None  # chained page keys, computed on need
-
-
-class TieredRadixCache(RadixCache):
-    node_class = TieredNode
-
+class TieredRadixCache(HostTree):
     def __init__(
         self,
         allocator: PagedAllocator,
@@ -82,30 +71,13 @@ class TieredRadixCache(RadixCache):
             raise ValueError(
                 f"unknown write policy {write_policy!r}; choose one of {WRITE_POLICIES}"
             )
-        if host.page_size != allocator.page_size:
-            raise ValueError("the host pool and the device pool must use the same page size")
-        super().__init__(allocator, eviction_policy, event_queue)
-        self.host = host
-        self.write_policy = write_policy
+        super().__init__(allocator, host, eviction_policy, event_queue)
+        self.write_policy = self.tiers.write_policy = write_policy
         self.load_back_min_tokens = load_back_min_tokens
         self.storage: Any = None  # a StorageTier, attached by storage_tier.attach_storage
-        self._host_heap = LeafHeap(self._heap.priority)
-        self._host_leaves: set[TieredNode] = set()
-        self._host_size = 0  # tokens with a host copy
         self._flushing = False
-        self.tiers = TierStats(write_policy=write_policy, host_capacity_tokens=host.num_slots,
-                               host_bytes_per_token=host.page_nbytes // host.page_size)  # fmt: skip
 
     # ------------------------------------------------------------------ RadixCache hooks
-    def _split_payload(self, mid: TieredNode, child: TieredNode, n: int) -> None:
-        if child.value is not None:
-            super()._split_payload(mid, child, n)
-        if child.host_value is not None:
-            mid.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
-        if child.storage_keys is not None:
-            keys, cut = child.storage_keys, n // self.page_size
-            mid.storage_keys, child.storage_keys = keys[:cut], keys[cut:]
-
     def _is_leaf(self, node: TreeNode) -> bool:
         return all(c.value is None for c in node.children.values())
 
@@ -120,12 +92,6 @@ class TieredRadixCache(RadixCache):
         if self.write_policy == "write_through":
             self._backup(leaf)
         return leaf
-
-    def _touch(self, node: TreeNode | None) -> None:
-        super()._touch(node)
-        if node in self._host_leaves:
-            self._host_heap.push(node)
-            self._host_heap.maybe_compact(self._host_leaves, len(self._host_leaves))
 
     def _match_result(self, path: list[TreeNode], last: TreeNode | None) -> MatchResult:
         k = 0
@@ -173,16 +139,6 @@ class TieredRadixCache(RadixCache):
         return size
 
     # ------------------------------------------------------------------ tier moves
-    def _event(self, kind: type, node: TreeNode, medium: str) -> None:
-        if self.events is None:
-            return
-        if kind is BlockRemoved:
-            self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
-            return
-        parent_hash = node.parent.page_hashes[-1] if node.parent.page_hashes else None
-        self.events.append(BlockStored(node.page_hashes, parent_hash, node.key.tolist(),
-                                       self.page_size, node.namespace, medium))  # fmt: skip
-
     def _backup(self, node: TieredNode) -> bool:
         """Copy a device node's KV to the host (making host room if needed)."""
         n = len(node.key)
@@ -228,42 +184,6 @@ class TieredRadixCache(RadixCache):
         if self._is_leaf(node):
             self._mark_leaf(node)
         self._event(BlockStored, node, MEDIUM_DEVICE)
-
-    def _mark_host_leaf(self, node: TieredNode) -> None:
-        self._host_leaves.add(node)
-        self._host_heap.push(node)
-
-    def _delete_host_leaf(self, leaf: TieredNode) -> int:
-        parent = leaf.parent
-        size = len(leaf.key)
-        self.host.free(leaf.host_value)
-        self._host_size -= size
-        self._host_leaves.discard(leaf)
-        del parent.children[self._child_key(leaf.key)]
-        self.tiers.host_evicted_tokens += size
-        self._event(BlockRemoved, leaf, MEDIUM_HOST)
-        if parent.parent is None:
-            if not parent.children and parent.namespace is not None:
-                del self._roots[parent.namespace]
-        elif parent.value is None and not parent.children:
-            self._mark_host_leaf(parent)
-        return size
-
-    def _delete_host_subtree(self, node: TieredNode) -> None:
-        for child in list(node.children.values()):
-            self._delete_host_subtree(child)
-        self._host_leaves.add(node)  # a leaf now, whatever the heap says
-        self._delete_host_leaf(node)
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Delete host-only leaves, lowest priority first, until ``num_tokens`` are freed."""
-        freed = 0
-        while freed < num_tokens:
-            leaf = self._host_heap.pop(self._host_leaves.__contains__)
-            if leaf is None:
-                break
-            freed += self._delete_host_leaf(leaf)
-        return freed
 
     def _alloc_device(self, n: int) -> torch.Tensor | None:
         slots = self.allocator.alloc(n)
@@ -314,36 +234,6 @@ class TieredRadixCache(RadixCache):
             storage_len=match.storage_len,
         )
 
-    def attach_host(
-        self, token_ids: TokenIds, extra_key: Any, start: int, host_slots: torch.Tensor,
-        keys: list[bytes],
-    ) -> int:  # fmt: skip
-        """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
-        cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
-        the tokens added (0 if the prefix is no longer cached)."""
-        key = as_token_array(token_ids)[: start + len(host_slots)]
-        match = self.match_prefix(key, extra_key, record_stats=False)
-        pos = match.total_len
-        if pos < start or pos == len(key):
-            self.host.free(host_slots)
-            return 0
-        self.host.free(host_slots[: pos - start])  # cached meanwhile: duplicates
-        parent = match.lower_handle or match.handle or self._root(extra_key)
-        leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
-        leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
-        leaf.storage_keys = keys[(pos - start) // self.page_size :]
-        leaf.last_access = self._clock
-        parent.children[self._child_key(leaf.key)] = leaf
-        if self.events is not None:
-            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
-            leaf.page_hashes = chain_page_hashes(parent_hash, leaf.key, self.page_size,
-                                                 leaf.namespace)  # fmt: skip
-        self._event(BlockStored, leaf, MEDIUM_HOST)
-        self._host_size += len(leaf.key)
-        self._host_leaves.discard(parent)
-        self._mark_host_leaf(leaf)
-        return len(leaf.key)
-
     def _storage_keys(self, node: TieredNode) -> list[bytes]:
         """The node's chained storage keys, computed (and kept) down from the nearest
         ancestor that has them."""
@@ -359,9 +249,6 @@ class TieredRadixCache(RadixCache):
         return node.storage_keys
 
     # ------------------------------------------------------------------ interface
-    def host_size(self) -> int:
-        return self._host_size
-
     def reset(self) -> int:
         self._flushing = True  # no copies to the host: everything goes
         try:
