@@ -144,8 +144,12 @@ def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
     config = engine_config_from_args(parser, args)
     params = sampling_params_from_args(parser, args)
-    llm = LLM.from_config(config)
-    for prompt in args.prompts:
+    with LLM.from_config(config) as llm:
+        return _generate(llm, args.prompts, params)
+
+
+def _generate(llm, prompts: list[str], params) -> int:
+    for prompt in prompts:
         t0 = time.perf_counter()
         out = llm.generate(prompt, params)[0]
         elapsed = time.perf_counter() - t0
@@ -163,7 +167,11 @@ def cmd_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(parser, args)
     params = sampling_params_from_args(parser, args)
-    llm = LLM.from_config(config)
+    with LLM.from_config(config) as llm:
+        return _chat(llm, args, params, config)
+
+
+def _chat(llm, args: argparse.Namespace, params, config: EngineConfig) -> int:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

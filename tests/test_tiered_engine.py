@@ -187,8 +187,39 @@ def test_a_hung_redis_delays_admission_by_the_timeout_only(engines, reference):
             start = time.monotonic()
             out, tokens = run(second, SHARED + TAILS[1], "b")
             elapsed = time.monotonic() - start
+            # the store still hangs: the next request does not wait for it again
+            out2, tokens2 = run(second, SHARED + TAILS[2], "c")
         finally:
             os.kill(redis.proc.pid, 18)  # SIGCONT, so the server can be stopped
     assert tokens == reference[1] and out.storage_cached_tokens == 0
+    assert tokens2 == reference[2]
     assert second.stats().tiers.prefetch_timeouts == 1
     assert elapsed < 30  # waited 0.3 s for its pages, then computed them
+
+
+def test_storage_writes_are_kv_events_of_medium_storage(engines, tmp_path):
+    engine = engines(kv_storage=f"file://{tmp_path}", enable_kv_events=True)
+    run(engine, SHARED + TAILS[0], "a")
+    deadline = time.monotonic() + 30
+    media: set[str] = set()
+    while "storage" not in media and time.monotonic() < deadline:
+        engine.cache.poll_transfers(timeout=0.1)
+        media |= {getattr(e, "medium", None) for e in engine.kv_events.drain()}
+    assert {"device", "host", "storage"} <= media
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(host_kv_memory="1KiB"), "host tier must be larger than the device pool"),
+        (dict(host_kv_memory=None, kv_storage="file:///tmp/x"), "needs a host tier"),
+        (dict(kv_storage="ftp://host/x"), "use file:///absolute/path or redis://"),
+        (dict(kv_storage="file://relative/path"), "three slashes"),
+        (dict(kv_storage_size="1MiB"), "kv_storage_size needs kv_storage"),
+        (dict(write_policy="write_around"), "unknown write_policy"),
+        (dict(storage_prefetch_timeout=0), "storage_prefetch_timeout must be positive"),
+    ],
+)
+def test_bad_tier_options_are_clear_errors(make_engine, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine(**{**TIERS, **options})

@@ -123,6 +123,8 @@ class HostKVPool:
         pool, ps = self.device_pool, self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
+        if self._stream is not None:  # the slots may be the target of a load still running
+            torch.cuda.current_stream(pool.device).wait_stream(self._stream)
         dev_slots = device_slots.to(pool.device, non_blocking=True)
         for layer in range(pool.shape.num_layers):
             kv = torch.stack(

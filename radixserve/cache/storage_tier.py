@@ -87,6 +87,8 @@ class StorageTier:
         self.stats = cache.tiers
         self.stats.storage_url = url
         self._pending_pages = 0
+        self._reads_out = 0  # reader jobs not answered yet
+        self._last_read = time.monotonic()  # when the reader last answered (or went idle)
         self._held: dict[int, torch.Tensor] = {}  # id(prefetch) -> host slots being fetched
         self._results: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
@@ -119,13 +121,24 @@ class StorageTier:
         key = as_token_array(token_ids)
         start = self.cache.peek_prefix(key, extra_key).length
         end = len(key) - len(key) % self.page_size
-        if end - start < self.min_tokens:
+        if end - start < self.min_tokens or self.stalled():
             return None
         keys = self.page_keys(extra_key, key[:end], None)[start // self.page_size :]
         prefetch = Prefetch(self, key[:end].copy(), extra_key, start, keys)
         self.stats.prefetches += 1
-        self._reads.put(("lookup", prefetch))
+        self._read(("lookup", prefetch))
         return prefetch
+
+    def stalled(self) -> bool:
+        """The reader has not answered for longer than the timeout (a store that hangs): new
+        requests do not wait for it, so a hung store costs its timeout once, not per request."""
+        return self._reads_out > 0 and time.monotonic() - self._last_read > self.timeout
+
+    def _read(self, job: tuple) -> None:
+        if self._reads_out == 0:
+            self._last_read = time.monotonic()
+        self._reads_out += 1
+        self._reads.put(job)
 
     def poll(self, timeout: float = 0.0) -> None:
         try:
@@ -135,6 +148,9 @@ class StorageTier:
         except queue.Empty:
             return
         while True:
+            if result[0] in ("found", "fetched"):
+                self._reads_out -= 1
+                self._last_read = time.monotonic()
             getattr(self, f"_on_{result[0]}")(*result[1:])
             try:
                 result = self._results.get_nowait()
@@ -156,7 +172,7 @@ class StorageTier:
         p.host_slots = slots
         self._held[id(p)] = slots
         self.host.io_begin(pages)
-        self._reads.put(("fetch", p, pages))
+        self._read(("fetch", p, pages))
 
     def _on_fetched(self, p: Prefetch, pages: list[int], num_read: int) -> None:
         self.host.io_end(pages)
