@@ -1,7 +1,8 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
 Messages in (PULL, pickled tuples):
-    ("add", request_id, prompt_ids, SamplingParams)   -> ("added", id) or ("rejected", id, msg)
+    ("add", request_id, prompt_ids, SamplingParams, extra_key)
+                                                      -> ("added", id) or ("rejected", id, msg)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -13,11 +14,18 @@ bug.
 New messages are read between steps: the loop never blocks while requests are running, and
 sleeps on the socket when idle. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
 boundary), which the HTTP side turns into metrics.
+
+The loop never dies on one message: a message that cannot be read or handled is logged with
+its traceback and answered with a short error for that request alone. A step that raises
+(the engine isolates the errors of its forward pass itself; this is the net below it) ends
+every unfinished request with ``finish_reason="error"``; if the slot ledger is then no longer
+whole, the process exits with ``EXIT_CORRUPT`` so the HTTP side starts a fresh engine.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -32,6 +40,11 @@ from radixserve.engine.stats import EngineStats
 
 IDLE_POLL_MS = 200
 PR_SET_PDEATHSIG = 1
+EXIT_CORRUPT = 3
+STEP_ERROR = "the engine failed while computing this request; the details are in the server log"
+ADD_ERROR = "the engine could not take this request; the details are in the server log"
+
+log = logging.getLogger("radixserve.engine")
 
 
 class _Shutdown(Exception):
@@ -45,11 +58,15 @@ class EngineLoop:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, params = msg
+            _, rid, prompt_ids, params, extra_key = msg
             try:
-                self.engine.add_request(rid, prompt_ids, params)
+                self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key)
             except ValueError as e:
                 self.push.send_pyobj(("rejected", rid, str(e)))
+            except Exception:
+                log.exception("request %s could not be added", rid)
+                self._forget(rid)
+                self.push.send_pyobj(("rejected", rid, ADD_ERROR))
             else:
                 self.push.send_pyobj(("added", rid))
         elif kind == "abort":
@@ -68,6 +85,54 @@ class EngineLoop:
             self.push.send_pyobj(("rpc", call_id, ok, value, self.engine.stats()))
         else:
             raise ValueError(f"unknown message {kind!r}")
+
+    def _forget(self, rid: str) -> None:
+        """Drop what a failed ``add_request`` may have left of request ``rid``."""
+        if rid in self.engine.requests:
+            try:
+                self.engine.abort_request(rid, "error")
+            except Exception:
+                log.exception("request %s could not be dropped", rid)
+
+    def receive(self) -> None:
+        """Read and handle one message; whatever goes wrong is logged, never raised."""
+        try:
+            msg = self.pull.recv_pyobj()
+        except Exception:
+            log.exception("an unreadable message was dropped")
+            return
+        try:
+            self.handle(msg)
+        except _Shutdown:
+            raise
+        except Exception:
+            log.exception("handling a %r message failed", msg[0] if msg else None)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("an engine step failed; its requests end with an error")
+            outputs = self._fail_unfinished()
+            try:
+                self.engine.check_integrity()
+            except Exception:
+                log.critical("the KV slot ledger is broken after a failed step; exiting")
+                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                raise SystemExit(EXIT_CORRUPT) from None
+        self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+
+    def _fail_unfinished(self) -> list:
+        outputs = []
+        for rid in list(self.engine.requests):
+            try:
+                out = self.engine.abort_request(rid, "error")
+            except Exception:
+                log.exception("request %s could not be ended", rid)
+                continue
+            if out is not None:
+                outputs.append(dataclasses.replace(out, error=STEP_ERROR))
+        return outputs
 
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
@@ -95,13 +160,12 @@ class EngineLoop:
                 return  # the HTTP process is gone: nobody will read our outputs
             while poller.poll(timeout):
                 try:
-                    self.handle(self.pull.recv_pyobj())
+                    self.receive()
                 except _Shutdown:
                     return
                 timeout = 0
             if self.engine.has_unfinished():
-                outputs = self.engine.step()
-                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                self.step()
 
 
 def _die_with_parent() -> None:
@@ -129,9 +193,15 @@ def run_engine_process(
         EngineLoop(engine, pull, push).run()
         engine.close()  # pending writes to the storage tier finish (a warm restart needs them)
     except Exception:
+        # the traceback goes to the HTTP process's log, never to a client
         push.send_pyobj(("fatal", traceback.format_exc()))
+        push.close(linger=1000)  # give the message time to leave
         raise
     finally:
-        push.close(linger=1000)
+        push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+    # A clean shutdown: nothing is left to flush, and tearing down torch's interpreter state
+    # takes seconds that a server stopping under a deadline does not have.
+    logging.shutdown()
+    os._exit(0)

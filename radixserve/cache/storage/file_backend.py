@@ -44,6 +44,7 @@ class FileBackend(StorageBackend):
             )
         self.root = Path(root)
         self.dir = self.root / scope.tag
+        self._dirname = str(self.dir)
         self.capacity_bytes = capacity_bytes
         self._record = record
         self._lru: OrderedDict[str, int] = OrderedDict()  # key hex -> file size, oldest first
@@ -171,7 +172,7 @@ class FileBackend(StorageBackend):
     # -- helpers --------------------------------------------------------------------------
 
     def _path(self, hexkey: str) -> Path:
-        return self.dir / hexkey[:2] / (hexkey + SUFFIX)
+        return Path(self._dirname, hexkey[:2], hexkey + SUFFIX)
 
     def _read(self, path: Path, view: memoryview) -> int:
         """Read a whole page file into ``view``; returns its size (checked by the caller)."""

@@ -8,29 +8,33 @@ Layer-major, so a loader can hand a page to the device layer by layer. The heade
 endian) lets a reader refuse anything that is not exactly the page it asked for::
 
     magic "RXKV" | format version u16 | header size u16 | layout id 8B | key 16B
-    | payload size u64 | CRC-32 of the payload u32 | 4 bytes zero
+    | payload size u64 | XXH3-64 of the payload u64
 
 A truncated file, a page of another model or layout, a page stored under the wrong name, a
 flipped bit: each fails ``check_page`` with ``PageFormatError`` saying which check failed.
-CRC-32 (zlib, ~1.2 GB/s here) is enough: it guards against corruption, not an adversary.
+XXH3-64 guards against corruption, not an adversary; it runs at ~30 GB/s here (zlib's CRC-32
+at 1-3 GB/s took half the time of a page load).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 MAGIC = b"RXKV"
 FORMAT_VERSION = 1
 KEY_BYTES = 16
-_HEADER = struct.Struct("<4sHH8s16sQI4x")
+_HEADER = struct.Struct("<4sHH8s16sQQ")
 HEADER_BYTES = _HEADER.size  # 48
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PageFormatError(ValueError):
@@ -69,15 +73,12 @@ class PageLayout:
     def page_shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
 
-    @property
+    # cached: these are read for every page moved
+    @functools.cached_property
     def page_nbytes(self) -> int:
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        n = 1
-        for d in self.page_shape:
-            n *= d
-        return n * elem
+        return math.prod(self.page_shape) * _ELEMENT_BYTES[self.dtype]
 
-    @property
+    @functools.cached_property
     def descriptor(self) -> str:
         """Canonical text naming the layout (and the payload order, via the format version)."""
         return (
@@ -85,11 +86,11 @@ class PageLayout:
             f":P{self.page_size}:{self.dtype}"
         )
 
-    @property
+    @functools.cached_property
     def layout_id(self) -> bytes:
         return hashlib.blake2b(self.descriptor.encode(), digest_size=8).digest()
 
-    @property
+    @functools.cached_property
     def record_nbytes(self) -> int:
         """Size of a stored page: header plus payload."""
         return HEADER_BYTES + self.page_nbytes
@@ -103,7 +104,7 @@ def pack_header(layout: PageLayout, key: bytes, payload) -> bytes:
     if len(key) != KEY_BYTES:
         raise ValueError(f"a page key must be {KEY_BYTES} bytes, got {len(key)}")
     return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.layout_id, key, len(view), zlib.crc32(view)
+        MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.layout_id, key, len(view), _digest(view)
     )
 
 
@@ -112,7 +113,7 @@ def check_page(layout: PageLayout, key: bytes, record) -> memoryview:
     view = memoryview(record).cast("B")
     if len(view) < HEADER_BYTES:
         raise PageFormatError(f"truncated: {len(view)} bytes, shorter than the header")
-    magic, version, header_size, layout_id, stored_key, size, crc = _HEADER.unpack_from(view)
+    magic, version, header_size, layout_id, stored_key, size, digest = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise PageFormatError("not a radixserve KV page (bad magic)")
     if version != FORMAT_VERSION or header_size != HEADER_BYTES:
@@ -126,6 +127,10 @@ def check_page(layout: PageLayout, key: bytes, record) -> memoryview:
             f"wrong size: {len(view) - HEADER_BYTES} payload bytes, expected {layout.page_nbytes}"
         )
     payload = view[HEADER_BYTES:]
-    if zlib.crc32(payload) != crc:
+    if _digest(payload) != digest:
         raise PageFormatError("checksum mismatch (corrupt payload)")
     return payload
+
+
+def _digest(view: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(view)
