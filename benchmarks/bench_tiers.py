@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import copy
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -172,6 +173,8 @@ def main() -> None:
     )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
+    # SIGTERM unwinds like an exception, so the servers and Redis started here are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     skip = set(args.skip.split(","))
     costs = page_costs(args.repeat) if "pages" not in skip else {}
     args.bytes_per_token = costs.get("bytes_per_token", 46080)

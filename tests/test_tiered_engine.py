@@ -93,6 +93,10 @@ def test_device_and_host_hits_give_the_computed_answer(engines, reference):
     stats = engine.stats()
     assert stats.tiers.loads >= 1 and stats.tiers.pages_to_device >= 9
     assert stats.cache.host_hit_tokens == out.host_cached_tokens
+    assert stats.tiers.host_cached_tokens > 0
+    engine.flush_cache()  # empties both tiers
+    stats = engine.stats()
+    assert stats.cached_tokens == 0 and stats.tiers.host_cached_tokens == 0
 
 
 @pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])

@@ -28,6 +28,7 @@ from radixserve.config import EngineConfig
 
 log = logging.getLogger("radixserve")
 SAMPLE_BYTES = 1 << 20
+SMALL_STORAGE_PAGE = 8
 
 
 def build_cache(
@@ -56,6 +57,11 @@ def build_cache(
              host.num_slots, host.nbytes() / 2**30, config.write_policy)  # fmt: skip
     if config.kv_storage is not None:
         from radixserve.cache.storage_tier import attach_storage
+
+        if config.page_size < SMALL_STORAGE_PAGE:
+            log.warning("--kv-storage stores one entry per page of %d token(s): use --page-size "
+                        "16 or more so the store is not millions of tiny pages",
+                        config.page_size)  # fmt: skip
 
         attach_storage(
             cache, config.kv_storage, model_identity(model_path, model_name),
