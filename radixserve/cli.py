@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.tiered_cache import WRITE_POLICIES
 from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
 
 ENGINE_FLAGS = {
@@ -49,7 +50,40 @@ ENGINE_FLAGS = {
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
+    # the hierarchical cache (README: "Hierarchical cache")
+    "host_kv_memory": dict(
+        help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "
+        "evicts is kept there and loaded back on a hit; default: no host tier"
+    ),
+    "write_policy": dict(
+        choices=WRITE_POLICIES,
+        help="when KV is copied to the host tier: once reused (write_through_selective), as "
+        "soon as computed (write_through) or when evicted (write_back); default "
+        "write_through_selective, or write_through with --kv-storage",
+    ),
+    "kv_storage": dict(
+        help="storage tier (L3) below the host tier, shared by restarts and instances: "
+        "file:///absolute/path or redis://host:port/db"
+    ),
+    "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
+    "load_back_min_tokens": dict(
+        type=int,
+        default=EngineConfig.load_back_min_tokens,
+        help="a shorter host-tier hit is recomputed instead of loaded; default %(default)s",
+    ),
+    "storage_prefetch_min_tokens": dict(
+        type=int,
+        default=EngineConfig.storage_prefetch_min_tokens,
+        help="a shorter storage hit is not fetched; default %(default)s",
+    ),
+    "storage_prefetch_timeout": dict(
+        type=float,
+        default=EngineConfig.storage_prefetch_timeout,
+        help="seconds a request waits for pages from storage before computing them; "
+        "default %(default)s",
+    ),
 }
+ALIASES = {"host_kv_memory": ("--hicache-size",)}  # SGLang's name for the same option
 
 
 def flag(option: str) -> str:
@@ -59,7 +93,7 @@ def flag(option: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for option, kwargs in ENGINE_FLAGS.items():
-        group.add_argument(flag(option), dest=option, **kwargs)
+        group.add_argument(flag(option), *ALIASES.get(option, ()), dest=option, **kwargs)
     group.add_argument(
         "--disable-prefix-caching",
         action="store_true",
@@ -126,17 +160,17 @@ def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
     config = engine_config_from_args(parser, args)
     params = sampling_params_from_args(parser, args, config)
-    llm = LLM.from_config(config)
-    for prompt in args.prompts:
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, params)[0]
-        elapsed = time.perf_counter() - t0
-        print(out.text)
-        print(
-            f"[{len(out.prompt_token_ids)} prompt tokens, {out.cached_tokens} from cache; "
-            f"{len(out.token_ids)} generated in {elapsed:.2f} s; {out.finish_reason}]",
-            file=sys.stderr,
-        )
+    with LLM.from_config(config) as llm:  # on exit, pending storage writes finish
+        for prompt in args.prompts:
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, params)[0]
+            elapsed = time.perf_counter() - t0
+            print(out.text)
+            print(
+                f"[{len(out.prompt_token_ids)} prompt tokens, {out.cached_tokens} from cache; "
+                f"{len(out.token_ids)} generated in {elapsed:.2f} s; {out.finish_reason}]",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -145,7 +179,11 @@ def cmd_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(parser, args)
     params = sampling_params_from_args(parser, args, config)
-    llm = LLM.from_config(config)
+    with LLM.from_config(config) as llm:  # on exit, pending storage writes finish
+        return chat_loop(llm, args, params)
+
+
+def chat_loop(llm, args: argparse.Namespace, params) -> int:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -186,8 +224,12 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     first = first or end
     n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+    tiers = ""
+    if llm.config.host_kv_memory is not None:  # which tier the cached tokens came from
+        split = tracker.cached_by_tier().items()
+        tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(
-        f"\n[prompt {prompt} tokens: {cached} from the cache, {prompt - cached} computed; "
+        f"\n[prompt {prompt} tokens: {cached} from the cache{tiers}, {prompt - cached} computed; "
         f"first token after {first - t0:.2f} s; {n} tokens at {rate:.1f} tokens/s]"
     )
     return tracker

@@ -3,6 +3,12 @@
 Unknown options are an error (``EngineConfig.from_options``), never silently dropped. The KV
 pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such as
 ``"2GiB"``); with neither, by a share of the device's free memory.
+
+The hierarchical cache is off by default (exactly the single-tier cache): ``host_kv_memory``
+adds a host tier (L2) and ``kv_storage`` a storage tier below it (L3, which needs L2). Without
+an explicit ``write_policy``, pages are copied to the host once reused
+(``write_through_selective``), or, with a storage tier, as soon as they are computed
+(``write_through``): a store is for sharing and restarts, which need every computed page.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.tiered_cache import WRITE_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -58,6 +65,14 @@ class EngineConfig:
     eviction_policy: str = "lru"
     max_overtakes: int = 32  # a waiting request passed over this often goes first (no starvation)
     enable_kv_events: bool = False
+    # hierarchical cache (see the module docstring)
+    host_kv_memory: int | str | None = None  # host tier (L2) size in bytes ("8GiB"); None: off
+    write_policy: str | None = None  # one of WRITE_POLICIES; None: chosen as described above
+    kv_storage: str | None = None  # storage tier (L3): file:///path or redis://host:port/db
+    kv_storage_size: int | str | None = None  # file storage cap in bytes; None: unbounded
+    load_back_min_tokens: int = 16  # a shorter host hit is recomputed, not loaded
+    storage_prefetch_min_tokens: int = 16  # a shorter storage hit is not fetched
+    storage_prefetch_timeout: float = 2.0  # seconds a request waits for its pages, then computes
     seed: int = 0  # seeds requests that give no seed of their own
     load_progress: bool = True
 
@@ -89,6 +104,37 @@ class EngineConfig:
                 raise ValueError("kv_cache_memory must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("host_kv_memory", "kv_storage_size"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_bytes(getattr(self, name)))
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name} must be positive")
+        if self.host_kv_memory is None:
+            for name in ("write_policy", "kv_storage"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs a host tier: give host_kv_memory too")
+        elif not self.enable_prefix_caching:
+            raise ValueError("host_kv_memory needs the prefix cache (it is disabled)")
+        if self.kv_storage_size is not None and self.kv_storage is None:
+            raise ValueError("kv_storage_size needs kv_storage")
+        if self.kv_storage is not None and not re.match(r"(file|redis)://", self.kv_storage):
+            raise ValueError(
+                f"kv_storage {self.kv_storage!r}: use file:///absolute/path or redis://host:port/db"
+            )
+        if self.write_policy is None and self.host_kv_memory is not None:
+            self.write_policy = "write_through" if self.kv_storage else "write_through_selective"
+        if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"unknown write_policy {self.write_policy!r}; choose one of {WRITE_POLICIES}"
+            )
+        for name in ("load_back_min_tokens", "storage_prefetch_min_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative integer")
+        if not self.storage_prefetch_timeout > 0:
+            raise ValueError("storage_prefetch_timeout must be positive (seconds)")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

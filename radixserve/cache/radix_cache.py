@@ -82,6 +82,8 @@ class TreeNode:
 
 
 class RadixCache(PrefixCache):
+    node_class: type[TreeNode] = TreeNode
+
     def __init__(
         self,
         allocator: PagedAllocator,
@@ -106,7 +108,7 @@ class RadixCache(PrefixCache):
         self, parent: TreeNode | None, key: np.ndarray, value: torch.Tensor, namespace: Any = None
     ) -> TreeNode:
         self._next_id += 1
-        return TreeNode(self._next_id, parent, key, value, namespace)
+        return self.node_class(self._next_id, parent, key, value, namespace)
 
     def _root(self, extra_key: Any) -> TreeNode:
         root = self._roots.get(extra_key)
@@ -145,7 +147,8 @@ class RadixCache(PrefixCache):
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
         parent = child.parent
         assert parent is not None
-        mid = self._new_node(parent, child.key[:n], child.value[:n], child.namespace)
+        mid = self._new_node(parent, child.key[:n], None, child.namespace)
+        self._split_payload(mid, child, n)
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
@@ -153,9 +156,23 @@ class RadixCache(PrefixCache):
             cut = n // self.page_size
             mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
         parent.children[self._child_key(mid.key)] = mid
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        child.key, child.parent = child.key[n:], mid
         mid.children[self._child_key(child.key)] = child
         return mid
+
+    def _split_payload(self, mid: TreeNode, child: TreeNode, n: int) -> None:
+        """Cut what a node holds per token (its slot run) between ``mid`` and ``child``."""
+        mid.value, child.value = child.value[:n], child.value[n:]
+
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """Whether nothing below ``node`` holds device slots (so evicting it frees a leaf)."""
+        return not node.children
+
+    def _reuse(self, node: TreeNode, indices: torch.Tensor) -> bool:
+        """``insert`` met ``node`` on its path: True if its KV is cached already (the caller's
+        ``indices`` for it are duplicates); a tiered cache takes them instead when the node
+        has left the device, and answers False."""
+        return True
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
         leaf = self._new_node(parent, key, value, parent.namespace)
@@ -187,12 +204,10 @@ class RadixCache(PrefixCache):
         self.stats.evictions += 1
         if self.events is not None:
             self.events.append(BlockRemoved(leaf.page_hashes, leaf.namespace))
-        if parent.children:
-            pass
-        elif parent.parent is not None:
-            if parent.lock_ref == 0:
+        if parent.parent is not None:
+            if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
-        elif parent.namespace is not None:
+        elif not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]  # an empty namespace leaves no trace
         return size
 
@@ -202,10 +217,10 @@ class RadixCache(PrefixCache):
     ) -> MatchResult:
         key = as_token_array(token_ids)
         node = self._roots.get(extra_key)
-        values: list[torch.Tensor] = []
-        matched = 0
+        path: list[TreeNode] = []
         if node is not None:
             end = len(key) - len(key) % self.page_size
+            matched = 0
             while matched < end:
                 child = node.children.get(self._child_key(key[matched:]))
                 if child is None:
@@ -214,19 +229,24 @@ class RadixCache(PrefixCache):
                 edge_len = len(child.key)
                 if n < edge_len:
                     child = self._split(child, n)
-                values.append(child.value)
+                path.append(child)
                 matched += n
                 node = child
                 if n < edge_len:
                     break
             self._touch(node)
+        result = self._match_result(path, node)
         if record_stats:
-            self.record_hit(node, len(key), matched)
-        if not values:
-            indices = EMPTY_INDICES
-        else:
-            indices = values[0] if len(values) == 1 else torch.cat(values)
-        return MatchResult(device_indices=indices, handle=node, device_len=matched)
+            self.record_hit(result.handle, len(key), result.device_len)
+        return result
+
+    def _match_result(self, path: list[TreeNode], last: TreeNode | None) -> MatchResult:
+        """The match along ``path`` (the matched nodes from the root down)."""
+        if not path:
+            return MatchResult(device_indices=EMPTY_INDICES, handle=last, device_len=0)
+        values = [n.value for n in path]
+        indices = values[0] if len(values) == 1 else torch.cat(values)
+        return MatchResult(device_indices=indices, handle=last, device_len=len(indices))
 
     def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
         key = as_token_array(token_ids)
@@ -258,6 +278,7 @@ class RadixCache(PrefixCache):
             return 0
         node = self._root(extra_key)
         pos = 0
+        taken_from: int | None = None  # the first position whose slots the tree took over
         while pos < end:
             child = node.children.get(self._child_key(key[pos:]))
             if child is None:
@@ -267,13 +288,22 @@ class RadixCache(PrefixCache):
             n = self._match_len(child.key, key[pos:end])
             if n < len(child.key):
                 child = self._split(child, n)
+            if not self._reuse(child, indices[pos : pos + n]) and taken_from is None:
+                taken_from = pos
             pos += n
             node = child
         self._touch(node)
-        return pos
+        return pos if taken_from is None else taken_from
 
-    def record_hit(self, node: TreeNode | None, lookup_tokens: int, hit_tokens: int) -> None:
-        super().record_hit(node, lookup_tokens, hit_tokens)
+    def record_hit(
+        self,
+        node: TreeNode | None,
+        lookup_tokens: int,
+        hit_tokens: int,
+        host_tokens: int = 0,
+        storage_tokens: int = 0,
+    ) -> None:
+        super().record_hit(node, lookup_tokens, hit_tokens, host_tokens, storage_tokens)
         n = node
         while n is not None and n.parent is not None:
             n.hit_count += 1
@@ -298,7 +328,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
-                if not node.children:
+                if self._is_leaf(node):
                     self._mark_leaf(node)
             node = node.parent
 

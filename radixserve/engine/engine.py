@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from radixserve.cache import KVEventQueue, KVPool, NullCache, PagedAllocator, RadixCache
+from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
 from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
+from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
@@ -36,6 +37,7 @@ from radixserve.model import LoadedModel, build_forward_batch, load_model, nativ
 from radixserve.utils import default_kv_cache_bytes
 
 log = logging.getLogger("radixserve")
+IDLE_TRANSFER_WAIT_S = 0.01
 
 
 @dataclass
@@ -45,9 +47,11 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # from every tier; of which:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": a short message for the client
+    host_cached_tokens: int = 0  # loaded back from the host tier
+    storage_cached_tokens: int = 0  # fetched from the storage tier
 
 
 class Engine:
@@ -71,10 +75,9 @@ class Engine:
         self.allocator = PagedAllocator(num_slots, config.page_size)
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
         self.kv_events = KVEventQueue() if config.enable_kv_events else None
-        if config.enable_prefix_caching:
-            self.cache = RadixCache(self.allocator, config.eviction_policy, self.kv_events)
-        else:
-            self.cache = NullCache(self.allocator)
+        self.cache = build_cache(
+            config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
+        )
         self.kv = RequestKV(self.cache, self.allocator)
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
@@ -148,10 +151,13 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
+        self.cache.poll_transfers()
         evicted_before = self.cache.stats.evicted_tokens
         step = self.scheduler.schedule()
         self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
         if step.empty:
+            if self.scheduler.waiting:  # maybe waiting for pages: wait for a transfer, not spin
+                self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
             return []
         try:
             logits = self._forward(step)
@@ -242,6 +248,8 @@ class Engine:
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_tokens,
             new_logprobs=logprobs,
+            host_cached_tokens=req.host_cached_tokens,
+            storage_cached_tokens=req.storage_cached_tokens,
         )
 
     # ------------------------------------------------------------------ inspection
@@ -271,6 +279,7 @@ class Engine:
             num_retractions=self.scheduler.num_retractions,
             step_evicted_tokens=self.last_step_evicted_tokens,
             cache=self.cache.stats.copy(),
+            tiers=self.cache.tier_stats(),
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:
@@ -281,4 +290,13 @@ class Engine:
         self.kv.check_integrity(self.scheduler.running)
 
     def flush_cache(self) -> int:
+        """Drop every unlocked cached token from the device and host tiers (not storage)."""
         return self.cache.reset()
+
+    def clear_storage(self) -> bool:
+        """Delete this model's pages from the storage tier; False when there is none."""
+        return self.cache.clear_storage()
+
+    def close(self) -> None:
+        """Finish pending writes to the storage tier and stop its threads."""
+        self.cache.close()

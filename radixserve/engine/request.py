@@ -57,6 +57,9 @@ class Request:
         self.num_tokens = self.prompt_len
         self.kv = KVLedger(self.prompt_len + max_tokens)
         self.cached_tokens = 0  # prompt tokens served from the cache at first admission
+        self.host_cached_tokens = 0  # ... of which loaded back from the host tier
+        self.storage_cached_tokens = 0  # ... of which fetched from the storage tier
+        self.prefetch: Any = None  # a storage fetch it waits for before admission
         self.admitted_once = False
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

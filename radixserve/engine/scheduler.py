@@ -11,12 +11,16 @@ Admission needs ``uncached prompt + reserved output`` slots out of ``free + evic
 what running requests still need; reserved output is ``min(remaining, 4096) * ratio``, a
 ratio that decays while memory suffices and jumps back after a retraction. A queued request
 sharing a long uncomputed prefix with one already prefilling waits until that prefix is in
-the tree (in-batch deduplication), then hits it instead of computing it twice.
+the tree (in-batch deduplication), then hits it instead of computing it twice. With a
+hierarchical cache, an admitted request's host-tier part is loaded onto the device before
+the step (``RequestKV.load``), and a request whose pages are being fetched from storage is not
+admitted until they are in, or its prefetch timed out.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +65,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.kv.start_prefetch(req)
 
     def _reserved_output(self, req: Request) -> int:
         return math.ceil(min(req.remaining_output, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
@@ -104,23 +109,27 @@ class Scheduler:
         reserved = sum(self._future_need(r) for r in self.running)
         inflight = [r for r in self.running if not r.is_decoding]
         newest_admitted = -1
+        now = time.monotonic()
         for req in ordered:
             if budget == 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if self.kv.awaiting_pages(req, now):
+                continue
             match = self.kv.match(req)
             if self.kv.reuses_prefixes and self._shares_inflight_prefix(
-                req, match.device_len, inflight
+                req, match.device_len + match.host_len, inflight
             ):
                 continue
             self.kv.admit(req, match)
             if req.num_uncomputed + self._reserved_output(req) > self.kv.available() - reserved:
                 self.kv.release(req)
                 break
+            loaded = self.kv.load(req, match)
             n = min(budget, req.num_uncomputed)
             if not self.kv.extend(req, n):
                 self.kv.release(req)
                 break
-            self.kv.record_admission(req, match.device_len)
+            self.kv.record_admission(req, match.device_len, loaded)
             self.waiting.remove(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.cache.base import CacheStats
+from radixserve.cache.tier_stats import TierStats
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class EngineStats:
     num_retractions: int  # monotonic
     step_evicted_tokens: int  # evicted while scheduling the last step
     cache: CacheStats  # monotonic counters of the prefix cache
+    tiers: TierStats | None = None  # the host and storage tiers; None without them
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

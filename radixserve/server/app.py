@@ -40,6 +40,7 @@ from radixserve.server.responses import (
     completion_response,
 )
 from radixserve.server.serving import Job, Serving
+from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -164,7 +165,15 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
+        """Drop every unlocked cached token from the device and host tiers."""
         return {"flushed_tokens": await engine_call("flush_cache")}
+
+    @app.post("/clear_kv_storage")
+    async def clear_kv_storage() -> dict:
+        """Delete this model's pages from the storage tier (other models' pages stay)."""
+        if not await engine_call("clear_storage"):
+            raise ApiError(400, "this server has no KV storage tier (see --kv-storage)")
+        return {"cleared": True}
 
     @app.get("/cache")
     async def cache(top: int = 10) -> dict:
@@ -186,6 +195,7 @@ def create_app(
             "capacity_tokens": stats.kv_capacity_tokens,
             "evictable_tokens": stats.evictable_tokens,
             "stats": dataclasses.asdict(stats.cache),
+            "tiers": cache_tiers(stats),
         }
 
     @app.get("/metrics")
@@ -231,6 +241,7 @@ def native_result(job: Job, full: bool, index: int = 0) -> dict:
             "id": job.response_id,
             "prompt_tokens": len(job.prompts[index]),
             "cached_tokens": t.cached_tokens,
+            "cached_tokens_by_tier": t.cached_by_tier(),
             "completion_tokens": len(t.token_ids),
             "finish_reason": t.finish_reason,
         },

@@ -137,6 +137,9 @@ class EngineLoop:
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
 
+    def rpc_clear_storage(self) -> bool:
+        return self.engine.clear_storage()
+
     def rpc_cache_summary(self, top: int = 10) -> TreeSummary:
         return self.engine.cache_summary(top)
 
@@ -188,6 +191,7 @@ def run_engine_process(
         engine = Engine(config)
         push.send_pyobj(("ready", engine.info(), os.getpid()))
         EngineLoop(engine, pull, push).run()
+        engine.close()  # pending writes to the storage tier finish (a warm restart needs them)
     except Exception:
         # the traceback goes to the HTTP process's log, never to a client
         push.send_pyobj(("fatal", traceback.format_exc()))
