@@ -110,7 +110,7 @@ def engine_config_from_args(
         return EngineConfig.from_options(**options, **extra)
     except ValueError as e:
         message = str(e)
-        for option in ENGINE_FLAGS:  # name the flag the user typed, not the Python field
+        for option in [*ENGINE_FLAGS, *extra]:  # name the flag the user typed, not the field
             message = message.replace(option, flag(option))
         parser.error(message)
 
@@ -255,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_parser(sub)
     try:
+        from radixserve.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
+        from radixserve.router.ray_cli import add_ray_parser
+
+        add_ray_parser(sub)
+    try:
         from radixserve.bench.cli import add_bench_parser
     except ImportError:
         pass
@@ -266,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --dp passes them on
     return args.func(args.parser, args) or 0
 
 

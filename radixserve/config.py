@@ -64,7 +64,10 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
     max_overtakes: int = 32  # a waiting request passed over this often goes first (no starvation)
-    enable_kv_events: bool = False
+    enable_kv_events: bool = False  # from the start; a publisher switches them on and off
+    kv_events_block_size: int | None = None  # tokens per event block; None: 16, in whole pages
+    kv_events_endpoint: str | None = None  # the engine process publishes KV events here
+    kv_events_replay_endpoint: str | None = None  # replay and dump requests
     # hierarchical cache (see the module docstring)
     host_kv_memory: int | str | None = None  # host tier (L2) size in bytes ("8GiB"); None: off
     write_policy: str | None = None  # one of WRITE_POLICIES; None: chosen as described above
@@ -105,6 +108,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         self._check_tiers()
+        self._check_kv_events()
 
     def _check_tiers(self) -> None:
         for name in ("host_kv_memory", "kv_storage_size"):
@@ -135,6 +139,22 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative integer")
         if not self.storage_prefetch_timeout > 0:
             raise ValueError("storage_prefetch_timeout must be positive (seconds)")
+
+    def _check_kv_events(self) -> None:
+        size = self.kv_events_block_size
+        if size is not None and (not isinstance(size, int) or size < 1 or size % self.page_size):
+            raise ValueError(
+                f"kv_events_block_size must be a positive multiple of page_size "
+                f"({self.page_size}), got {size!r}"
+            )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"(tcp|ipc|inproc)://\S+", value):
+                raise ValueError(
+                    f"{name} must look like tcp://HOST:PORT or ipc://PATH, got {value!r}"
+                )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

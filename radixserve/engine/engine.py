@@ -25,6 +25,7 @@ import torch
 
 from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
 from radixserve.cache.base import TreeSummary
+from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.kv_manager import RequestKV
@@ -264,6 +265,7 @@ class Engine:
             kv_bytes_per_token=self.pool.shape.bytes_per_token(),
             dtype=str(self.pool.shape.dtype).removeprefix("torch."),
             prefix_caching=self.cache.reuses_prefixes,
+            kv_events_block_size=self.cache.event_block_size,
         )
 
     def stats(self) -> EngineStats:
@@ -300,3 +302,21 @@ class Engine:
     def close(self) -> None:
         """Finish pending writes to the storage tier and stop its threads."""
         self.cache.close()
+
+    # ------------------------------------------------------------------ KV events
+    def set_kv_events(self, on: bool) -> None:
+        """Switch KV events on (``AllBlocksCleared`` and a snapshot of the tree come first) or
+        off (no hashing at all until they are switched on again)."""
+        if on and self.kv_events is None:
+            self.kv_events = KVEventQueue()
+            self.cache.enable_events(self.kv_events)
+        elif not on and self.kv_events is not None:
+            self.cache.disable_events()
+            self.kv_events = None
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv_events.drain() if self.kv_events is not None else []
+
+    def kv_events_snapshot(self) -> list[BlockStored]:
+        """Every cached block as stored events, parents first (a dump for a subscriber)."""
+        return self.cache.snapshot_events()

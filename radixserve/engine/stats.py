@@ -25,6 +25,9 @@ class EngineInfo:
     kv_bytes_per_token: int
     dtype: str
     prefix_caching: bool
+    kv_events_block_size: int = 0  # 0: no KV events (no prefix cache)
+    kv_events_endpoint: str | None = None  # bound by the engine process's publisher
+    kv_events_replay_endpoint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,22 @@ def create_app(
             "tiers": cache_tiers(stats),
         }
 
+    @app.get("/kv_events")
+    async def kv_events() -> JSONResponse:
+        """Where this server publishes KV events (for a router), or 404 when it does not."""
+        info = client.info
+        if not info.kv_events_endpoint:
+            raise ApiError(404, "this server publishes no KV events (--kv-events-endpoint)")
+        return JSONResponse(
+            {
+                "endpoint": info.kv_events_endpoint,
+                "replay_endpoint": info.kv_events_replay_endpoint,
+                "block_size": info.kv_events_block_size,
+                "page_size": info.page_size,
+                "format": "vllm",
+            }
+        )
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -37,6 +37,8 @@ from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
+from radixserve.kvevents.publisher import KVEventPublisher
+from radixserve.server.event_bridge import EventBridge
 
 IDLE_POLL_MS = 200
 PR_SET_PDEATHSIG = 1
@@ -52,8 +54,11 @@ class _Shutdown(Exception):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, pull: zmq.Socket, push: zmq.Socket):
+    def __init__(
+        self, engine: Engine, pull: zmq.Socket, push: zmq.Socket, events: EventBridge | None = None
+    ):
         self.engine, self.pull, self.push = engine, pull, push
+        self.events = events
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -166,6 +171,8 @@ class EngineLoop:
                 timeout = 0
             if self.engine.has_unfinished():
                 self.step()
+            if self.events is not None:
+                self.events.sync()
 
 
 def _die_with_parent() -> None:
@@ -187,10 +194,21 @@ def run_engine_process(
     push.connect(out_addr)
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
+    publisher = None
     try:
         engine = Engine(config)
-        push.send_pyobj(("ready", engine.info(), os.getpid()))
-        EngineLoop(engine, pull, push).run()
+        info, bridge = engine.info(), None
+        if config.kv_events_endpoint and info.kv_events_block_size:
+            publisher = KVEventPublisher(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint
+            )
+            endpoint, replay = publisher.start()
+            info = dataclasses.replace(
+                info, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay
+            )
+            bridge = EventBridge(engine, publisher)
+        push.send_pyobj(("ready", info, os.getpid()))
+        EngineLoop(engine, pull, push, bridge).run()
         engine.close()  # pending writes to the storage tier finish (a warm restart needs them)
     except Exception:
         # the traceback goes to the HTTP process's log, never to a client
@@ -198,6 +216,8 @@ def run_engine_process(
         push.close(linger=1000)  # give the message time to leave
         raise
     finally:
+        if publisher is not None:
+            publisher.close()
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
