@@ -15,6 +15,7 @@ from typing import Any
 from radixserve.cache.eviction import EVICTION_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+DISAGGREGATION_MODES = ("off", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {
     "": 1,
@@ -60,6 +61,15 @@ class EngineConfig:
     enable_kv_events: bool = False
     seed: int = 0  # seeds requests that give no seed of their own
     load_progress: bool = True
+    # Prefill/decode disaggregation (radixserve/disagg): off, or this instance's role.
+    disaggregation_mode: str = "off"
+    kv_transfer_host: str = "127.0.0.1"  # prefill: where decode instances connect
+    kv_transfer_port: int = 0  # prefill: 0 = any free port (reported by /disagg/info)
+    kv_transfer_heartbeat: float = 1.0  # seconds; a peer silent for 5 of them is dead
+    prefill_endpoint: str | None = None  # decode: the prefill instance when a request names none
+    kv_transfer_timeout: float = 30.0  # decode: then the prompt is computed here instead
+    # decode: prompts with fewer uncached tokens are prefilled here (see docs/BENCHMARKS.md)
+    remote_prefill_min_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,6 +99,27 @@ class EngineConfig:
                 raise ValueError("kv_cache_memory must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        mode = self.disaggregation_mode
+        if mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"unknown disaggregation_mode {mode!r}; choose one of {DISAGGREGATION_MODES}"
+            )
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
+        for name in ("kv_transfer_heartbeat", "kv_transfer_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.remote_prefill_min_tokens < 1:
+            raise ValueError("remote_prefill_min_tokens must be at least 1")
+        if self.prefill_endpoint is not None:
+            if mode != "decode":
+                raise ValueError("prefill_endpoint is for disaggregation_mode decode")
+            if not self.prefill_endpoint.startswith("tcp://"):
+                got = self.prefill_endpoint
+                raise ValueError(f"prefill_endpoint must look like tcp://HOST:PORT, got {got!r}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

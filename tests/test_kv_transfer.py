@@ -182,32 +182,70 @@ def test_an_abort_on_the_prefill_side_reaches_the_decode_side(peer, receiver_for
     assert status.reason == "prefill side: prompt rejected by the test"
 
 
-def test_malformed_kv_data_fails_the_transfer_and_writes_nothing(receiver_for):
-    """A fake prefill peer that passes the handshake, then sends a frame of the wrong size."""
-    pool, receiver = receiver_for()
-    ctx = zmq.Context()
-    fake = ctx.socket(zmq.ROUTER)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
+class FakePrefill:
+    """A ROUTER socket the test drives by hand, standing in for a prefill instance."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def recv(self, timeout_ms: int = 5000) -> list[bytes]:
+        assert self.sock.poll(timeout_ms), "nothing arrived"
+        return self.sock.recv_multipart()
+
+    def welcome(self, peer_id: bytes, layout) -> None:
+        body = wire.pack_json({"layout": layout.to_dict()})
+        self.sock.send_multipart([peer_id, wire.WELCOME, body])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_request_cancelled_before_the_handshake_is_never_sent(receiver_for):
+    _, receiver = receiver_for()
+    fake = FakePrefill()
     try:
-        tid = receiver.request(f"tcp://127.0.0.1:{port}", torch.tensor([1, 2]), {})
-        peer_id, kind, _ = fake.recv_multipart()
+        tid = receiver.request(fake.endpoint, torch.tensor([1, 2]), {})
+        peer_id, kind, _ = fake.recv()
         assert kind == wire.HELLO
-        fake.send_multipart(
-            [peer_id, wire.WELCOME, wire.pack_json({"layout": receiver.layout.to_dict()})]
-        )
-        _, kind, raw_tid, _, _ = fake.recv_multipart()
+        receiver.cancel(tid)
+        time.sleep(0.05)  # let the I/O thread take the cancel before the WELCOME
+        fake.welcome(peer_id, receiver.layout)
+        kinds = set()
+        while fake.sock.poll(3 * int(1000 * HEARTBEAT["heartbeat_interval"])):
+            kinds.add(fake.recv()[1])
+            if len(kinds) > 1 or wire.PING in kinds:
+                break
+        assert kinds == {wire.PING}  # heartbeats only: no REQ, no CANCEL
+    finally:
+        fake.close()
+
+
+def test_malformed_kv_data_fails_the_transfer_and_writes_nothing(receiver_for):
+    """A fake prefill peer passes the handshake, then sends a frame of the wrong size."""
+    pool, receiver = receiver_for()
+    fake = FakePrefill()
+    try:
+        tid = receiver.request(fake.endpoint, torch.tensor([1, 2]), {})
+        peer_id, kind, _ = fake.recv()
+        assert kind == wire.HELLO
+        fake.welcome(peer_id, receiver.layout)
+        _, kind, raw_tid, _, _ = fake.recv()
         assert kind == wire.REQ
         header = wire.DataHeader(raw_tid, 0, 2, 0, 3).pack()
-        fake.send_multipart([peer_id, wire.DATA, header, b"x" * 10, b"x" * 10])
+        fake.sock.send_multipart([peer_id, wire.DATA, header, b"x" * 10, b"x" * 10])
         status = wait_end(receiver, tid)
         assert status.state is TransferState.FAILED and "bad KV data" in status.reason
         assert "frame of 10 bytes" in status.reason
-        _, kind, _, reason = fake.recv_multipart()  # the fake sender is told to stop
-        assert kind == wire.FAIL and b"bad KV data" in reason
+        frames = fake.recv()
+        while frames[1] == wire.PING:
+            frames = fake.recv()
+        assert frames[1] == wire.FAIL and b"bad KV data" in frames[3]  # told to stop
         assert untouched(pool)
     finally:
-        fake.close(0)
-        ctx.term()
+        fake.close()
 
 
 def test_a_decode_that_goes_silent_fails_the_senders_transfer(receiver_for):

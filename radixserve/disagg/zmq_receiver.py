@@ -95,10 +95,20 @@ class _ReceiverIO(IOThread):
                 conn.backlog.append(cmd[2])
             elif conn is not None:
                 conn.sock.send_multipart(cmd[2], copy=False)
-        elif kind == "notify":  # only to a live, welcomed peer: never reconnect to say it
+        elif kind == "notify":  # only to a live peer: never reconnect just to say it
             conn = self.conns.get(endpoint)
-            if conn is not None and conn.layout is not None:
+            if conn is None:
+                return
+            if conn.layout is not None:
                 conn.sock.send_multipart(cmd[2], copy=False)
+                return
+            # Handshake pending: a request still in the backlog need not go at all.
+            tid = cmd[2][1]
+            unsent = [f for f in conn.backlog if f[0] == wire.REQ and f[1] == tid]
+            if unsent:
+                conn.backlog.remove(unsent[0])
+            else:
+                conn.backlog.append(cmd[2])
         elif kind == "check":
             conn = self._connect(endpoint)
             if conn is None:

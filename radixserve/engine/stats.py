@@ -9,6 +9,7 @@ the cache. Token counts are in KV slots (one slot holds one token's K and V in e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.cache.base import CacheStats
 
@@ -24,6 +25,7 @@ class EngineInfo:
     kv_bytes_per_token: int
     dtype: str
     prefix_caching: bool
+    disaggregation: Any = None  # disagg.engine_side.DisaggInfo: mode, KV layout, endpoint
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class EngineStats:
     num_retractions: int  # monotonic
     step_evicted_tokens: int  # evicted while scheduling the last step
     cache: CacheStats  # monotonic counters of the prefix cache
+    num_loading: int = 0  # admitted, waiting for their KV (from a prefill instance)
+    kv_transfer: Any = None  # disagg.transfer.TransferStats in a disaggregation mode
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

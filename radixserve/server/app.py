@@ -36,6 +36,9 @@ from radixserve.server.responses import (
 from radixserve.server.serving import Job, Serving
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
+# the router sets it per request (README: "Prefill/decode disaggregation").
+PREFILL_HEADER = "x-radixserve-prefill"
 
 
 def create_app(
@@ -115,7 +118,9 @@ def create_app(
             ids = tokenizer.encode_chat(body.conversation())
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from e
-        job, queue = await serving.submit("chatcmpl", [ids] * body.n, params)
+        job, queue = await serving.submit(
+            "chatcmpl", [ids] * body.n, params, raw.headers.get(PREFILL_HEADER)
+        )
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -134,7 +139,9 @@ def create_app(
         params = body.choice_params()
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         ids = [p for p in prompts for _ in range(body.n)]
-        job, queue = await serving.submit("cmpl", ids, params * len(prompts))
+        job, queue = await serving.submit(
+            "cmpl", ids, params * len(prompts), raw.headers.get(PREFILL_HEADER)
+        )
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -152,7 +159,9 @@ def create_app(
         if (body.input_ids is None) == (body.text is None):
             raise ApiError(400, "give exactly one of input_ids and text", "input_ids")
         ids = body.input_ids if body.input_ids is not None else tokenizer.encode(body.text)
-        job, queue = await serving.submit("gen", [ids], [body.to_sampling_params()])
+        job, queue = await serving.submit(
+            "gen", [ids], [body.to_sampling_params()], raw.headers.get(PREFILL_HEADER)
+        )
         if body.stream:
             return StreamingResponse(
                 serving.stream(job, queue, native_chunks, lambda _: []),
@@ -188,6 +197,20 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/disagg/info")
+    async def disagg_info() -> dict:
+        """This instance's disaggregation role, KV layout, transfer endpoint and counters."""
+        info = client.info.disaggregation
+        if info is None:
+            return {"mode": "off"}
+        stats: EngineStats = await client.call("stats")
+        return {
+            "mode": info.mode,
+            "endpoint": info.endpoint,
+            "layout": dataclasses.asdict(info.layout),
+            "stats": dataclasses.asdict(stats.kv_transfer),
+        }
 
     @app.get("/debug/check_integrity")
     async def check_integrity() -> dict:

@@ -99,6 +99,10 @@ async def serve(config: EngineConfig, sock: socket.socket, args: argparse.Namesp
         config.schedule_policy,
         "on" if config.enable_prefix_caching else "off",
     )
+    if info.disaggregation is not None:
+        d = info.disaggregation
+        where = f"; KV transfer endpoint {d.endpoint}" if d.endpoint else ""
+        log.info("disaggregation mode %s%s", d.mode, where)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
     # uvicorn shuts down gracefully on SIGTERM, then raises it again; let that end in an
     # exception (not a hard kill) so the engine process and its sockets are cleaned up below.

@@ -146,14 +146,17 @@ class EngineClient:
         params: SamplingParams,
         queue: asyncio.Queue,
         tag: Any = None,
+        prefill_peer: str | None = None,
     ) -> None:
         """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
-        Raises ``ValueError`` with the engine's message if the engine rejects it."""
+        Raises ``ValueError`` with the engine's message if the engine rejects it.
+        ``prefill_peer``: on a decode instance, the prefill instance to take its KV from."""
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self._pending[("add", request_id)] = fut
         self._queues[request_id] = (queue, tag)
-        await self._push.send_pyobj(("add", request_id, prompt_ids, params))
+        options = {"prefill_peer": prefill_peer} if prefill_peer else {}
+        await self._push.send_pyobj(("add", request_id, prompt_ids, params, options))
         error = await fut
         if error is not None:
             self._queues.pop(request_id, None)

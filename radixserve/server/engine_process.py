@@ -1,7 +1,9 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
 Messages in (PULL, pickled tuples):
-    ("add", request_id, prompt_ids, SamplingParams)   -> ("added", id) or ("rejected", id, msg)
+    ("add", request_id, prompt_ids, SamplingParams, options)
+                                                      -> ("added", id) or ("rejected", id, msg)
+        options: keyword arguments of Engine.add_request (prefill_peer)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -11,7 +13,9 @@ every step (after_step True) or abort (False),
 bug.
 
 New messages are read between steps: the loop never blocks while requests are running, and
-sleeps on the socket when idle. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
+sleeps on the socket when idle. In a disaggregation mode it also wakes on KV transfer
+traffic (``Engine.wake_fd``), and while every request waits for transferred KV it sleeps
+between looks instead of spinning. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
 boundary), which the HTTP side turns into metrics.
 """
 
@@ -31,6 +35,7 @@ from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
 
 IDLE_POLL_MS = 200
+WAITING_POLL_MS = 20  # requests exist but none could run (their KV is on its way)
 PR_SET_PDEATHSIG = 1
 
 
@@ -45,9 +50,9 @@ class EngineLoop:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, params = msg
+            _, rid, prompt_ids, params, options = msg
             try:
-                self.engine.add_request(rid, prompt_ids, params)
+                self.engine.add_request(rid, prompt_ids, params, **options)
             except ValueError as e:
                 self.push.send_pyobj(("rejected", rid, str(e)))
             else:
@@ -85,20 +90,27 @@ class EngineLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        wake = self.engine.wake_fd()
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         parent = os.getppid()
         while True:
-            timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
+            if not self.engine.has_unfinished():
+                timeout = IDLE_POLL_MS
+            else:
+                timeout = WAITING_POLL_MS if self.engine.last_step_empty else 0
             if timeout and os.getppid() != parent:
                 return  # the HTTP process is gone: nobody will read our outputs
-            while poller.poll(timeout):
+            ready = dict(poller.poll(timeout))
+            while self.pull.poll(0):
                 try:
                     self.handle(self.pull.recv_pyobj())
                 except _Shutdown:
                     return
-                timeout = 0
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() or wake in ready:
                 outputs = self.engine.step()
-                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                if outputs or not self.engine.last_step_empty:
+                    self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
 
 
 def _die_with_parent() -> None:
@@ -120,6 +132,7 @@ def run_engine_process(
     push.connect(out_addr)
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
+    engine = None
     try:
         engine = Engine(config)
         push.send_pyobj(("ready", engine.info(), os.getpid()))
@@ -128,6 +141,8 @@ def run_engine_process(
         push.send_pyobj(("fatal", traceback.format_exc()))
         raise
     finally:
+        if engine is not None:
+            engine.close()
         push.close(linger=1000)
         pull.close(linger=0)
         ctx.term()

@@ -51,7 +51,11 @@ class Serving:
         self.metrics = metrics
 
     async def submit(
-        self, kind: str, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        kind: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        prefill_peer: str | None = None,
     ) -> tuple[Job, asyncio.Queue]:
         base = uuid.uuid4().hex[:24]
         job = Job(
@@ -63,7 +67,7 @@ class Serving:
                 rid = f"{base}-{i}"
                 job.trackers.append(OutputTracker(rid, self.tokenizer, p))
                 job.request_ids.append(rid)
-                await self.client.add(rid, ids, p, queue, tag=i)
+                await self.client.add(rid, ids, p, queue, tag=i, prefill_peer=prefill_peer)
         except ValueError as e:
             await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e
