@@ -11,9 +11,16 @@ import time
 import httpx
 
 
+class ServerURL(str):
+    """A server's base URL that also carries its process (for tests that kill it)."""
+
+    proc: subprocess.Popen
+
+
 @contextlib.contextmanager
 def running_server(*args: str, timeout: float = 180.0):
-    """Yield the base URL of a server started with ``args``; stop it afterwards."""
+    """Yield the base URL of a server started with ``args`` (a ``ServerURL``: ``.proc`` is
+    the process); stop it afterwards."""
     cmd = [
         sys.executable,
         "-m",
@@ -47,6 +54,8 @@ def running_server(*args: str, timeout: float = 180.0):
 
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
         httpx.get(url + "/health", timeout=10).raise_for_status()
+        url = ServerURL(url)
+        url.proc = proc
         yield url
     finally:
         proc.terminate()

@@ -94,6 +94,7 @@ class EngineLoop:
         if wake is not None:
             poller.register(wake, zmq.POLLIN)
         parent = os.getppid()
+        counts = None  # (running, waiting, loading) last reported
         while True:
             if not self.engine.has_unfinished():
                 timeout = IDLE_POLL_MS
@@ -109,8 +110,12 @@ class EngineLoop:
                     return
             if self.engine.has_unfinished() or wake in ready:
                 outputs = self.engine.step()
-                if outputs or not self.engine.last_step_empty:
-                    self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                stats = self.engine.stats()
+                now = (stats.num_running, stats.num_waiting, stats.num_loading)
+                # an idle look at transfer traffic reports only what changed
+                if outputs or not self.engine.last_step_empty or now != counts:
+                    self.push.send_pyobj(("outputs", outputs, stats, True))
+                    counts = now
 
 
 def _die_with_parent() -> None:
