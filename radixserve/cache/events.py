@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-
 # Which tier a page is stored on or removed from (vLLM's events call this the medium).
 MEDIUM_DEVICE = "device"
 MEDIUM_HOST = "host"
