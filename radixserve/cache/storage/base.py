@@ -1,0 +1,179 @@
+"""The storage tier (L3) interface: whole KV pages by key, in a file directory or in Redis.
+
+A backend moves pages between a store and host memory. Its caller names pages by keys from
+``keys.chain_page_keys`` and hands over a ``HostPages``: a batch of page buffers, the j-th
+buffer for the j-th key. Contracts:
+
+* ``exists(keys)`` -> how many LEADING keys are stored (stops at the first miss).
+* ``get(keys, pages)`` -> how many leading pages were read whole and valid into ``pages``;
+  page j < result holds the stored bytes of ``keys[j]``, pages from the result on are
+  unspecified. A corrupt, truncated or foreign page is refused, counted and deleted.
+* ``set(keys, pages)`` -> how many leading pages are now stored (a page already present
+  counts). It stops at the first failure: a page after a gap could never be matched.
+* ``clear()`` deletes this scope's pages (one model and layout), nothing else in the store.
+* ``stats()`` -> a ``StorageStats`` snapshot.
+
+Failures of the store (disk full, read-only directory, Redis down or gone mid-call, a page
+file that another process deleted) never raise out of these calls: they return a short
+count and log a rate-limited warning. Wrong arguments from the caller (a batch shorter than
+its keys, a page of the wrong size) are programming errors and raise ``ValueError``.
+
+Thread safety: one reader thread (exists/get) and one writer thread (set/clear) may call a
+backend concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from radixserve.cache.storage.keys import StorageScope
+from radixserve.cache.storage.page_format import PageLayout
+
+
+@runtime_checkable
+class HostPages(Protocol):
+    """A batch of page buffers in host memory; the host pool implements it.
+
+    Each page's payload is ``page_nbytes`` bytes in the layout of ``page_format`` (layer-major
+    ``[num_layers, 2, num_kv_heads, page_size, head_dim]`` in the KV dtype).
+    """
+
+    page_nbytes: int
+
+    def __len__(self) -> int: ...
+
+    def read_page(self, i: int) -> memoryview:
+        """Page i's payload, C-contiguous (a view is best: the backend copies it once)."""
+        ...
+
+    def write_page(self, i: int, data: memoryview) -> None:
+        """Store ``data`` (``page_nbytes`` bytes) as page i's payload."""
+        ...
+
+
+class TensorPages:
+    """``HostPages`` over a CPU tensor ``[num_pages, num_layers, 2, kv_heads, page_size,
+    head_dim]``: the reference implementation, used by tests and the benchmark."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dim() != 6:
+            raise ValueError("TensorPages needs a contiguous 6-D CPU tensor")
+        self.tensor = tensor
+        self._bytes = tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy()
+        self.page_nbytes = self._bytes.shape[1]
+
+    @classmethod
+    def empty(cls, layout: PageLayout, num_pages: int) -> TensorPages:
+        shape = (num_pages, *layout.page_shape)
+        return cls(torch.zeros(shape, dtype=layout.torch_dtype))
+
+    def __len__(self) -> int:
+        return self._bytes.shape[0]
+
+    def read_page(self, i: int) -> memoryview:
+        return memoryview(self._bytes[i])
+
+    def write_page(self, i: int, data: memoryview) -> None:
+        self._bytes[i] = memoryview(data).cast("B")
+
+
+@dataclass
+class StorageStats:
+    """A snapshot of one backend: monotonic counters and what it holds now."""
+
+    backend: str  # "file" or "redis"
+    capacity_bytes: int | None  # None: unbounded here (Redis: the server's maxmemory rules)
+    used_bytes: int | None  # None where the backend cannot know cheaply (Redis)
+    stored_pages: int | None
+    pages_read: int = 0
+    bytes_read: int = 0
+    pages_written: int = 0
+    bytes_written: int = 0
+    exists_queries: int = 0  # keys asked about
+    exists_hits: int = 0  # leading keys found
+    get_misses: int = 0  # get calls stopped by a page that was not there
+    corrupt_pages: int = 0  # refused on read (and deleted)
+    read_errors: int = 0  # I/O or connection failures while reading
+    write_errors: int = 0  # I/O or connection failures while writing (disk full, ...)
+    evicted_pages: int = 0  # deleted to keep under the size cap
+
+
+class StorageBackend(ABC):
+    """See the module docstring for the contract of each call."""
+
+    name = "storage"
+
+    def __init__(self, scope: StorageScope):
+        self.scope = scope
+        self.layout = scope.layout
+        self._stats = StorageStats(self.name, None, None, None)
+        self._stats_lock = threading.Lock()
+        self._warn = RateLimitedWarning(logging.getLogger(type(self).__module__))
+
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes], pages: HostPages) -> int: ...
+
+    @abstractmethod
+    def set(self, keys: Sequence[bytes], pages: HostPages) -> int: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> StorageStats: ...
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing open)
+        """Release connections or handles; the default has none."""
+
+    def _check_batch(self, keys: Sequence[bytes], pages: HostPages) -> None:
+        if len(pages) < len(keys):
+            raise ValueError(f"{len(keys)} keys but only {len(pages)} host pages")
+        if pages.page_nbytes != self.layout.page_nbytes:
+            raise ValueError(
+                f"host pages of {pages.page_nbytes} bytes, this store's layout needs "
+                f"{self.layout.page_nbytes} ({self.layout.descriptor})"
+            )
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _snapshot(self, **now) -> StorageStats:
+        with self._stats_lock:
+            return StorageStats(**{**self._stats.__dict__, **now})
+
+
+class RateLimitedWarning:
+    """Logs a warning of each kind at most once per ``interval`` seconds, with a count of the
+    ones held back, so a store that is down for an hour does not flood the log."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 30.0):
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.interval:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            held = self._held.pop(kind, 0)
+            self._last[kind] = now
+        suffix = f" ({held} similar warnings held back)" if held else ""
+        self.logger.warning("%s%s", message, suffix)
