@@ -117,34 +117,50 @@ def engine_config_from_args(
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    group = parser.add_argument_group("sampling")
+    group = parser.add_argument_group(
+        "sampling (unset: the model's recommended defaults, else the API's)"
+    )
     group.add_argument("--max-tokens", type=int, default=max_tokens)
-    group.add_argument("--temperature", type=float, default=0.7)
-    group.add_argument("--top-p", type=float, default=0.95)
-    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--temperature", type=float)
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--top-k", type=int)
     group.add_argument("--sample-seed", type=int, default=None, help="seed for sampling")
 
 
-def sampling_params_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace):
+def sampling_params_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, config):
+    """The flags given, over the model's recommended defaults (``generation_defaults``)."""
     from radixserve.engine import SamplingParams
+    from radixserve.model.generation_defaults import generation_defaults
+    from radixserve.model.loader import ModelNotFoundError, resolve_model_path
 
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.sample_seed,
-        )
+        defaults = generation_defaults(resolve_model_path(config.model))
+    except ModelNotFoundError as e:
+        parser.error(str(e))
+    given = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.sample_seed,
+    }
+    fields = {**defaults.values, **{k: v for k, v in given.items() if v is not None}}
+    print(f"sampling: {', '.join(f'{k}={v}' for k, v in sorted(fields.items()))} "
+          f"(defaults {defaults.describe()})", file=sys.stderr)  # fmt: skip
+    try:
+        return SamplingParams(**fields)
     except ValueError as e:
-        parser.error(str(e).replace("max_tokens", "--max-tokens").replace("top_p", "--top-p"))
+        message = str(e)
+        for name in ("max_tokens", "top_p", "top_k", "temperature"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        parser.error(message)
 
 
 def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from radixserve.engine import LLM
 
     config = engine_config_from_args(parser, args)
-    params = sampling_params_from_args(parser, args)
+    params = sampling_params_from_args(parser, args, config)
     llm = LLM.from_config(config)
     for prompt in args.prompts:
         t0 = time.perf_counter()
@@ -163,7 +179,7 @@ def cmd_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from radixserve.engine import LLM
 
     config = engine_config_from_args(parser, args)
-    params = sampling_params_from_args(parser, args)
+    params = sampling_params_from_args(parser, args, config)
     llm = LLM.from_config(config)
     history: list[dict[str, str]] = []
     if args.system:
@@ -183,26 +199,33 @@ def cmd_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        t0 = time.perf_counter()
-        ttft = None
-        tracker = None
         try:
-            for text, tracker in llm.stream(history, params):
-                if ttft is None and tracker.token_ids:
-                    ttft = time.perf_counter() - t0
-                print(text, end="", flush=True)
+            tracker = stream_answer(llm, history, params)
         except ValueError as e:  # e.g. the history outgrew the context
             print(f"\n[error: {e}]")
             history.pop()
             continue
-        elapsed = time.perf_counter() - t0
         history.append({"role": "assistant", "content": tracker.text})
-        rate = len(tracker.token_ids) / max(elapsed - (ttft or 0), 1e-9)
-        print(
-            f"\n[prompt {tracker.prompt_tokens} tokens, {tracker.cached_tokens} from cache "
-            f"({100 * tracker.cached_tokens / tracker.prompt_tokens:.0f}%); "
-            f"TTFT {ttft or 0:.3f} s; {rate:.1f} tokens/s]"
-        )
+
+
+def stream_answer(llm, history: list[dict[str, str]], params):
+    """Print the answer as its tokens come, then one line of figures: the prompt's cache
+    split (tokens from the cache vs computed) and the decode speed."""
+    t0 = time.perf_counter()
+    first = tracker = None
+    for text, tracker in llm.stream(history, params):
+        if first is None and tracker.token_ids:
+            first = time.perf_counter()
+        print(text, end="", flush=True)
+    end = time.perf_counter()
+    first = first or end
+    n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
+    rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+    print(
+        f"\n[prompt {prompt} tokens: {cached} from the cache, {prompt - cached} computed; "
+        f"first token after {first - t0:.2f} s; {n} tokens at {rate:.1f} tokens/s]"
+    )
+    return tracker
 
 
 def build_parser() -> argparse.ArgumentParser:

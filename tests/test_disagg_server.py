@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_helpers import running_server
+from server_helpers import started_server
 
 from radixserve import LLM, SamplingParams
 
@@ -25,13 +25,18 @@ MAX_TOKENS = 8
 
 def serve(model_dir, *args: str):
     # a generous start-up limit: CI machines shared with other jobs start slowly
-    return running_server("--model", str(model_dir), *COMMON.split(), *args, timeout=600)
+    return started_server("--model", str(model_dir), *COMMON.split(), *args, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def prefill(tiny_model_dir):
-    with serve(tiny_model_dir, "--disaggregation-mode", "prefill") as url:
-        yield url
+def prefill_server(tiny_model_dir):
+    with serve(tiny_model_dir, "--disaggregation-mode", "prefill") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prefill(prefill_server) -> str:
+    return prefill_server.url
 
 
 def kv_endpoint(url: str) -> str:
@@ -51,8 +56,8 @@ def decode_args(prefill_url: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def decode(tiny_model_dir, prefill):
-    with serve(tiny_model_dir, *decode_args(prefill)) as url:
-        yield url
+    with serve(tiny_model_dir, *decode_args(prefill)) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +186,8 @@ def test_a_decode_instance_that_dies_mid_transfer_leaves_the_prefill_clean(tiny_
     ids = random_ids(np.random.default_rng(3), LONG)
     with serve(tiny_model_dir, *decode_args(prefill)) as doomed:
         pool = concurrent.futures.ThreadPoolExecutor(1)
-        pool.submit(lambda: httpx.post(doomed + "/generate", json={"input_ids": ids}, timeout=60))
+        body = {"input_ids": ids}
+        pool.submit(lambda: httpx.post(doomed.url + "/generate", json=body, timeout=60))
         wait_running(prefill)
         doomed.proc.kill()  # its engine process follows (it dies with its parent)
         pool.shutdown(wait=False)
@@ -199,13 +205,14 @@ def lost(url: str) -> int:
 
 # Last: it kills the module's prefill instance.
 def test_a_prefill_instance_that_dies_mid_transfer_means_computing_on_the_decode_side(
-    prefill, decode, colocated
+    prefill_server, decode, colocated
 ):
+    prefill = prefill_server.url
     ids = random_ids(np.random.default_rng(4), LONG)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     result = pool.submit(generate, decode, ids)
     wait_running(prefill)
-    prefill.proc.kill()
+    prefill_server.proc.kill()
     assert result.result(timeout=120)["output_ids"] == expected(colocated, [ids])[0]
     assert lost(decode) == 1
     assert_intact(decode)

@@ -109,6 +109,9 @@ class Engine:
             raise ValueError("a prefill instance was named but this is not a decode instance")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        params.validate()  # again: unpickled params never ran __post_init__
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")

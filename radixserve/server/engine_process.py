@@ -1,9 +1,9 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
 Messages in (PULL, pickled tuples):
-    ("add", request_id, prompt_ids, SamplingParams, options)
+    ("add", request_id, prompt_ids, SamplingParams, extra_key, options)
                                                       -> ("added", id) or ("rejected", id, msg)
-        options: keyword arguments of Engine.add_request (prefill_peer)
+        options: more keyword arguments of Engine.add_request (prefill_peer)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -17,11 +17,18 @@ sleeps on the socket when idle. In a disaggregation mode it also wakes on KV tra
 traffic (``Engine.wake_fd``), and while every request waits for transferred KV it sleeps
 between looks instead of spinning. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
 boundary), which the HTTP side turns into metrics.
+
+The loop never dies on one message: a message that cannot be read or handled is logged with
+its traceback and answered with a short error for that request alone. A step that raises
+(the engine isolates the errors of its forward pass itself; this is the net below it) ends
+every unfinished request with ``finish_reason="error"``; if the slot ledger is then no longer
+whole, the process exits with ``EXIT_CORRUPT`` so the HTTP side starts a fresh engine.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -37,6 +44,11 @@ from radixserve.engine.stats import EngineStats
 IDLE_POLL_MS = 200
 WAITING_POLL_MS = 20  # requests exist but none could run (their KV is on its way)
 PR_SET_PDEATHSIG = 1
+EXIT_CORRUPT = 3
+STEP_ERROR = "the engine failed while computing this request; the details are in the server log"
+ADD_ERROR = "the engine could not take this request; the details are in the server log"
+
+log = logging.getLogger("radixserve.engine")
 
 
 class _Shutdown(Exception):
@@ -46,15 +58,20 @@ class _Shutdown(Exception):
 class EngineLoop:
     def __init__(self, engine: Engine, pull: zmq.Socket, push: zmq.Socket):
         self.engine, self.pull, self.push = engine, pull, push
+        self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, params, options = msg
+            _, rid, prompt_ids, params, extra_key, options = msg
             try:
-                self.engine.add_request(rid, prompt_ids, params, **options)
+                self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key, **options)
             except ValueError as e:
                 self.push.send_pyobj(("rejected", rid, str(e)))
+            except Exception:
+                log.exception("request %s could not be added", rid)
+                self._forget(rid)
+                self.push.send_pyobj(("rejected", rid, ADD_ERROR))
             else:
                 self.push.send_pyobj(("added", rid))
         elif kind == "abort":
@@ -73,6 +90,59 @@ class EngineLoop:
             self.push.send_pyobj(("rpc", call_id, ok, value, self.engine.stats()))
         else:
             raise ValueError(f"unknown message {kind!r}")
+
+    def _forget(self, rid: str) -> None:
+        """Drop what a failed ``add_request`` may have left of request ``rid``."""
+        if rid in self.engine.requests:
+            try:
+                self.engine.abort_request(rid, "error")
+            except Exception:
+                log.exception("request %s could not be dropped", rid)
+
+    def receive(self) -> None:
+        """Read and handle one message; whatever goes wrong is logged, never raised."""
+        try:
+            msg = self.pull.recv_pyobj()
+        except Exception:
+            log.exception("an unreadable message was dropped")
+            return
+        try:
+            self.handle(msg)
+        except _Shutdown:
+            raise
+        except Exception:
+            log.exception("handling a %r message failed", msg[0] if msg else None)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("an engine step failed; its requests end with an error")
+            outputs = self._fail_unfinished()
+            try:
+                self.engine.check_integrity()
+            except Exception:
+                log.critical("the KV slot ledger is broken after a failed step; exiting")
+                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                raise SystemExit(EXIT_CORRUPT) from None
+        stats = self.engine.stats()
+        counts = (stats.num_running, stats.num_waiting, stats.num_loading)
+        # a look at KV transfer traffic that ran nothing reports only what changed
+        if outputs or not self.engine.last_step_empty or counts != self._counts:
+            self.push.send_pyobj(("outputs", outputs, stats, True))
+            self._counts = counts
+
+    def _fail_unfinished(self) -> list:
+        outputs = []
+        for rid in list(self.engine.requests):
+            try:
+                out = self.engine.abort_request(rid, "error")
+            except Exception:
+                log.exception("request %s could not be ended", rid)
+                continue
+            if out is not None:
+                outputs.append(dataclasses.replace(out, error=STEP_ERROR))
+        return outputs
 
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
@@ -94,7 +164,6 @@ class EngineLoop:
         if wake is not None:
             poller.register(wake, zmq.POLLIN)
         parent = os.getppid()
-        counts = None  # (running, waiting, loading) last reported
         while True:
             if not self.engine.has_unfinished():
                 timeout = IDLE_POLL_MS
@@ -105,17 +174,11 @@ class EngineLoop:
             ready = dict(poller.poll(timeout))
             while self.pull.poll(0):
                 try:
-                    self.handle(self.pull.recv_pyobj())
+                    self.receive()
                 except _Shutdown:
                     return
             if self.engine.has_unfinished() or wake in ready:
-                outputs = self.engine.step()
-                stats = self.engine.stats()
-                now = (stats.num_running, stats.num_waiting, stats.num_loading)
-                # an idle look at transfer traffic reports only what changed
-                if outputs or not self.engine.last_step_empty or now != counts:
-                    self.push.send_pyobj(("outputs", outputs, stats, True))
-                    counts = now
+                self.step()
 
 
 def _die_with_parent() -> None:
@@ -143,11 +206,17 @@ def run_engine_process(
         push.send_pyobj(("ready", engine.info(), os.getpid()))
         EngineLoop(engine, pull, push).run()
     except Exception:
+        # the traceback goes to the HTTP process's log, never to a client
         push.send_pyobj(("fatal", traceback.format_exc()))
+        push.close(linger=1000)  # give the message time to leave
         raise
     finally:
         if engine is not None:
-            engine.close()
-        push.close(linger=1000)
+            engine.close()  # KV transfer sockets and threads
+        push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+    # A clean shutdown: nothing is left to flush, and tearing down torch's interpreter state
+    # takes seconds that a server stopping under a deadline does not have.
+    logging.shutdown()
+    os._exit(0)
