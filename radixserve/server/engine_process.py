@@ -3,7 +3,7 @@
 Messages in (PULL, pickled tuples):
     ("add", request_id, prompt_ids, SamplingParams, extra_key, options)
                                                       -> ("added", id) or ("rejected", id, msg)
-        options: more keyword arguments of Engine.add_request (prefill_peer)
+        options (optional): more keyword arguments of Engine.add_request (prefill_peer)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -63,7 +63,8 @@ class EngineLoop:
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, params, extra_key, options = msg
+            _, rid, prompt_ids, params, extra_key, *rest = msg
+            options = rest[0] if rest else {}
             try:
                 self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key, **options)
             except ValueError as e:
