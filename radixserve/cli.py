@@ -13,7 +13,7 @@ from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.tiered_cache import WRITE_POLICIES
-from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
 
 ENGINE_FLAGS = {
     # option: (flag kwargs)
@@ -80,6 +80,41 @@ ENGINE_FLAGS = {
         type=float,
         default=EngineConfig.storage_prefetch_timeout,
         help="seconds a request waits for pages from storage before computing them; "
+        "default %(default)s",
+    ),
+    # prefill/decode disaggregation (README: "Prefill/decode disaggregation")
+    "disaggregation_mode": dict(
+        default="off",
+        choices=DISAGGREGATION_MODES,
+        help="off (default), or this instance's role: prefill (computes prompts' KV and sends "
+        "it to decode instances) or decode (takes prompts' KV from a prefill instance)",
+    ),
+    "kv_transfer_host": dict(
+        default="127.0.0.1",
+        help="prefill mode: address of the KV transfer socket; default %(default)s",
+    ),
+    "kv_transfer_port": dict(
+        type=int, default=0, help="prefill mode: port of the KV transfer socket (0: any free)"
+    ),
+    "kv_transfer_heartbeat": dict(
+        type=float,
+        default=1.0,
+        help="seconds between heartbeats; a peer silent for 5 is dead; default %(default)s",
+    ),
+    "prefill_endpoint": dict(
+        help="decode mode: the prefill instance's KV endpoint (tcp://HOST:PORT, from its "
+        "/disagg/info) for requests that name none (the router names one per request)"
+    ),
+    "kv_transfer_timeout": dict(
+        type=float,
+        default=30.0,
+        help="decode mode: seconds a transfer may take before the prompt is computed here "
+        "instead; default %(default)s",
+    ),
+    "remote_prefill_min_tokens": dict(
+        type=int,
+        default=64,
+        help="decode mode: prompts with fewer uncached tokens are prefilled here; "
         "default %(default)s",
     ),
 }

@@ -22,6 +22,7 @@ from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.tiered_cache import WRITE_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+DISAGGREGATION_MODES = ("off", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _UNITS = {
     "": 1,
@@ -78,6 +79,15 @@ class EngineConfig:
     storage_prefetch_timeout: float = 2.0  # seconds a request waits for its pages, then computes
     seed: int = 0  # seeds requests that give no seed of their own
     load_progress: bool = True
+    # Prefill/decode disaggregation (radixserve/disagg): off, or this instance's role.
+    disaggregation_mode: str = "off"
+    kv_transfer_host: str = "127.0.0.1"  # prefill: where decode instances connect
+    kv_transfer_port: int = 0  # prefill: 0 = any free port (reported by /disagg/info)
+    kv_transfer_heartbeat: float = 1.0  # seconds; a peer silent for 5 of them is dead
+    prefill_endpoint: str | None = None  # decode: the prefill instance when a request names none
+    kv_transfer_timeout: float = 30.0  # decode: then the prompt is computed here instead
+    # decode: prompts with fewer uncached tokens are prefilled here (see docs/BENCHMARKS.md)
+    remote_prefill_min_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -109,6 +119,7 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         self._check_tiers()
         self._check_kv_events()
+        self._check_disaggregation()
 
     def _check_tiers(self) -> None:
         for name in ("host_kv_memory", "kv_storage_size"):
@@ -155,6 +166,26 @@ class EngineConfig:
                 )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+
+    def _check_disaggregation(self) -> None:
+        mode = self.disaggregation_mode
+        if mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"unknown disaggregation_mode {mode!r}; choose one of {DISAGGREGATION_MODES}"
+            )
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
+        for name in ("kv_transfer_heartbeat", "kv_transfer_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.remote_prefill_min_tokens < 1:
+            raise ValueError("remote_prefill_min_tokens must be at least 1")
+        if self.prefill_endpoint is not None:
+            if mode != "decode":
+                raise ValueError("prefill_endpoint is for disaggregation_mode decode")
+            if not self.prefill_endpoint.startswith("tcp://"):
+                got = self.prefill_endpoint
+                raise ValueError(f"prefill_endpoint must look like tcp://HOST:PORT, got {got!r}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

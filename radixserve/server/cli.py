@@ -237,6 +237,10 @@ async def serve(
         config.schedule_policy,
         "on" if config.enable_prefix_caching else "off",
     )
+    if info.disaggregation is not None:
+        d = info.disaggregation
+        where = f"; KV transfer endpoint {d.endpoint}" if d.endpoint else ""
+        log.info("disaggregation mode %s%s", d.mode, where)
     log.info("default sampling: %s", sampling.describe())
     server = uvicorn.Server(
         uvicorn.Config(
