@@ -44,6 +44,11 @@ ENGINE_FLAGS = {
         choices=sorted(EVICTION_POLICIES),
         help="radix-tree eviction order; default %(default)s",
     ),
+    "cache_threshold": dict(
+        type=float,
+        help="evict nodes whose reuse rate (hits per request admitted since they were cached) "
+        "is below this, before any other (0.1-0.3 is the usual range); default: off",
+    ),
     "max_running_requests": dict(
         type=int, default=64, help="most requests decoding at once; default %(default)s"
     ),

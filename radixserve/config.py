@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.eviction import EVICTION_POLICIES, check_cache_threshold
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +56,8 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
+    # evict nodes reused less than this often (hits per admitted request) before all others
+    cache_threshold: float | None = None
     max_overtakes: int = 32  # a waiting request passed over this often goes first (no starvation)
     enable_kv_events: bool = False
     seed: int = 0  # seeds requests that give no seed of their own
@@ -74,6 +76,8 @@ class EngineConfig:
                 f"unknown eviction_policy {self.eviction_policy!r}; "
                 f"choose one of {tuple(EVICTION_POLICIES)}"
             )
+        if self.cache_threshold is not None:
+            check_cache_threshold(self.cache_threshold)
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 256 if self.device.startswith("cpu") else 2048
         for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_overtakes"):

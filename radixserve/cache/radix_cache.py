@@ -40,7 +40,7 @@ from radixserve.cache.events import (
     KVEventQueue,
     chain_page_hashes,
 )
-from radixserve.cache.eviction import LeafHeap, get_eviction_policy
+from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
 from radixserve.cache.tree_check import check_tree, tree_summary
 
 
@@ -56,6 +56,9 @@ class TreeNode:
         "hit_count",
         "page_hashes",
         "namespace",
+        "depth",
+        "created",
+        "policy_state",
     )
 
     def __init__(
@@ -76,6 +79,9 @@ class TreeNode:
         self.hit_count = 0
         self.page_hashes: list[int] = []
         self.namespace = namespace
+        self.depth = 0  # tokens from the root to the end of this edge
+        self.created = 0  # the cache's admission count when this node was cached
+        self.policy_state: Any = None  # the eviction policy's own (eviction.py)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -85,13 +91,19 @@ class RadixCache(PrefixCache):
     def __init__(
         self,
         allocator: PagedAllocator,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionPolicy = "lru",
         event_queue: KVEventQueue | None = None,
+        cache_threshold: float | None = None,
     ):
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.eviction_policy = eviction_policy
-        self._heap = LeafHeap(get_eviction_policy(eviction_policy))
+        if isinstance(eviction_policy, str):
+            eviction_policy = make_policy(
+                eviction_policy, cache_threshold, self.total_size, lambda: self._clock
+            )
+        self.eviction_policy = eviction_policy.name
+        self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
+        self._heap = LeafHeap(eviction_policy, lambda: self.admissions)
         self.events = event_queue
         self.stats = CacheStats()
         self._next_id = 0
@@ -149,16 +161,20 @@ class RadixCache(PrefixCache):
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
+        mid.depth, mid.created = parent.depth + n, child.created
+        mid.policy_state = child.policy_state
         if self.events is not None:
             cut = n // self.page_size
             mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
         parent.children[self._child_key(mid.key)] = mid
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
         mid.children[self._child_key(child.key)] = child
+        self._heap.note_split(mid, child)
         return mid
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
         leaf = self._new_node(parent, key, value, parent.namespace)
+        leaf.depth, leaf.created = parent.depth + len(key), self.admissions
         parent.children[self._child_key(key)] = leaf
         self._evictable_leaves.discard(parent)
         self._evictable_size += len(key)
@@ -274,12 +290,15 @@ class RadixCache(PrefixCache):
 
     def record_hit(self, node: TreeNode | None, lookup_tokens: int, hit_tokens: int) -> None:
         super().record_hit(node, lookup_tokens, hit_tokens)
+        self.admissions += 1
         n = node
         while n is not None and n.parent is not None:
             n.hit_count += 1
             n = n.parent
+        if node is not None and node.parent is not None:
+            self._heap.note_hit(node, self._is_evictable_leaf)
         if node in self._evictable_leaves:
-            self._heap.push(node)  # under LFU its priority changed
+            self._heap.push(node)  # its priority changed (LFU, cost-aware, threshold)
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:

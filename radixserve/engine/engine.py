@@ -72,7 +72,9 @@ class Engine:
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
         self.kv_events = KVEventQueue() if config.enable_kv_events else None
         if config.enable_prefix_caching:
-            self.cache = RadixCache(self.allocator, config.eviction_policy, self.kv_events)
+            self.cache = RadixCache(
+                self.allocator, config.eviction_policy, self.kv_events, config.cache_threshold
+            )
         else:
             self.cache = NullCache(self.allocator)
         self.kv = RequestKV(self.cache, self.allocator)
