@@ -34,14 +34,15 @@ from radixserve.cache.base import (
     as_token_array,
 )
 from radixserve.cache.events import (
+    MEDIUM_DEVICE,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     KVEventQueue,
-    chain_page_hashes,
+    default_block_size,
 )
 from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
 from radixserve.cache.tree_check import check_tree, tree_summary
+from radixserve.cache.tree_events import TreeEvents
 
 
 class TreeNode:
@@ -55,6 +56,7 @@ class TreeNode:
         "last_access",
         "hit_count",
         "page_hashes",
+        "offset",
         "namespace",
         "depth",
         "created",
@@ -77,7 +79,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
-        self.page_hashes: list[int] = []
+        self.page_hashes: list[int] = []  # the KV-event blocks it owns (tree_events.py)
+        self.offset = 0  # tokens above its edge, kept while events are on
         self.namespace = namespace
         self.depth = 0  # tokens from the root to the end of this edge
         self.created = 0  # the cache's admission count when this node was cached
@@ -93,6 +96,7 @@ class RadixCache(PrefixCache):
         allocator: PagedAllocator,
         eviction_policy: str | EvictionPolicy = "lru",
         event_queue: KVEventQueue | None = None,
+        event_block_size: int | None = None,
         cache_threshold: float | None = None,
     ):
         self.allocator = allocator
@@ -104,7 +108,8 @@ class RadixCache(PrefixCache):
         self.eviction_policy = eviction_policy.name
         self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
         self._heap = LeafHeap(eviction_policy, lambda: self.admissions)
-        self.events = event_queue
+        self.events: KVEventQueue | None = None  # set only while events are on
+        self._hasher = TreeEvents(self, event_block_size or default_block_size(self.page_size))
         self.stats = CacheStats()
         self._next_id = 0
         self._clock = 0
@@ -112,6 +117,31 @@ class RadixCache(PrefixCache):
         self._evictable_leaves: set[TreeNode] = set()
         self._evictable_size = 0
         self._protected_size = 0
+        if event_queue is not None:
+            self.enable_events(event_queue)
+
+    # ------------------------------------------------------------------ events
+    @property
+    def event_block_size(self) -> int:
+        return self._hasher.block_size
+
+    def enable_events(self, queue: KVEventQueue) -> None:
+        """Hash every cached block and emit it as stored, then emit every change to ``queue``."""
+        self.events = queue
+        for event in self._hasher.snapshot():
+            queue.append(event)
+
+    def disable_events(self) -> None:
+        """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
+        self.events = None
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every cached block as ``BlockStored`` events, parents first (a full dump)."""
+        return self._hasher.snapshot()
+
+    def node_medium(self, node: TreeNode) -> str:
+        """The tier a node's KV is on, for its events (a tiered cache overrides this)."""
+        return MEDIUM_DEVICE
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
@@ -164,8 +194,7 @@ class RadixCache(PrefixCache):
         mid.depth, mid.created = parent.depth + n, child.created
         mid.policy_state = child.policy_state
         if self.events is not None:
-            cut = n // self.page_size
-            mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
+            self._hasher.split(mid, child, n)
         parent.children[self._child_key(mid.key)] = mid
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
         mid.children[self._child_key(child.key)] = child
@@ -182,13 +211,9 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
-            leaf.page_hashes = chain_page_hashes(parent_hash, key, self.page_size, leaf.namespace)
-            self.events.append(
-                BlockStored(
-                    leaf.page_hashes, parent_hash, key.tolist(), self.page_size, leaf.namespace
-                )
-            )
+            event = self._hasher.hash_node(leaf)
+            if event is not None:
+                self.events.append(event)
         return leaf
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
@@ -201,8 +226,8 @@ class RadixCache(PrefixCache):
         self._evictable_size -= size
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
-        if self.events is not None:
-            self.events.append(BlockRemoved(leaf.page_hashes, leaf.namespace))
+        if self.events is not None and leaf.page_hashes:
+            self.events.append(self._hasher.removed(leaf))
         if parent.children:
             pass
         elif parent.parent is not None:

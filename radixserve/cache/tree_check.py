@@ -83,7 +83,7 @@ def check_tree(cache: RadixCache, held_indices: torch.Tensor | None = None) -> N
         else:
             protected += size
         if cache.events is not None:
-            _require(len(node.page_hashes) == size // p, f"{node!r}: page hashes lost")
+            cache._hasher.check(node)
         slot_runs.append(node.value)
     _require(
         evictable == cache._evictable_size,

@@ -73,7 +73,10 @@ class Engine:
         self.kv_events = KVEventQueue() if config.enable_kv_events else None
         if config.enable_prefix_caching:
             self.cache = RadixCache(
-                self.allocator, config.eviction_policy, self.kv_events, config.cache_threshold
+                self.allocator,
+                config.eviction_policy,
+                self.kv_events,
+                cache_threshold=config.cache_threshold,
             )
         else:
             self.cache = NullCache(self.allocator)
