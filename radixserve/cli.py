@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
 
 Every engine option is a flag (``add_engine_args``), shared by the commands that build an
 engine; a bad value ends with an argparse error naming the flag.
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
+    from radixserve.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 
