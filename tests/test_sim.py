@@ -11,7 +11,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.sim.loop import SimConfig, Simulation
-from radixserve.sim.replay import replay, replay_order
+from radixserve.sim.replay import replay, replay_order, slot_replay
 from radixserve.sim.routing import ROUTING_POLICIES, RoutingConfig, SimRouter
 from radixserve.sim.timing import TimingModel, fit_coefficients, step_features
 from radixserve.sim.trace import Session, Trace, TraceError, Turn, load_mooncake
@@ -207,3 +207,46 @@ def test_simulate_cli_rejects_bad_options(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["simulate", "--sessions", "3", "--output-dir", str(tmp_path), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_llamacpp_slots_keep_one_sequence_each():
+    a, b = np.arange(100, 160, dtype=np.int32), np.arange(500, 560, dtype=np.int32)
+    out = np.arange(7, dtype=np.int32)
+    sa, sb = Session("a", []), Session("b", [])
+    first_a, first_b = Turn(a[:40], out), Turn(b[:40], out)
+    again_a = Turn(np.concatenate([a[:40], out, a[40:50]]), out)  # turn 2 of chat a
+    order = [(sa, first_a), (sb, first_b), (sa, again_a)]
+    one, two = slot_replay(order, 1, 200), slot_replay(order, 2, 200)
+    assert one.cached_tokens == 0  # b's chat took the only slot
+    assert two.cached_tokens == 40 + 6  # a's prompt and answer (less its last token)
+    assert slot_replay(order, 2, 50).failed == 1  # turn 2 does not fit a 50-token slot
+
+
+def test_replay_cli_compares_designs_and_finds_memory_for_a_target(tmp_path, capsys):
+    out = tmp_path / "replay"
+    code = main(["simulate", "replay", "--trace", "synthetic", "--sessions", "30",
+                 "--trace-args", "system_prompt_len=100,mean_user_len=20,mean_output_len=10,"
+                 "session_rate=2,num_system_prompts=3", "--kv-fraction", "0.2,0.5",
+                 "--eviction", "lru,belady", "--design", "tree,blocks,slots",
+                 "--target-fraction", "0.9", "--output-dir", str(out)])  # fmt: skip
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    trees = [r for r in rows if r["design"] == "tree" and r["policy"] == "lru"]
+    assert len(trees) == 2 and all(0 < r["vs_belady"] <= 1 for r in trees)
+    memory = {r["design"]: r for r in rows if r["policy"] == "memory for target"}
+    assert set(memory) == {"tree", "blocks", "slots"}
+    trace = synthetic_trace(SyntheticSpec(num_sessions=30, system_prompt_len=100,
+                                          mean_user_len=20, mean_output_len=10, session_rate=2,
+                                          num_system_prompts=3))  # fmt: skip
+    order = replay_order(trace)
+    target = memory["tree"]["target_hit_rate"]
+    assert replay(order, memory["tree"]["kv_tokens"], "lru").hit_rate >= target
+    assert memory["tree"]["kv_tokens"] <= memory["blocks"]["kv_tokens"]  # blocks waste tails
+    assert (out / "hit_rate_vs_kv_tokens.png").exists()
+
+
+def test_untimed_trace_needs_a_load_shape():
+    trace = small_trace(sessions=3, rate=None)
+    config = SimConfig(EngineConfig(max_total_tokens=3000))
+    with pytest.raises(ValueError, match="give max_concurrency"):
+        Simulation(trace, config, TIMING)

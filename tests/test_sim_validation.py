@@ -63,7 +63,7 @@ def simulated_run(tokenizer, name, params, records, timing, engine_config):
 def fitted(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_total_tokens=KV_TOKENS,
                           load_progress=False)  # fmt: skip
-    timing = fit_engine(Engine(config), max_len=512, repeats=1, statistic="median")
+    timing = fit_engine(Engine(config), 512, 1, statistic="median", plan="quick")
     return config, timing
 
 

@@ -100,6 +100,11 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     g.add_argument("--event-delay", type=float, default=0.0, help="KV events reach the router")
     g.add_argument("--event-loss", type=float, default=0.0, help="share of event batches lost")
     g.add_argument("--router-args", default="", help="k=v,... router PolicyConfig fields")
+    g.add_argument(
+        "--optimum", action="store_true",
+        help="for each instance count N > 1, also simulate one instance with N times the KV "
+        "pool, running requests and speed (the pooled optimum routing is measured against)",
+    )  # fmt: skip
     g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", help="default: sim_results/<timestamp>")
@@ -206,51 +211,9 @@ def _grid(parser, args) -> list[tuple[int, str, float | None]]:
 
 
 def cmd_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from radixserve.config import EngineConfig
-    from radixserve.sim.loop import SimConfig, Simulation
-    from radixserve.sim.metrics import summarize
-    from radixserve.sim.report import write_report
-    from radixserve.sim.routing import RoutingConfig
-    from radixserve.sim.timing import TimingModel
+    from radixserve.sim.grid import simulate_grid
 
-    try:
-        instances = _split(args.instances, int)
-    except ValueError as e:
-        parser.error(f"--instances: {e}")
-    configs = []  # every configuration is validated before anything runs
-    for (kv, policy, threshold), n, routing in itertools.product(
-        _grid(parser, args), instances, _split(args.routing)
-    ):
-        try:
-            engine = EngineConfig(
-                max_total_tokens=kv, page_size=args.page_size, eviction_policy=policy,
-                cache_threshold=threshold, schedule_policy=args.schedule_policy,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_running_requests=args.max_running_requests, load_progress=False,
-            )  # fmt: skip
-            route = RoutingConfig(routing, args.event_delay, args.event_loss, args.seed,
-                                  _kv_pairs(args.router_args))  # fmt: skip
-            configs.append(SimConfig(engine, n, route, args.max_concurrency, args.session_rate,
-                                     args.seed))  # fmt: skip
-        except ValueError as e:
-            parser.error(str(e).replace("max_total_tokens", "--kv-tokens"))
-    try:
-        timing = TimingModel.load(args.timing)
-    except ValueError as e:
-        parser.error(f"--timing: {e}")
-    trace = build_trace(parser, args)
-    rows = []
-    for config in configs:
-        row = summarize(Simulation(trace, config, timing).run())
-        print(f"simulate: {config.instances} x {config.engine.max_total_tokens} tokens, "
-              f"{row['eviction_policy']}, {config.routing.policy}: hit rate "
-              f"{row['hit_rate']:.3f}, TTFT p50 {row['ttft_p50_s']:.3f} s "
-              f"({row['wall_s']:.1f} s)", file=sys.stderr)  # fmt: skip
-        rows.append(row)
-    meta = _meta(trace, timing=timing.__dict__)
-    out = write_report(_out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
-    print(json.dumps({"ok": True, **out, "rows": len(rows)}))
-    return 0
+    return simulate_grid(parser, args)
 
 
 def cmd_replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -34,6 +34,13 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.sim.timing import TimingModel, fit_coefficients, model_from_fit, step_features
 
 WARMUP_STEPS = 6
+# Prompt lengths, cached prefixes and decode contexts (fractions of ``max_len``), batches.
+PLANS = {
+    "full": dict(lengths=(32, 128, 512, 1024, 2048), cached=(0, 0.25, 0.5),
+                 batches=(1, 4, 16, 32), contexts=(64, 0.25, 0.5), mixed=(4, 16)),
+    "quick": dict(lengths=(32, 128, 512), cached=(0, 0.5), batches=(1, 4, 16),
+                  contexts=(64, 0.5), mixed=(4,)),
+}  # fmt: skip
 
 
 def _record(engine: Engine, features: list, seconds: list) -> None:
@@ -71,9 +78,10 @@ def _add(engine: Engine, rng: np.random.Generator, prompt: np.ndarray, max_token
 
 
 def measure_steps(
-    engine: Engine, max_len: int = 2048, repeats: int = 1, seed: int = 0
+    engine: Engine, max_len: int = 2048, repeats: int = 1, seed: int = 0, plan: str = "full"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(features, seconds) of the steps of the plan above."""
+    """(features, seconds) of the steps of the plan above (``PLANS``)."""
+    p = PLANS[plan]
     rng = np.random.default_rng(seed)
     vocab = engine.model.config.vocab_size
     max_len = min(max_len, engine.max_model_len - 40, engine.allocator.num_slots // 40)
@@ -83,22 +91,25 @@ def measure_steps(
     def tokens(n: int) -> np.ndarray:
         return rng.integers(3, vocab, n, dtype=np.int64)
 
-    lengths = [n for n in (32, 128, 512, 1024, 2048) if n <= max_len]
+    def size(x: float) -> int:
+        return int(x * max_len) if x < 1 else int(x)
+
+    lengths = [n for n in p["lengths"] if n <= max_len]
     for _ in range(repeats):
         for n in lengths:  # prefill behind cached prefixes
-            for cached in (0, max_len // 4, max_len // 2):
+            for cached in map(size, p["cached"]):
                 base = tokens(cached)
                 if cached:
                     _add(engine, rng, base, 1)
                     _record(engine, [], [])
                 _add(engine, rng, np.concatenate([base, tokens(n)])[:max_len], 2)
                 _record(engine, features, seconds)
-        for batch in (1, 4, 16, 32):  # decode batches at several contexts
-            for ctx in (64, max_len // 4, max_len // 2):
+        for batch in p["batches"]:  # decode batches at several contexts
+            for ctx in map(size, p["contexts"]):
                 for _ in range(batch):
                     _add(engine, rng, tokens(ctx), 10)
                 _record(engine, features, seconds)
-        for batch in (4, 16):  # a long prefill next to a decoding batch
+        for batch in p["mixed"]:  # a long prefill next to a decoding batch
             for _ in range(batch):
                 _add(engine, rng, tokens(64), 24)
             engine.step()
@@ -122,12 +133,19 @@ def aggregate_repeats(
 
 
 def fit_engine(
-    engine: Engine, max_len: int = 2048, repeats: int = 1, seed: int = 0, statistic: str = "min"
+    engine: Engine,
+    max_len: int = 2048,
+    repeats: int = 1,
+    seed: int = 0,
+    statistic: str = "min",
+    plan: str = "full",
 ) -> TimingModel:
     """Measure ``engine`` and fit a timing model (``request_overhead`` left at 0). With
     ``repeats`` > 1 each step composition is timed that often and reduced by ``statistic``."""
     t0 = time.perf_counter()
-    features, seconds = aggregate_repeats(*measure_steps(engine, max_len, repeats, seed), statistic)
+    features, seconds = aggregate_repeats(
+        *measure_steps(engine, max_len, repeats, seed, plan), statistic
+    )
     coef = fit_coefficients(features, seconds)
     predicted = features @ coef
     rel = np.abs(predicted - seconds) / seconds
@@ -145,6 +163,7 @@ def fit_engine(
         "p90_relative_error": float(np.percentile(rel, 90)),
         "fit_seconds": time.perf_counter() - t0,
         "repeats": repeats,
+        "plan": plan,
         "statistic": statistic,
         "load_average": os.getloadavg()[0],
     }

@@ -47,10 +47,15 @@ class SimConfig:
     session_rate: float | None = None  # open loop: Poisson session starts per second
     seed: int = 0
     check_integrity: bool = False  # check every instance's tree and pool at the end
+    # >1: this one instance stands for that many pooled (their KV and running requests are in
+    # ``engine``; its steps run that many times faster): the optimum routing is compared with
+    pooled: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.instances, int) or self.instances < 1:
             raise ValueError(f"instances must be a positive integer, got {self.instances!r}")
+        if self.pooled > 1 and self.instances != 1:
+            raise ValueError("a pooled configuration is one instance")
         if self.engine.max_total_tokens is None:
             raise ValueError("engine.max_total_tokens (the KV pool per instance) is required")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -103,7 +108,14 @@ class Simulation:
     def __init__(
         self, trace: Trace, config: SimConfig, timing: TimingModel, decode_runs: bool = True
     ):
+        if config.pooled > 1:
+            timing = timing.scaled(1 / config.pooled)
         self.trace, self.config, self.timing = trace, config, timing
+        if not trace.timed and config.session_rate is None and config.max_concurrency is None:
+            raise ValueError(
+                f"the {trace.name} trace has no timestamps: give max_concurrency (sessions in "
+                "flight, a closed loop) or session_rate (Poisson session starts per second)"
+            )
         events = config.routing.uses_events and config.instances > 1
         self.instances = [
             SimInstance(i, config.engine, timing, events, decode_runs=decode_runs)
@@ -135,7 +147,7 @@ class Simulation:
             for i, t in enumerate(np.concatenate([[0.0], np.cumsum(gaps[:-1])])):
                 self._push(float(t), START, i)
         else:
-            self._next_session = min(cfg.max_concurrency or 1, len(sessions))
+            self._next_session = min(cfg.max_concurrency, len(sessions))
             for i in range(self._next_session):
                 self._push(0.0, START, i)
 

@@ -41,14 +41,14 @@ def summarize(result: SimResult) -> dict[str, Any]:
     engine = cfg.engine
     return {
         "trace": result.trace.name,
-        "instances": cfg.instances,
-        "kv_tokens_per_instance": engine.max_total_tokens,
+        "instances": cfg.pooled if cfg.pooled > 1 else cfg.instances,
+        "kv_tokens_per_instance": engine.max_total_tokens // cfg.pooled,
         "page_size": engine.page_size,
         "eviction_policy": result.instances[0].cache.eviction_policy
         if engine.enable_prefix_caching
         else "none",
         "schedule_policy": engine.schedule_policy,
-        "routing": cfg.routing.policy,
+        "routing": "pooled optimum" if cfg.pooled > 1 else cfg.routing.policy,
         "requests": int(done.sum()),
         "requests_failed": result.failed,
         "hit_rate": cached / prompt if prompt else None,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 
 from radixserve.sim.metrics import finite
 
@@ -71,6 +72,7 @@ def plot(rows: list[dict[str, Any]], x: str, path: Path, label: str, log_x: bool
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     if log_x:
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel(label)
     ax.set_ylabel("cache hit rate (% of prompt tokens)")
     ax.grid(True, alpha=0.3)

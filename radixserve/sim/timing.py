@@ -73,6 +73,13 @@ class TimingModel:
         per_step = self.overhead + self.decode_request * batch
         return j * per_step + self.decode_attention * (j * context_sum + batch * j * (j - 1) / 2)
 
+    def scaled(self, factor: float) -> TimingModel:
+        """Every step ``factor`` times as long (``request_overhead`` unchanged): e.g. one
+        instance as fast as ``N`` of these with ``factor = 1 / N``."""
+        steps = {f: getattr(self, f) * factor for f in FEATURES}
+        meta = {**self.meta, "scaled": factor}
+        return TimingModel(**steps, request_overhead=self.request_overhead, meta=meta)
+
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
