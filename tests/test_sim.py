@@ -195,10 +195,11 @@ def test_simulate_cli_writes_results_report_and_plots(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--eviction", "mru"], "unknown eviction policy 'mru'"),
-        (["--routing", "best"], "unknown routing policy 'best'"),
+        (["--eviction", "mru"], "unknown --eviction 'mru'"),
+        (["--routing", "best"], "unknown --routing policy 'best'"),
         (["--trace", "nope"], "--trace: unknown 'nope'"),
-        (["--cache-threshold", "2"], "cache_threshold must be in"),
+        (["--cache-threshold", "2"], "--cache-threshold must be in"),
+        (["--router-args", "gate=1"], "unknown --router-args option"),
         (["--trace-args", "bogus=1"], "bogus"),
         (["--timing", "no-such-profile"], "neither a file nor a shipped profile"),
     ],

@@ -162,6 +162,8 @@ class RadixCache(PrefixCache):
 
     def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
         n = min(len(edge), len(key))
+        if edge[:n].tobytes() == key[:n].tobytes():  # most edges on a path match whole
+            return n - n % self.page_size
         differs = edge[:n] != key[:n]
         m = int(differs.argmax()) if differs.any() else n
         return m - m % self.page_size

@@ -115,6 +115,11 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     add_trace_args(r)
     add_engine_args(r)
     r.add_argument("--kv-fraction", help="pool sizes as fractions of the working set, e.g. 0.25")
+    r.add_argument(
+        "--working-set", default="distinct", choices=("distinct", "live"),
+        help="what --kv-fraction is a fraction of: every distinct token the trace caches, or "
+        "the peak tokens of sessions in progress; default %(default)s",
+    )  # fmt: skip
     r.add_argument("--design", default="tree", help="tree, blocks (16-token pages), slots")
     r.add_argument(
         "--target-fraction", type=float,

@@ -3,9 +3,10 @@
 Method (``measure_steps``): a real ``Engine`` (the model, the KV pool, the native kernels: what
 ``radixserve serve`` runs) is driven through a plan that varies what steps compute:
 
-1. prefill: prompts of 32 to ``max_len`` tokens behind cached prefixes of 0 to ``max_len``
+1. prefill: prompts of 32 to ``max_len`` tokens behind cached prefixes of 0 to ``max_len / 2``
    tokens (chunked as the engine chunks them, so chunks start at many context positions);
-2. decode: batches of 1 to 32 requests at contexts of 64 to ``max_len`` tokens;
+2. decode: batches of 1 to 32 requests at contexts of 64 to ``max_len / 2`` tokens (sharing
+   all but their last 16 prompt tokens, so the contexts are long but cheap to prefill);
 3. mixed: a long prompt prefilling while a batch decodes.
 
 With ``repeats`` > 1 the plan runs that often (same seed, so the same steps) and each step
@@ -96,18 +97,21 @@ def measure_steps(
 
     lengths = [n for n in p["lengths"] if n <= max_len]
     for _ in range(repeats):
-        for n in lengths:  # prefill behind cached prefixes
-            for cached in map(size, p["cached"]):
-                base = tokens(cached)
-                if cached:
-                    _add(engine, rng, base, 1)
-                    _record(engine, [], [])
-                _add(engine, rng, np.concatenate([base, tokens(n)])[:max_len], 2)
+        for cached in map(size, p["cached"]):  # prefill behind cached prefixes
+            base = tokens(cached)
+            if cached:  # computed once, then hit by every prompt below
+                _add(engine, rng, base, 1)
+                _record(engine, [], [])
+            for n in lengths:
+                _add(engine, rng, np.concatenate([base, tokens(n)])[: max(max_len, n)], 2)
                 _record(engine, features, seconds)
-        for batch in p["batches"]:  # decode batches at several contexts
-            for ctx in map(size, p["contexts"]):
+        for ctx in map(size, p["contexts"]):  # decode batches at several contexts
+            shared = tokens(max(ctx - 16, 1))  # long contexts, little prefill: a shared prefix
+            _add(engine, rng, shared, 1)
+            _record(engine, [], [])
+            for batch in p["batches"]:
                 for _ in range(batch):
-                    _add(engine, rng, tokens(ctx), 10)
+                    _add(engine, rng, np.concatenate([shared, tokens(16)]), 10)
                 _record(engine, features, seconds)
         for batch in p["mixed"]:  # a long prefill next to a decoding batch
             for _ in range(batch):

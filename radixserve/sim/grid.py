@@ -45,7 +45,7 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             configs.append(SimConfig(engine, n, route, args.max_concurrency, args.session_rate,
                                      args.seed))  # fmt: skip
         except ValueError as e:
-            parser.error(str(e).replace("max_total_tokens", "--kv-tokens"))
+            parser.error(flag_names(str(e)))
     try:
         timing = TimingModel.load(args.timing)
     except ValueError as e:
@@ -78,6 +78,21 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     out = write_report(_out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
     print(json.dumps({"ok": True, **out, "rows": len(rows)}))
     return 0
+
+
+FLAGS = {"max_total_tokens": "--kv-tokens", "eviction_policy": "--eviction",
+         "cache_threshold": "--cache-threshold", "page_size": "--page-size",
+         "chunked_prefill_size": "--chunked-prefill-size", "event_delay": "--event-delay",
+         "max_running_requests": "--max-running-requests", "event_loss": "--event-loss",
+         "instances": "--instances", "unknown router option": "unknown --router-args option",
+         "routing policy": "--routing policy"}  # fmt: skip
+
+
+def flag_names(message: str) -> str:
+    """An error about a config field, naming the flag the user typed instead."""
+    for field, flag in FLAGS.items():
+        message = message.replace(field, flag)
+    return message
 
 
 def pooled(config: SimConfig) -> SimConfig:

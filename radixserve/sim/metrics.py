@@ -72,6 +72,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "retractions": sum(inst.scheduler.num_retractions for inst in result.instances),
         "router": result.router.stats() if cfg.instances > 1 else None,
         "wall_s": result.wall_seconds,
+        "cpu_s": result.cpu_seconds,
     }
 
 

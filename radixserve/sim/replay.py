@@ -96,6 +96,23 @@ def computed(turn: Turn) -> np.ndarray:
     return np.concatenate([turn.prompt, turn.output[:-1]]) if len(turn.output) else turn.prompt
 
 
+def peak_live_tokens(order: Order) -> int:
+    """The most tokens live sessions hold at once: a session is live from its first request
+    to its last, and holds its latest prompt and output. What a cache needs to serve every
+    conversation in progress from memory (counting a shared prefix once per session)."""
+    last = {id(s): j for j, (s, _) in enumerate(order)}
+    held: dict[int, int] = {}
+    size = peak = 0
+    for j, (s, t) in enumerate(order):
+        now = len(t.prompt) + len(t.output)
+        size += now - held.get(id(s), 0)
+        held[id(s)] = now
+        peak = max(peak, size)
+        if last[id(s)] == j:
+            size -= held.pop(id(s))
+    return peak
+
+
 def total_tokens(order: Order) -> int:
     return sum(len(t.prompt) + len(t.output) for _, t in order)
 
@@ -144,10 +161,16 @@ def replay(
                         cache.stats.evicted_tokens, cache.total_size())  # fmt: skip
 
 
-def slot_replay(order: Order, num_slots: int, slot_tokens: int) -> ReplayResult:
+LLAMACPP_SLOT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default
+
+
+def slot_replay(
+    order: Order, num_slots: int, slot_tokens: int, similarity: float = LLAMACPP_SLOT_SIMILARITY
+) -> ReplayResult:
     """llama.cpp's server: each slot keeps its last sequence; a request takes the slot with
-    the longest common prefix (the least recently used one when none shares a token) and
-    reuses that prefix. Requests run one at a time, so every slot is idle."""
+    the longest common prefix among those whose common prefix exceeds ``similarity`` of the
+    slot's cached length, else the least recently used slot, and reuses that prefix. Requests
+    run one at a time, so every slot is idle."""
     slots: list[np.ndarray] = [np.empty(0, np.int32)] * num_slots
     last_used = [0] * num_slots
     failed = prompt_tokens = cached = 0
@@ -157,16 +180,20 @@ def slot_replay(order: Order, num_slots: int, slot_tokens: int) -> ReplayResult:
             failed += 1
             continue
         query = turn.prompt[:-1]
-        best, best_len = min(range(num_slots), key=last_used.__getitem__), 0
+        best, best_len = min(range(num_slots), key=last_used.__getitem__), -1
         for i, seq in enumerate(slots):
-            n = min(len(seq), len(query))
-            if n <= best_len:
-                continue
-            differs = np.flatnonzero(seq[:n] != query[:n])
-            common = int(differs[0]) if len(differs) else n
-            if common > best_len:
+            common = _common_prefix(seq, query)
+            if common > max(best_len, 0) and common > similarity * len(seq):
                 best, best_len = i, common
+        if best_len < 0:  # no slot similar enough: the least recently used one, whatever it holds
+            best_len = _common_prefix(slots[best], query)
         cached += best_len
         slots[best], last_used[best] = computed(turn), j + 1
     return ReplayResult("slots", num_slots * slot_tokens, 1, len(order), failed, prompt_tokens,
                         cached, 0, sum(len(s) for s in slots))  # fmt: skip
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differs = np.flatnonzero(a[:n] != b[:n])
+    return int(differs[0]) if len(differs) else n

@@ -1,6 +1,10 @@
 """The grid of ``radixserve simulate replay``: designs x pool sizes x policies, plus the
 memory each design needs to reach a share of the unbounded hit rate.
 
+Pool sizes come from ``--kv-tokens`` or ``--kv-fraction`` of a working set: ``distinct`` (every
+token the trace caches, the unbounded tree's final size) or ``live`` (the most tokens the
+sessions in progress hold at once, ``replay.peak_live_tokens``).
+
 Reference points in every row: ``unbounded_hit_rate`` (the token-level tree holding
 everything: the ceiling for every design) and, where Belady ran for the same design and pool,
 ``vs_belady`` (the row's hit rate over Belady's).
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve.sim.oracle import FutureUses
-from radixserve.sim.replay import Order, computed, replay, slot_replay
+from radixserve.sim.replay import Order, computed, peak_live_tokens, replay, slot_replay
 
 DESIGNS = {"tree": 1, "blocks": 16, "slots": 1}  # design: page size
 
@@ -52,14 +56,15 @@ def replay_rows(
     policies = _split(args.eviction)
     thresholds = _split(args.cache_threshold, _threshold)
     ceiling = replay(order, 0, "unbounded")
-    working_set = ceiling.tree_tokens
+    working_set, live = ceiling.tree_tokens, peak_live_tokens(order)
     if args.kv_fraction:
-        pools = [max(1, int(float(f) * working_set)) for f in _split(args.kv_fraction)]
+        whole = live if args.working_set == "live" else working_set
+        pools = [max(1, int(float(f) * whole)) for f in _split(args.kv_fraction)]
     else:
         pools = _split(args.kv_tokens, int)
     longest = trace.max_sequence()
     base = {"trace": trace.name, "working_set_tokens": working_set,
-            "unbounded_hit_rate": ceiling.hit_rate}  # fmt: skip
+            "live_working_set_tokens": live, "unbounded_hit_rate": ceiling.hit_rate}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for design in designs:
         page = DESIGNS[design]

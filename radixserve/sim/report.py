@@ -32,7 +32,7 @@ SETTINGS = ("trace", "design", "policy", "eviction_policy", "routing", "instance
             "kv_tokens", "kv_tokens_per_instance", "page_size", "schedule_policy")  # fmt: skip
 TABLE = ("hit_rate", "prefill_tokens_saved", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",
          "requests_per_s", "load_imbalance_busy", "load_imbalance_requests", "evicted_tokens",
-         "requests", "requests_failed", "wall_s")  # fmt: skip
+         "requests", "requests_failed", "wall_s", "cpu_s")  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -63,7 +63,7 @@ def plot(rows: list[dict[str, Any]], x: str, path: Path, label: str, log_x: bool
     for r in rows:
         if r.get("hit_rate") is None:
             continue
-        name = ", ".join(f"{r[c]}" for c in series_cols) or "hit rate"
+        name = ", ".join(f"{r.get(c)}" for c in series_cols if c in r) or "hit rate"
         curves[name].append((r[x], 100 * r["hit_rate"]))
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
