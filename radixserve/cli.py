@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
 
 Every engine option is a flag (``add_engine_args``), shared by the commands that build an
 engine; a bad value ends with an argparse error naming the flag.
@@ -44,6 +44,11 @@ ENGINE_FLAGS = {
         default="lru",
         choices=sorted(EVICTION_POLICIES),
         help="radix-tree eviction order; default %(default)s",
+    ),
+    "cache_threshold": dict(
+        type=float,
+        help="evict nodes whose reuse rate (hits per request admitted since they were cached) "
+        "is below this, before any other (0.1-0.3 is the usual range); default: off",
     ),
     "max_running_requests": dict(
         type=int, default=64, help="most requests decoding at once; default %(default)s"
@@ -304,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
+    from radixserve.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 

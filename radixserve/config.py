@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.eviction import EVICTION_POLICIES, check_cache_threshold
 from radixserve.cache.tiered_cache import WRITE_POLICIES
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
@@ -64,6 +64,8 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
+    # evict nodes reused less than this often (hits per admitted request) before all others
+    cache_threshold: float | None = None
     max_overtakes: int = 32  # a waiting request passed over this often goes first (no starvation)
     enable_kv_events: bool = False  # from the start; a publisher switches them on and off
     kv_events_block_size: int | None = None  # tokens per event block; None: 16, in whole pages
@@ -102,6 +104,8 @@ class EngineConfig:
                 f"unknown eviction_policy {self.eviction_policy!r}; "
                 f"choose one of {tuple(EVICTION_POLICIES)}"
             )
+        if self.cache_threshold is not None:
+            check_cache_threshold(self.cache_threshold)
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 256 if self.device.startswith("cpu") else 2048
         for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_overtakes"):

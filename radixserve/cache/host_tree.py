@@ -45,12 +45,13 @@ class HostTree(RadixCache):
 
     def __init__(self, allocator: PagedAllocator, host: HostKVPool, eviction_policy: str = "lru",
                  event_queue: KVEventQueue | None = None,
-                 event_block_size: int | None = None):  # fmt: skip
+                 event_block_size: int | None = None,
+                 cache_threshold: float | None = None):  # fmt: skip
         if host.page_size != allocator.page_size:
             raise ValueError("the host pool and the device pool must use the same page size")
-        super().__init__(allocator, eviction_policy, event_queue, event_block_size)
+        super().__init__(allocator, eviction_policy, event_queue, event_block_size, cache_threshold)
         self.host = host
-        self._host_heap = LeafHeap(self._heap.priority)
+        self._host_heap = LeafHeap(self._heap.policy, self._heap.clock)
         self._host_leaves: set[TieredNode] = set()
         self._host_size = 0  # tokens with a host copy
         self.tiers = TierStats(host_capacity_tokens=host.num_slots,

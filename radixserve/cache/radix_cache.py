@@ -40,7 +40,7 @@ from radixserve.cache.events import (
     KVEventQueue,
     default_block_size,
 )
-from radixserve.cache.eviction import LeafHeap, get_eviction_policy
+from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
 from radixserve.cache.tree_check import check_tree, tree_summary
 from radixserve.cache.tree_events import TreeEvents
 
@@ -58,6 +58,9 @@ class TreeNode:
         "page_hashes",
         "offset",
         "namespace",
+        "depth",
+        "created",
+        "policy_state",
     )
 
     def __init__(
@@ -79,6 +82,9 @@ class TreeNode:
         self.page_hashes: list[int] = []  # the KV-event blocks it owns (tree_events.py)
         self.offset = 0  # tokens above its edge, kept while events are on
         self.namespace = namespace
+        self.depth = 0  # tokens from the root to the end of this edge
+        self.created = 0  # the cache's admission count when this node was cached
+        self.policy_state: Any = None  # the eviction policy's own (eviction.py)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -90,14 +96,20 @@ class RadixCache(PrefixCache):
     def __init__(
         self,
         allocator: PagedAllocator,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionPolicy = "lru",
         event_queue: KVEventQueue | None = None,
         event_block_size: int | None = None,
+        cache_threshold: float | None = None,
     ):
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.eviction_policy = eviction_policy
-        self._heap = LeafHeap(get_eviction_policy(eviction_policy))
+        if isinstance(eviction_policy, str):
+            eviction_policy = make_policy(
+                eviction_policy, cache_threshold, self.total_size, lambda: self._clock
+            )
+        self.eviction_policy = eviction_policy.name
+        self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
+        self._heap = LeafHeap(eviction_policy, lambda: self.admissions)
         self.events: KVEventQueue | None = None  # set only while events are on
         self._hasher = TreeEvents(self, event_block_size or default_block_size(self.page_size))
         self.stats = CacheStats()
@@ -154,6 +166,8 @@ class RadixCache(PrefixCache):
 
     def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
         n = min(len(edge), len(key))
+        if edge[:n].tobytes() == key[:n].tobytes():  # most edges on a path match whole
+            return n - n % self.page_size
         differs = edge[:n] != key[:n]
         m = int(differs.argmax()) if differs.any() else n
         return m - m % self.page_size
@@ -184,11 +198,14 @@ class RadixCache(PrefixCache):
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
+        mid.depth, mid.created = parent.depth + n, child.created
+        mid.policy_state = child.policy_state
         if self.events is not None:
             self._hasher.split(mid, child, n)
         parent.children[self._child_key(mid.key)] = mid
         child.key, child.parent = child.key[n:], mid
         mid.children[self._child_key(child.key)] = child
+        self._heap.note_split(mid, child)
         return mid
 
     def _split_payload(self, mid: TreeNode, child: TreeNode, n: int) -> None:
@@ -207,6 +224,7 @@ class RadixCache(PrefixCache):
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
         leaf = self._new_node(parent, key, value, parent.namespace)
+        leaf.depth, leaf.created = parent.depth + len(key), self.admissions
         parent.children[self._child_key(key)] = leaf
         self._evictable_leaves.discard(parent)
         self._evictable_size += len(key)
@@ -331,12 +349,15 @@ class RadixCache(PrefixCache):
         storage_tokens: int = 0,
     ) -> None:
         super().record_hit(node, lookup_tokens, hit_tokens, host_tokens, storage_tokens)
+        self.admissions += 1
         n = node
         while n is not None and n.parent is not None:
             n.hit_count += 1
             n = n.parent
+        if node is not None and node.parent is not None:
+            self._heap.note_hit(node, self._is_evictable_leaf)
         if node in self._evictable_leaves:
-            self._heap.push(node)  # under LFU its priority changed
+            self._heap.push(node)  # its priority changed (LFU, cost-aware, threshold)
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:

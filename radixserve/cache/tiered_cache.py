@@ -68,12 +68,15 @@ class TieredRadixCache(HostTree):
         event_queue: KVEventQueue | None = None,
         load_back_min_tokens: int = 1,
         event_block_size: int | None = None,
+        cache_threshold: float | None = None,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"unknown write policy {write_policy!r}; choose one of {WRITE_POLICIES}"
             )
-        super().__init__(allocator, host, eviction_policy, event_queue, event_block_size)
+        super().__init__(
+            allocator, host, eviction_policy, event_queue, event_block_size, cache_threshold
+        )
         self.write_policy = self.tiers.write_policy = write_policy
         self.load_back_min_tokens = load_back_min_tokens
         self.storage: Any = None  # a StorageTier, attached by storage_tier.attach_storage
