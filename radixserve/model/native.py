@@ -31,7 +31,7 @@ from radixserve.utils import cache_dir
 log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "decoder.cpp")
-HEADERS = ("kernels.h", "qweight.h")
+HEADERS = ("kernels.h",)
 _loaded: dict[str, Any] = {}
 
 

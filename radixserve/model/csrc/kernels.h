@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -41,6 +42,55 @@ struct WeightView {
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // Rows [row0, row0 + rows) of W as floats, row-major into out.
 void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
+
+// Decode attention kernels over a paged pool layer [KVH, S, D] (paged_attention.cpp), for
+// T in float, c10::BFloat16, c10::Half; D a multiple of 16 up to kAttnMaxDim.
+constexpr int64_t kAttnMaxDim = 256, kAttnMaxGroup = 16;
+template <typename T>
+void paged_scores_kernel(const T* q, const T* k, const int64_t* ctx, const int64_t* lens,
+                         float* scores, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t S,
+                         int64_t L);
+template <typename T>
+void paged_values_kernel(const float* probs, const T* v, const int64_t* ctx, const int64_t* lens,
+                         T* out, int64_t B, int64_t G, int64_t D, int64_t KVH, int64_t S,
+                         int64_t L);
+
+// The layer stack of a Llama-family model for a batch of decode tokens (decoder.cpp).
+struct DecoderWeights {
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, dim = 0, inter = 0, max_pos = 0;
+  float eps = 1e-5f;
+  std::vector<WeightView> qkv, o, gate_up, down;  // per layer
+  std::vector<const float*> norms;                // input, post per layer; then the final
+  std::vector<const float*> qkv_bias;             // per layer, nullptr where none
+  WeightView embed, lm_head;
+  const float* cos = nullptr;  // [max_pos, dim]
+  const float* sin = nullptr;
+};
+
+enum class KVType : int { F32, BF16, F16 };
+
+struct DecodeBatch {
+  int64_t size = 0;                     // B
+  const int64_t* ids = nullptr;         // [B]
+  const int64_t* positions = nullptr;   // [B]
+  const int64_t* out_slots = nullptr;   // [B]
+  const int64_t* ctx = nullptr;         // [B, ctx_stride]: each sequence's slots
+  int64_t ctx_stride = 0;
+  const int64_t* lens = nullptr;        // [B]
+  void* k_pool = nullptr;               // [layers, kv_heads, slots, dim] of kv_type
+  void* v_pool = nullptr;
+  int64_t slots = 0;
+  KVType kv_type = KVType::F32;
+};
+
+// Scratch buffers of one decoder; one step at a time per scratch.
+struct DecoderScratch {
+  std::vector<float> h, x, qkv, attn, gu, act;
+};
+
+// logits [B, vocab] of one step; the batch's inputs must be valid (bindings.cpp checks).
+void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s,
+                 float* logits);
 
 // --- scalar conversions --------------------------------------------------------------
 inline float to_float(float x) { return x; }

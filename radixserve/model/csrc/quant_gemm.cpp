@@ -226,6 +226,7 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
 }
 
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
+  if (M <= 0) return;
 #ifdef RS_AVX2
   if (M <= 4 && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
 #endif
