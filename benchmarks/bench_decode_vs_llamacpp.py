@@ -1,8 +1,9 @@
 """Decode and prefill speed through the OpenAI API: radixserve vs llama.cpp's server, one run.
 
 Method. Both servers are started once, on free loopback ports, serving the same GGUF file
-(default: SmolLM2-135M-Instruct) with the same number of CPU threads; llama.cpp gets one slot
-per stream. Each measurement runs on one server, then the same on the other (A B A B ...),
+(default: SmolLM2-135M-Instruct) with the same number of CPU threads (``--threads``: llama.cpp's
+``n_threads``, and ``OMP_NUM_THREADS`` for radixserve's engine); llama.cpp gets one slot per
+stream. Each measurement runs on one server, then the same on the other (A B A B ...),
 ``--repeat`` times; the figures are medians, so a drift of the shared machine's speed hits both.
 Every request is a streamed ``/v1/completions`` call with a token-id prompt (random ids, a new
 prompt each time, so no prompt cache helps), greedy, ``ignore_eos``:
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -138,8 +141,9 @@ def main() -> None:
         radix_args=(*shlex.split(args.radix_args), "--max-running-requests", str(args.streams)),
         log_dir=log_dir,
     )
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    with contextlib_exit_stack() as stack:
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # radixserve's engine inherits it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
+    with contextlib.ExitStack() as stack:
         servers = {}
         for name in systems:
             server = baselines.ManagedServer(name, baselines.command(name, settings), settings)
@@ -148,7 +152,6 @@ def main() -> None:
     out = {
         "bench": "decode_vs_llamacpp",
         "threads": args.threads,
-        "omp_num_threads": env_threads,
         "new_tokens": args.new_tokens,
         "streams": args.streams,
         "prefill_tokens": args.prefill_tokens,
@@ -163,12 +166,6 @@ def main() -> None:
         }
     print(json.dumps(out))
     sys.stdout.flush()
-
-
-def contextlib_exit_stack():
-    import contextlib
-
-    return contextlib.ExitStack()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Covered: prefill from scratch, prefill after a cached prefix, decode, and one packed step that
 mixes decode tokens with prefill chunks; for Llama, Mistral, Qwen2 (QKV bias), Llama-3 RoPE
-scaling; for GGUF files of several tensor types; and for the real default model.
+scaling; for GGUF files of several tensor types (kept quantized, as ``--quantization auto``
+loads them); and for the real default model. Decode steps run both through the native layer
+stack and op by op in PyTorch (``decode_kernels``).
 """
 
 from __future__ import annotations
@@ -165,6 +167,11 @@ def real_reference(default_gguf):
 
 
 def test_real_default_model_matches_transformers(real_loaded, real_reference):
+    """The file's Q4_1/Q8_0 blocks kept quantized (``--quantization auto``) against
+    transformers' float32 dequantization of the same file. Prompt chunks run dequantized
+    matmuls (float32 exact); decode steps round activations to int16 per block of 32 for the
+    integer kernels (so does the LM head for a few rows), ~1e-5 relative a matmul, hence their
+    looser bound."""
     tok = real_loaded.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Name three primary colors."}])
     ref = reference_logits(real_reference, ids + [504, 3418])
@@ -175,11 +182,11 @@ def test_real_default_model_matches_transformers(real_loaded, real_reference):
     run2 = Runner(real_loaded.model)  # prefix from one step, the rest after it
     run2.step(prefill=[(torch.tensor(ids[:20]), 0, torch.arange(20), False)])
     logits = run2.step(prefill=[(torch.tensor(ids[20:]), 20, torch.arange(n), True)])
-    assert_close(logits[0], ref[n - 1], 5e-4)
+    assert_close(logits[0], ref[n - 1], 5e-3)  # one row through the LM head: int16 rounding
     for pos, token in ((n, 504), (n + 1, 3418)):
         logits = run2.step(decode=[(token, pos, torch.arange(pos + 1))])
-        assert_close(logits[0], ref[pos], 5e-4)
-    assert logits[0].argmax() == ref[n + 1].argmax()
+        assert_close(logits[0], ref[pos], 5e-3)  # logits span about +-30
+        assert logits[0].argmax() == ref[pos].argmax()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,13 +78,16 @@ def test_native_matmul_equals_dequantized_matmul(fmt):
         view, dense = w.native_view(), w.dequantize()
     else:
         view, dense = ops.QWeight(0, n, k, w, None, None), w
-    for m in (0, 1, 2, 3, 4, 5, 9, 17):  # the small-row kernel, its tails, the tiled one
+    assert ops.qgemm(torch.randn(0, k), view).shape == (0, n)
+    for m in (1, 2, 3, 4, 5, 9, 17):  # the small-row kernel, its tails, the tiled one
         x = torch.randn(m, k)
         ref = x @ dense.T
-        assert torch.allclose(ops.qgemm(x, view), ref, atol=1e-5, rtol=1e-5), m
+        # up to 4 rows of x meet quantized weights rounded to int16 per block: ~1e-5 relative
+        tol = 1e-4 * ref.abs().max().item() if fmt != "f32" and m <= 4 else 1e-5
+        assert (ops.qgemm(x, view) - ref).abs().max() <= tol, m
         base = torch.randn(m, n)
         out = ops.qgemm(x, view, base.clone())  # accumulate into out
-        assert torch.allclose(out, base + ref, atol=1e-5, rtol=1e-5), m
+        assert (out - (base + ref)).abs().max() <= tol + 1e-5, m
     with pytest.raises(RuntimeError, match="contiguous float32"):
         ops.qgemm(torch.randn(2, k + 32), view)
 
@@ -97,7 +100,7 @@ def test_matmul_paths_agree(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(native, "paged_ops", lambda: None)
             slow = w.matmul(x)
-        assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-5)
+        assert (fast - slow).abs().max() <= 1e-4 * slow.abs().max()
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +144,9 @@ def test_quantized_model_equals_the_dequantized_model(tiny_q4_gguf, kernels):
     assert isinstance(dense.layers[0]["gate_up"], torch.Tensor)
     ours, tokens = run_steps(quantized)
     ref, ref_tokens = run_steps(dense)
-    assert (ours - ref).abs().max() < 1e-4
+    # decode steps round x to int16 per block (~1e-5 relative a matmul), which this tiny
+    # random model amplifies to a few 1e-4 of its logits
+    assert (ours - ref).abs().max() < 1e-3 * ref.abs().max()
     assert tokens == ref_tokens
 
 
@@ -156,7 +161,7 @@ def test_native_decoder_equals_the_op_by_op_path(tiny_q4_gguf, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(native, "paged_ops", lambda: None)
             slow, _ = run_steps(model)
-        assert (fast - slow).abs().max() < 1e-4, quantization
+        assert (fast - slow).abs().max() < 1e-3 * slow.abs().max(), quantization
 
 
 # The tiny random model amplifies rounding (its weights are drawn wide, so greedy choices are

@@ -88,7 +88,7 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
   const T* kp = static_cast<const T*>(batch.k_pool);
   const T* vp = static_cast<const T*>(batch.v_pool);
   at::parallel_for(0, B * w.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
+    std::vector<float> scores;  // a plain local: no TLS lookup in the loops below
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / w.kv_heads, h = task % w.kv_heads, n = batch.lens[b];
       const int64_t* sl = batch.ctx + b * batch.ctx_stride;
