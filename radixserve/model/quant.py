@@ -36,7 +36,10 @@ from radixserve.model import native
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 BLOCK = 32
 FORMAT_CODES = {"q8_0": 1, "q4_1": 2}  # the native kernels' WFormat
-SMALL_M = 16  # up to this many rows, the native kernels beat dequantize + BLAS here
+# Up to this many rows of x the native kernels beat dequantize + BLAS (float32 here; where
+# bfloat16 matmuls are native, BLAS wins sooner).
+SMALL_M = {torch.float32: 64}
+SMALL_M_OTHER = 16
 
 
 @dataclass
@@ -100,7 +103,7 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` for ``x`` ``[M, K]``, in ``x``'s dtype."""
         ops = self.native_ops()
-        if ops is not None and x.shape[0] <= SMALL_M:
+        if ops is not None and x.shape[0] <= SMALL_M.get(x.dtype, SMALL_M_OTHER):
             return ops.qgemm(x.float().contiguous(), self.native_view()).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype))
 

@@ -2,24 +2,31 @@
 // counts of decode steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
 //
 // Two paths, both splitting W's rows over threads (at::parallel_for):
-//   M <= 4 (AVX2, quantized W): integer dot products. Each 32-input block of x is rounded to
+//   M <= 64 (AVX2, quantized W): integer dot products, x's rows 4 at a time against each row
+//     of W while it is in L1. Each 32-input block of x is rounded to
 //     int16 with its own scale, and each weight block, widened to int16, meets it in madd
 //     instructions (16 multiply-adds each), scaled by both blocks' scales; Q4_1's minimum adds
 //     m * sum(x) with the exact float sums. 1.5x faster than widening the weights to floats
 //     here. llama.cpp rounds x to int8 instead (another 1.3x): that moved the default model's
 //     matmuls by 0.5-2.6% (its activations have outliers 10-18x their RMS, which take a
 //     block's whole int8 range), and its logits by several percent; int16 moves them by ~1e-5.
-//   otherwise: three rows of W are dequantized into a small buffer that stays in L1, then a
+//   otherwise (or without AVX2): three rows of W are dequantized into a small buffer that stays in L1, then a
 //     4x3 register tile of float dot products runs over the inputs, so each weight is widened
 //     once per call however many rows x has. This equals x @ dequantize(W)^T up to float
 //     summation order.
 #include "kernels.h"
+
+#ifndef RS_SMALL_ROWS  // a build flag only for timing experiments
+#define RS_SMALL_ROWS 64
+#endif
 
 #include <algorithm>
 #include <vector>
 
 namespace rs {
 namespace {
+
+constexpr int64_t kSmallRows = RS_SMALL_ROWS;
 
 void dequant_block(const WeightView& w, int64_t row, int64_t b, float* out) {
   const int64_t nb = w.k / kBlock;
@@ -223,15 +230,22 @@ inline void small_row(const XBlocks& x, const WeightView& w, int64_t row, float*
   }
 }
 
-template <int MR>
-void gemm_small_mr(const XBlocks x, const WeightView& w, float* y, bool accumulate) {
+// Rows of W split over threads; each row of W meets x's rows 4 at a time while it is in L1.
+template <WFormat F>
+void gemm_small_f(const XBlocks& x, int64_t M, const WeightView& w, float* y, bool accumulate) {
+  const int64_t nb = w.k / kBlock;
   at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
-    const XBlocks xl = x;  // a copy on this thread's stack
     for (int64_t n = begin; n < end; ++n) {
-      if (w.fmt == WFormat::Q4_1)
-        small_row<MR, WFormat::Q4_1>(xl, w, n, y, accumulate);
-      else
-        small_row<MR, WFormat::Q8_0>(xl, w, n, y, accumulate);
+      for (int64_t i = 0; i < M; i += 4) {
+        const XBlocks xi{x.q + i * w.k, x.d + i * nb, x.sum + i * nb};
+        float* yi = y + i * w.n;
+        switch (std::min<int64_t>(M - i, 4)) {
+          case 1: small_row<1, F>(xi, w, n, yi, accumulate); break;
+          case 2: small_row<2, F>(xi, w, n, yi, accumulate); break;
+          case 3: small_row<3, F>(xi, w, n, yi, accumulate); break;
+          default: small_row<4, F>(xi, w, n, yi, accumulate); break;
+        }
+      }
     }
   });
 }
@@ -240,12 +254,8 @@ void gemm_small(const float* x, int64_t M, const WeightView& w, float* y, bool a
   thread_local QuantizedRows rows;
   quantize_rows(x, M, w.k, rows);
   const XBlocks xb{rows.q.data(), rows.d.data(), rows.sum.data()};
-  switch (M) {
-    case 1: gemm_small_mr<1>(xb, w, y, accumulate); break;
-    case 2: gemm_small_mr<2>(xb, w, y, accumulate); break;
-    case 3: gemm_small_mr<3>(xb, w, y, accumulate); break;
-    default: gemm_small_mr<4>(xb, w, y, accumulate); break;
-  }
+  if (w.fmt == WFormat::Q4_1) gemm_small_f<WFormat::Q4_1>(xb, M, w, y, accumulate);
+  else gemm_small_f<WFormat::Q8_0>(xb, M, w, y, accumulate);
 }
 #endif
 
@@ -282,7 +292,7 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
   if (M <= 0) return;
 #ifdef RS_AVX2
-  if (M <= 4 && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
+  if (M <= kSmallRows && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
 #endif
   gemm_buffered(x, M, w, y, accumulate);
 }
