@@ -77,6 +77,60 @@ void softmax(float* s, int64_t n) {
 }
 
 
+// One (sequence, KV head) of decode attention with C = head_dim / 8 known at compile time,
+// so a K row and each query head's output stay in registers: scores of the G query heads
+// against each K row, softmax, then each head's weighted sum of V rows.
+template <int C, typename T>
+void attend(const float* q, const T* kbase, const T* vbase, const int64_t* slots, int64_t n,
+            int64_t G, float scale, float* scores, float* out) {
+  constexpr int64_t D = 8 * C;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = kbase + slots[j] * D;
+    v8 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load8_as_float(k + 8 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      v8 acc = load8(q + g * D) * kv[0];
+      for (int c = 1; c < C; ++c) acc += load8(q + g * D + 8 * c) * kv[c];
+      scores[g * n + j] = hsum8(acc) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = scores + g * n;
+    softmax(p, n);
+    v8 acc[C] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vbase + slots[j] * D;
+      const v8 pj = splat8(p[j]);
+      for (int c = 0; c < C; ++c) acc[c] += pj * load8_as_float(v + 8 * c);
+    }
+    for (int c = 0; c < C; ++c) store8(out + g * D + 8 * c, acc[c]);
+  }
+}
+
+// The same for any head_dim (a multiple of 8), with the outputs accumulated in memory.
+template <typename T>
+void attend_any(const float* q, const T* kbase, const T* vbase, const int64_t* slots, int64_t n,
+                int64_t G, int64_t D, float scale, float* scores, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = kbase + slots[j] * D;
+    for (int64_t g = 0; g < G; ++g) {
+      v8 acc = {};
+      for (int64_t i = 0; i < D; i += 8) acc += load8(q + g * D + i) * load8_as_float(k + i);
+      scores[g * n + j] = hsum8(acc) * scale;
+    }
+  }
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = scores + g * n;
+    softmax(p, n);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vbase + slots[j] * D;
+      for (int64_t i = 0; i < D; i += 8)
+        store8(out + g * D + i, load8(out + g * D + i) + splat8(p[j]) * load8_as_float(v + i));
+    }
+  }
+}
+
 // attn[b, head] = softmax(q . K / sqrt(dim)) V over the slots ctx[b, :lens[b]]; one task
 // per (sequence, KV head), sharing each K/V row read among that head's query heads.
 template <typename T>
@@ -91,29 +145,18 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
     std::vector<float> scores;  // a plain local: no TLS lookup in the loops below
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / w.kv_heads, h = task % w.kv_heads, n = batch.lens[b];
-      const int64_t* sl = batch.ctx + b * batch.ctx_stride;
       scores.resize(G * n);
       const float* q = qkv + b * qkv_n + h * G * D;
       const T* kbase = kp + (l * w.kv_heads + h) * S * D;
       const T* vbase = vp + (l * w.kv_heads + h) * S * D;
-      for (int64_t j = 0; j < n; ++j) {
-        const T* k = kbase + sl[j] * D;
-        for (int64_t g = 0; g < G; ++g) {
-          v8 acc = {};
-          for (int64_t i = 0; i < D; i += 8) acc += load8(q + g * D + i) * load8_as_float(k + i);
-          scores[g * n + j] = hsum8(acc) * scale;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * n, n);
+      const int64_t* sl = batch.ctx + b * batch.ctx_stride;
       float* o = attn + b * w.heads * D + h * G * D;
-      std::fill(o, o + G * D, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* v = vbase + sl[j] * D;
-        for (int64_t i = 0; i < D; i += 8) {
-          const v8 vv = load8_as_float(v + i);
-          for (int64_t g = 0; g < G; ++g)
-            store8(o + g * D + i, load8(o + g * D + i) + splat8(scores[g * n + j]) * vv);
-        }
+      switch (D) {  // head_dim is a multiple of 16 up to 256 (checked by the bindings)
+        case 64: attend<8>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        case 128: attend<16>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        case 32: attend<4>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        case 16: attend<2>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        default: attend_any(q, kbase, vbase, sl, n, G, D, scale, scores.data(), o);
       }
     }
   });

@@ -111,9 +111,18 @@ inline v8 load8(const float* p) {
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline float hsum8(v8 a) {
+#ifdef RS_AVX2
+  __m256 v;
+  std::memcpy(&v, &a, sizeof(v));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += a[i];
   return s;
+#endif
 }
 
 // exp(x) for x <= 0 (softmax, SiLU of any sign via exp(-|x|)): Cody-Waite range reduction
