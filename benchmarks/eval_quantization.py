@@ -14,8 +14,11 @@ they build), all float32.
   first difference.
 - Perplexity: assistant answers of later ShareGPT conversations (none of the prompts'),
   concatenated to ``--ppl-tokens`` tokens, scored in windows of ``--window`` tokens (each
-  window a fresh sequence, every position's next-token loss counted). The relative change of
-  perplexity against the reference is the figure (target: within 1%).
+  window a fresh sequence, every position's next-token loss counted), twice: as prompt
+  chunks (the prefill path: dequantized matmuls) and token by token as decode steps, the
+  windows decoded side by side as one batch (the decode path: the native layer stack and its
+  integer kernels). The relative change of perplexity against the reference is the figure
+  (target: within 1%).
 
 Prints one JSON line. Usage: ``python benchmarks/eval_quantization.py [--prompts 100]``.
 """
@@ -86,6 +89,23 @@ def perplexity(loaded: LoadedModel, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
+@torch.inference_mode()
+def perplexity_decoded(loaded: LoadedModel, ids: list[int], window: int) -> float:
+    """The same windows scored one token per step, all windows in one decode batch."""
+    model = loaded.model
+    windows = [ids[i : i + window + 1] for i in range(0, len(ids) - window, window)]
+    pool = KVPool(model.kv_shape(), len(windows) * window)
+    slots = [torch.arange(i * window, (i + 1) * window) for i in range(len(windows))]
+    nll, count = 0.0, 0
+    for pos in range(window):
+        decode = [(w[pos], pos, s[: pos + 1]) for w, s in zip(windows, slots, strict=True)]
+        logits = model.forward(build_forward_batch(decode, [], model.device, pool.pad_slot), pool)
+        targets = torch.tensor([w[pos + 1] for w in windows])
+        nll += F.cross_entropy(logits, targets, reduction="sum").item()
+        count += len(windows)
+    return math.exp(nll / count)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=100)
@@ -100,13 +120,18 @@ def main() -> None:
     text = held_text(1000, reference.tokenizer, args.ppl_tokens)
     ref_out = greedy(reference, chats, args.new_tokens)
     ref_ppl = perplexity(reference, text, args.window)
+    ref_dec = perplexity_decoded(reference, text, args.window)
     result = {
         "bench": "eval_quantization",
         "prompts": len(chats),
         "new_tokens": args.new_tokens,
         "ppl_tokens": len(text),
         "window": args.window,
-        "reference": {"quantization": "none", "perplexity": round(ref_ppl, 4)},
+        "reference": {
+            "quantization": "none",
+            "perplexity": round(ref_ppl, 4),
+            "perplexity_decoded": round(ref_dec, 4),
+        },  # fmt: skip
         "paths": {},
     }
     del reference
@@ -120,11 +145,14 @@ def main() -> None:
                          min(len(a), len(b)))  # fmt: skip
             prefix.append(1.0 if a == b else first / max(len(b), 1))
         ppl = perplexity(loaded, text, args.window)
+        dec = perplexity_decoded(loaded, text, args.window)
         result["paths"][path] = {
             "greedy_identical": f"{same}/{len(chats)}",
             "mean_share_before_first_difference": round(sum(prefix) / len(prefix), 4),
             "perplexity": round(ppl, 4),
             "perplexity_change_pct": round(100 * (ppl / ref_ppl - 1), 3),
+            "perplexity_decoded": round(dec, 4),
+            "perplexity_decoded_change_pct": round(100 * (dec / ref_dec - 1), 3),
         }
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))

@@ -185,3 +185,11 @@ def test_bad_quantization_is_an_error():
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):
         load_model(None, quantization="fp8")
+
+
+def test_without_native_kernels_quantized_weights_load_dense(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(native, "paged_ops", lambda: None)  # e.g. no compiler on this machine
+    model = load_model(str(tiny_model_dir), dtype="float32", progress=False,
+                       quantization="int8").model  # fmt: skip
+    assert isinstance(model.layers[0]["qkv"], torch.Tensor)  # not dequantized at every step
+    assert isinstance(model.embed, torch.Tensor)
