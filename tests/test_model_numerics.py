@@ -4,7 +4,7 @@ Covered: prefill from scratch, prefill after a cached prefix, decode, and one pa
 mixes decode tokens with prefill chunks; for Llama, Mistral, Qwen2 (QKV bias), Llama-3 RoPE
 scaling; for GGUF files of several tensor types (kept quantized, as ``--quantization auto``
 loads them); and for the real default model. Decode steps run both through the native layer
-stack and op by op in PyTorch (``decode_kernels``).
+stack and op by op in PyTorch (the ``kernels`` fixture).
 """
 
 from __future__ import annotations
@@ -90,19 +90,7 @@ def test_prefill_from_scratch(tiny_pair):
     assert_close(logits, reference_logits(hf, PROMPT), 5e-5)
 
 
-@pytest.fixture(params=["native", "pytorch"])
-def decode_kernels(request, monkeypatch):
-    """Decode attention both ways: the C++ kernels (when they build) and pure PyTorch."""
-    from radixserve.model import native
-
-    if request.param == "pytorch":
-        monkeypatch.setattr(native, "paged_ops", lambda: None)
-    elif native.paged_ops() is None:
-        pytest.skip("the native kernels did not build on this machine")
-    return request.param
-
-
-def test_prefill_after_cached_prefix_then_decode(tiny_pair, decode_kernels):
+def test_prefill_after_cached_prefix_then_decode(tiny_pair, kernels):
     hf, model = tiny_pair
     ref = reference_logits(hf, PROMPT)
     run = Runner(model)
@@ -116,7 +104,7 @@ def test_prefill_after_cached_prefix_then_decode(tiny_pair, decode_kernels):
         assert_close(logits[0], ref[pos], 5e-5)
 
 
-def test_mixed_step_of_decodes_and_chunks(tiny_pair, decode_kernels):
+def test_mixed_step_of_decodes_and_chunks(tiny_pair, kernels):
     hf, model = tiny_pair
     a, b, c = PROMPT, PROMPT[::-1], PROMPT[3:] + PROMPT[:5]
     run = Runner(model)

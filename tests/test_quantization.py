@@ -25,16 +25,6 @@ from radixserve.model.quant import QuantizedWeight, from_gguf_blocks, quantize
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(params=["native", "pytorch"])
-def kernels(request, monkeypatch):
-    """Run a test with the native kernels (when they build) and with PyTorch only."""
-    if request.param == "pytorch":
-        monkeypatch.setattr(native, "paged_ops", lambda: None)
-    elif native.paged_ops() is None:
-        pytest.skip("the native kernels did not build on this machine")
-    return request.param
-
-
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_dequantize_as_gguf_does(qtype, kernels):
     rng = np.random.default_rng(0)

@@ -28,12 +28,8 @@ inline v8 load8_as_float<float>(const float* p) { return load8(p); }
 template <>
 inline v8 load8_as_float<c10::BFloat16>(const c10::BFloat16* p) {
   typedef uint16_t v8u16 __attribute__((vector_size(16)));
-  v8u16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  v8i wide = __builtin_convertvector(raw, v8i) << 16;
-  v8 out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
+  typedef uint32_t v8u32 __attribute__((vector_size(32)));
+  return widen_bf16<v8, v8u16, v8u32>(p);
 }
 
 void rms_norm(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* out) {

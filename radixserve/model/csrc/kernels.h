@@ -99,6 +99,18 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
+// bfloat16 is the top half of a float: widen a vector of them and shift, all in registers.
+// VF/VU16/VU32: vector types of as many floats, uint16s and uint32s.
+template <typename VF, typename VU16, typename VU32>
+inline VF widen_bf16(const c10::BFloat16* p) {
+  VU16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  VU32 wide = __builtin_convertvector(raw, VU32) << 16;
+  VF out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
 // --- 8-wide float vectors (one AVX register, or what the CPU has) ----------------------
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));

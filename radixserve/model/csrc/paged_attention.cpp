@@ -33,15 +33,9 @@ inline v16 load16<float>(const float* src) {
 }
 template <>
 inline v16 load16<c10::BFloat16>(const c10::BFloat16* src) {
-  // bfloat16 is the top half of a float: widen 16 of them and shift, all in registers
   typedef uint16_t v16u16 __attribute__((vector_size(32)));
   typedef uint32_t v16u32 __attribute__((vector_size(64)));
-  v16u16 raw;
-  std::memcpy(&raw, src, sizeof(raw));
-  v16u32 wide = __builtin_convertvector(raw, v16u32) << 16;
-  v16 out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
+  return widen_bf16<v16, v16u16, v16u32>(src);
 }
 
 inline float hsum(v16 a) {
