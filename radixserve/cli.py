@@ -14,6 +14,7 @@ from typing import Any
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.tiered_cache import WRITE_POLICIES
 from radixserve.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.model.quant import QUANTIZATIONS
 
 ENGINE_FLAGS = {
     # option: (flag kwargs)
@@ -27,6 +28,13 @@ ENGINE_FLAGS = {
         choices=DTYPES,
         help="weights and KV dtype; auto: bfloat16 on hardware that computes it natively "
         "(AVX512-BF16, AMX, recent GPUs), else float32",
+    ),
+    "quantization": dict(
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="weights kept quantized and computed as such: auto (a GGUF file's own Q8_0, "
+        "Q4_0, Q4_1 tensors; a Hugging Face model loads dense), none (dequantize all), "
+        "int8, int4; default %(default)s",
     ),
     "chunked_prefill_size": dict(
         type=int, help="most prompt tokens computed per step (default: 256 on CPU, 2048 on GPU)"

@@ -20,6 +20,7 @@ from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES, check_cache_threshold
 from radixserve.cache.tiered_cache import WRITE_POLICIES
+from radixserve.model.quant import QUANTIZATIONS
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DISAGGREGATION_MODES = ("off", "prefill", "decode")
@@ -53,6 +54,8 @@ class EngineConfig:
     model: str | None = None  # .gguf file or HF directory; None: SmolLM2-135M-Instruct
     device: str = "cpu"
     dtype: str = "auto"  # bfloat16 where the hardware has it natively, else float32
+    # weights kept quantized: auto (a GGUF file's own Q8_0/Q4_0/Q4_1 blocks), none, int8, int4
+    quantization: str = "auto"
     enable_prefix_caching: bool = True
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens
@@ -94,6 +97,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"unknown schedule_policy {self.schedule_policy!r}; "

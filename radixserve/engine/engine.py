@@ -65,7 +65,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         if loaded is None:
-            loaded = load_model(config.model, config.device, config.dtype, config.load_progress)
+            loaded = load_model(
+                config.model, config.device, config.dtype, config.load_progress,
+                config.quantization,
+            )  # fmt: skip
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
