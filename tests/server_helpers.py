@@ -6,14 +6,27 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 
 import httpx
 
 
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)  # everything it printed so far
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
 @contextlib.contextmanager
-def running_server(*args: str, timeout: float = 180.0):
-    """Yield the base URL of a server started with ``args``; stop it afterwards."""
+def started_server(*args: str, timeout: float = 180.0):
+    """Yield a ``ServerProcess`` started with ``args``; stop it afterwards (if still up)."""
     cmd = [
         sys.executable,
         "-m",
@@ -29,7 +42,7 @@ def running_server(*args: str, timeout: float = 180.0):
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    lines = []
+    lines: list[str] = []
     try:
         deadline = time.monotonic() + timeout
         url = None
@@ -43,14 +56,65 @@ def running_server(*args: str, timeout: float = 180.0):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not start in time:\n" + "".join(lines[-30:]))
         # keep draining its output so the pipe never fills and blocks it
-        import threading
-
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
         httpx.get(url + "/health", timeout=10).raise_for_status()
-        yield url
+        yield ServerProcess(url, proc, lines)
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(*args: str, timeout: float = 180.0):
+    """Yield the base URL of a server started with ``args``; stop it afterwards."""
+    with started_server(*args, timeout=timeout) as server:
+        yield server.url
+
+
+def read_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """Unlabelled (or model-labelled) samples of ``/metrics``: name -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=headers).text):
+        for s in family.samples:
+            if set(s.labels) <= {"model_name"}:
+                out[s.name] = s.value
+    return out
+
+
+def wait_idle(url: str, headers: dict[str, str], timeout: float = 30) -> dict[str, float]:
+    """Wait until the engine runs and queues nothing; return the metrics then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(url, headers)
+        if m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"requests still running: {m['num_running_reqs']}"
+        time.sleep(0.2)
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process among a server's children (the other is multiprocessing's
+    resource tracker)."""
+    children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
+    for pid in children:
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+        except FileNotFoundError:
+            continue
+        if "spawn_main" in cmdline:
+            return int(pid)
+    raise LookupError(f"no engine process under {server_pid}")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0

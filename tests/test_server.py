@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import running_server
+from server_helpers import read_metrics, running_server
+from server_helpers import wait_idle as wait_for_idle
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": "Bearer admin-key"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     # float32: greedy outputs must not depend on whether the prefix came from the cache
-    args = "--max-total-tokens 1024 --api-key {key} --served-model-name tiny "
+    args = "--max-total-tokens 1024 --api-key {key} --admin-key admin-key --served-model-name tiny "
     args += "--chunked-prefill-size 128 --dtype float32"
     with running_server("--model", str(tiny_model_dir), *args.format(key=KEY).split()) as url:
         yield url
@@ -31,29 +31,17 @@ def client(server):
 
 
 def metrics(server) -> dict[str, float]:
-    text = httpx.get(server + "/metrics", headers=AUTH).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.labels.get("le") and "finish_reason" not in s.labels:
-                out[s.name] = s.value
-    return out
+    return read_metrics(server, AUTH)
 
 
 def assert_healthy(server) -> None:
     assert httpx.get(server + "/health").json() == {"status": "ok"}
-    r = httpx.get(server + "/debug/check_integrity", headers=AUTH, timeout=30)
+    r = httpx.get(server + "/debug/check_integrity", headers=ADMIN, timeout=30)
     assert r.status_code == 200, r.text
 
 
 def wait_idle(server, timeout: float = 30) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if m["num_running_reqs"] == 0 and m["num_queue_reqs"] == 0:
-            return m
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.2)
+    return wait_for_idle(server, AUTH, timeout)
 
 
 CHAT = [{"role": "user", "content": "Tell me about radix trees."}]
@@ -239,10 +227,12 @@ def test_generate_flush_and_cache_summary(server):
     assert len(out["output_ids"]) == 4 and out["meta_info"]["prompt_tokens"] == 40
     again = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
     assert again.json()["meta_info"]["cached_tokens"] == 39
-    summary = httpx.get(server + "/cache", headers=AUTH).json()
+    assert httpx.get(server + "/cache", headers=AUTH).status_code == 403  # admin only
+    summary = httpx.get(server + "/cache", headers=ADMIN).json()
     assert summary["cached_tokens"] > 0 and summary["num_nodes"] > 0
     assert any(p["prefix_tokens"] >= 39 for p in summary["top_prefixes"])
-    flushed = post(server, "/flush_cache", {}).json()["flushed_tokens"]
+    assert post(server, "/flush_cache", {}).status_code == 403
+    flushed = post(server, "/flush_cache", {}, headers=ADMIN).json()["flushed_tokens"]
     assert flushed > 0 and metrics(server)["radix_cache_cached_tokens"] == 0
     after = post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_tokens": 4}})
     assert after.json()["meta_info"]["cached_tokens"] == 0

@@ -35,6 +35,7 @@ DEFAULT_SYSTEMS = {
     "shared-prefix": ("radix", "no-cache", "fcfs", "llamacpp"),
     "few-shot": ("radix", "no-cache", "llamacpp"),
     "random": ("radix", "no-cache", "llamacpp"),
+    "doc-mix": ("radix", "no-cache"),
 }
 # Options that only configure the servers the harness starts: meaningless with --base-url.
 SERVER_OPTIONS = ("systems", "model", "radix_args", "context_length", "llamacpp_threads",

@@ -17,6 +17,9 @@
   requests routed and of uncached prompt tokens computed; None for a single server.
 - ``server_hit_rate``: growth of ``radix_cache_hit_tokens_total`` over that of
   ``radix_cache_query_tokens_total`` during the run, a cross-check from the server's side.
+- ``by_group``: when conversation ids name groups (``chat-3``, ``doc-1``: the part before the
+  first ``-``), TTFT and ITL percentiles per group, so the streams of running chats can be
+  judged apart from the long prompts that stall them.
 
 ``write_reports`` writes the JSON (every record and metric sample), a Markdown table per
 workload and three plots per workload (``plots.py``).
@@ -103,6 +106,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "cache_hit_rate": sum(c for c, _ in usage) / prompt_total if prompt_total else None,
         **kv_figures(result.metrics),
         **fleet_figures(result.metrics),
+        "by_group": by_group(ok),
     }
 
 
@@ -115,6 +119,27 @@ def fleet_figures(samples: list[dict[str, float]]) -> dict[str, Any]:
         "requests_imbalance": last("radix_router_requests_imbalance"),
         "prefill_imbalance": last("radix_router_prefill_imbalance"),
     }
+
+
+def by_group(ok: list) -> dict[str, dict[str, float | None]]:
+    groups: dict[str, list] = {}
+    for r in ok:
+        if "-" in r.conversation_id:
+            groups.setdefault(r.conversation_id.split("-", 1)[0], []).append(r)
+    if len(groups) < 2:
+        return {}
+    out = {}
+    for name, records in sorted(groups.items()):
+        ttft = [r.ttft for r in records if r.ttft is not None]
+        itl = [x for r in records for x in r.itl]
+        out[name] = {
+            "requests": len(records),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99),
+            "itl_p50_s": pct(itl, 50),
+            "itl_p99_s": pct(itl, 99),
+        }
+    return out
 
 
 def kv_figures(samples: list[dict[str, float]]) -> dict[str, Any]:
@@ -194,6 +219,7 @@ def markdown(group: WorkloadRuns, summaries: dict[str, dict[str, Any]]) -> str:
             f"| {_ms(s['ttft_p99_s'])} |{turns} {_num(s['requests_per_s'])} "
             f"| {_num(s['output_tokens_per_s'], 1)} | {hit} | {_kv(s, run.info)} |"
         )
+    lines += group_table(group, summaries)
     fleet = [
         f"{run.name} {_num(s['requests_imbalance'])} / {_num(s['prefill_imbalance'])}"
         for run in group.runs
@@ -204,6 +230,21 @@ def markdown(group: WorkloadRuns, summaries: dict[str, dict[str, Any]]) -> str:
                   + "; ".join(fleet)]  # fmt: skip
     lines += ["", *(f"![{w.name} {p}]({w.name}_{p}.png)" for p in plots.PLOTS), ""]
     return "\n".join(lines)
+
+
+def group_table(group: WorkloadRuns, summaries: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [
+        f"| {run.name} | {name} | {g['requests']} | {_ms(g['ttft_p50_s'])} "
+        f"| {_ms(g['ttft_p99_s'])} | {_ms(g['itl_p50_s'])} | {_ms(g['itl_p99_s'])} |"
+        for run in group.runs
+        if run.name in summaries
+        for name, g in summaries[run.name]["by_group"].items()
+    ]
+    if not rows:
+        return []
+    head = "| system | group | requests | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
+    head += "| ITL p99 (ms) |"
+    return ["", head, "|---|---|---|---|---|---|---|", *rows]
 
 
 def write_reports(out_dir: Path, groups: list[WorkloadRuns], meta: dict[str, Any]) -> dict:

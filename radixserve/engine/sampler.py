@@ -39,7 +39,8 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in reqs], device=device)
     logits = logits / temps[:, None]
     vocab = logits.shape[1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in reqs]
+    # top_k above the vocabulary keeps every token (and never overflows an int64 tensor)
+    top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs]
     top_p = [r.params.top_p for r in reqs]
     min_p = [r.params.min_p for r in reqs]
     if all(k == vocab for k in top_k) and all(p == 1.0 for p in top_p) and not any(min_p):

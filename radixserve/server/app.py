@@ -1,28 +1,34 @@
 """The FastAPI application: OpenAI endpoints, native ``/generate``, cache tools, metrics.
 
-Errors always come back as OpenAI-style bodies: 400 for bad input (malformed JSON, wrong
-types, unknown or unsupported parameters, prompts that do not fit), 401 without the API key,
-404 for an unknown model, 503 when the engine is gone. With ``api_key`` set, every endpoint
-but ``/health`` needs ``Authorization: Bearer <key>``.
+Errors always come back as OpenAI-style bodies (``errors.py``): 400 for bad input (malformed
+JSON, wrong types, unknown or unsupported parameters, prompts that do not fit), 401/403
+without the right key (``guard.py``), 404 for an unknown model or route, 413 for a body over
+the limit, 503 with ``Retry-After`` while the engine restarts or the queue is full.
+``/cache`` shows counts and hashes of the cached prefixes, their text only with
+``debug_cache_text``; a request's ``cache_salt`` (and, with ``salt_from_api_key``, its key)
+selects its cache namespace, so tenants never share cached tokens or their timing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
+import hashlib
 import time
 
+import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.engine.stats import EngineStats
+from radixserve.model.generation_defaults import GenerationDefaults
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.config import ServerConfig
 from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.errors import ApiError, install_error_handlers, unavailable
+from radixserve.server.guard import Guard, cache_namespace
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -34,51 +40,34 @@ from radixserve.server.responses import (
     completion_response,
 )
 from radixserve.server.serving import Job, Serving
+from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
+# the router sets it per request (README: "Prefill/decode disaggregation").
+PREFILL_HEADER = "x-radixserve-prefill"
 
 
 def create_app(
-    client: EngineClient, tokenizer: Tokenizer, served_model_name: str, api_key: str | None = None
+    client: EngineClient,
+    tokenizer: Tokenizer,
+    config: ServerConfig,
+    sampling: GenerationDefaults | None = None,
 ) -> FastAPI:
+    served_model_name = config.served_model_name or "model"
+    sampling = sampling or GenerationDefaults()
+    defaults = sampling.values
     app = FastAPI(title="radixserve", version="0.1.0")
-    metrics = Metrics(served_model_name, client.info)
+    metrics = Metrics(served_model_name, client.info, lambda: client.num_restarts)
     client.on_stats = metrics.update_stats
-    serving = Serving(client, tokenizer, metrics)
+    serving = Serving(client, tokenizer, metrics, config, client.config.max_running_requests)
+    app.add_middleware(Guard, config=config)
+    install_error_handlers(app)
+    app.state.serving = serving  # the server closes its tokenizer thread on the way out
     started = int(time.time())
 
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None  # the top-level field the client sent
-        if err.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {err.get('msg')}"
-        elif err.get("type") == "extra_forbidden":
-            message = f"unsupported parameter {'.'.join(loc)!r}"
-        else:
-            message = f"invalid {'.'.join(loc) or 'body'}: {err.get('msg')}"
-        return JSONResponse(ApiError(400, message, param).body(), status_code=400)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return JSONResponse(ApiError(503, str(e), kind="server_error").body(), status_code=503)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                error = ApiError(401, "missing or wrong API key", kind="authentication_error")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
-
-    def check_model(name: str) -> None:
-        if name != served_model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
             raise ApiError(
                 404,
                 f"model {name!r} not found; this server serves {served_model_name!r}",
@@ -86,11 +75,18 @@ def create_app(
                 code="model_not_found",
             )
 
+    def namespace(raw: Request, salt: str | None) -> str | None:
+        return cache_namespace(getattr(raw.state, "tenant", None), salt)
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        if client.dead:
-            return JSONResponse({"status": "error", "reason": client.dead}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if client.ready:
+            return JSONResponse({"status": "ok"})
+        reason = client.dead or f"the engine is {client.state}"
+        headers = None if client.dead else {"Retry-After": "2"}
+        return JSONResponse(
+            {"status": client.state, "reason": reason}, status_code=503, headers=headers
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -103,6 +99,8 @@ def create_app(
                     "created": started,
                     "owned_by": "radixserve",
                     "max_model_len": client.info.max_model_len,
+                    "default_sampling": defaults,
+                    "default_sampling_source": sampling.source,
                 }
             ],
         }
@@ -110,12 +108,13 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
-        params = body.choice_params()
-        try:
-            ids = tokenizer.encode_chat(body.conversation())
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
-        job, queue = await serving.submit("chatcmpl", [ids] * body.n, params)
+        params = body.choice_params(defaults)
+        serving.check_size(body.n)
+        ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
+        ns = namespace(raw, body.cache_salt)
+        job, queue = await serving.submit(
+            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+        )
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -131,10 +130,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        params = body.choice_params()
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        params = body.choice_params(defaults)
+        serving.check_size(len(body.prompts()) * body.n, "prompt")
+        prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
         ids = [p for p in prompts for _ in range(body.n)]
-        job, queue = await serving.submit("cmpl", ids, params * len(prompts))
+        ns = namespace(raw, body.cache_salt)
+        job, queue = await serving.submit(
+            "cmpl", ids, params * len(prompts), ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+        )
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -151,8 +154,15 @@ def create_app(
     async def generate(body: GenerateRequest, raw: Request):
         if (body.input_ids is None) == (body.text is None):
             raise ApiError(400, "give exactly one of input_ids and text", "input_ids")
-        ids = body.input_ids if body.input_ids is not None else tokenizer.encode(body.text)
-        job, queue = await serving.submit("gen", [ids], [body.to_sampling_params()])
+        params = body.to_sampling_params(defaults)
+        if body.input_ids is not None:
+            ids = body.input_ids
+        else:
+            ids = await serving.off_loop(tokenizer.encode, body.text)
+        ns = namespace(raw, body.cache_salt)
+        job, queue = await serving.submit(
+            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+        )
         if body.stream:
             return StreamingResponse(
                 serving.stream(job, queue, native_chunks, lambda _: []),
@@ -164,18 +174,29 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
-        return {"flushed_tokens": await client.call("flush_cache")}
+        """Drop every unlocked cached token from the device and host tiers."""
+        return {"flushed_tokens": await engine_call("flush_cache")}
+
+    @app.post("/clear_kv_storage")
+    async def clear_kv_storage() -> dict:
+        """Delete this model's pages from the storage tier (other models' pages stay)."""
+        if not await engine_call("clear_storage"):
+            raise ApiError(400, "this server has no KV storage tier (see --kv-storage)")
+        return {"cleared": True}
 
     @app.get("/cache")
     async def cache(top: int = 10) -> dict:
-        summary = await client.call("cache_summary", top=min(max(top, 1), 100))
+        summary = await engine_call("cache_summary", top=min(max(top, 1), 100))
         prefixes = []
         for prefix in summary.top_prefixes:
             head = prefix.pop("head_token_ids")
-            prefixes.append(
-                {**prefix, "head_text": tokenizer.decode(head, skip_special_tokens=False)}
-            )
-        stats: EngineStats = await client.call("stats")
+            if config.debug_cache_text:
+                prefixes.append(
+                    {**prefix, "head_text": tokenizer.decode(head, skip_special_tokens=False)}
+                )
+            else:  # who sent what stays private: a digest tells prefixes apart, nothing more
+                prefixes.append({**prefix, "head_hash": token_digest(head)})
+        stats: EngineStats = await engine_call("stats")
         return {
             "num_nodes": summary.num_nodes,
             "cached_tokens": summary.cached_tokens,
@@ -183,6 +204,7 @@ def create_app(
             "capacity_tokens": stats.kv_capacity_tokens,
             "evictable_tokens": stats.evictable_tokens,
             "stats": dataclasses.asdict(stats.cache),
+            "tiers": cache_tiers(stats),
         }
 
     @app.get("/kv_events")
@@ -205,16 +227,44 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/disagg/info")
+    async def disagg_info() -> dict:
+        """This instance's disaggregation role, KV layout, transfer endpoint and counters."""
+        info = client.info.disaggregation
+        if info is None:
+            return {"mode": "off"}
+        stats: EngineStats = await engine_call("stats")
+        return {
+            "mode": info.mode,
+            "endpoint": info.endpoint,
+            "layout": dataclasses.asdict(info.layout),
+            "stats": dataclasses.asdict(stats.kv_transfer),
+        }
+
     @app.get("/debug/check_integrity")
     async def check_integrity() -> dict:
         """Run the engine's slot-ownership check (free + cached + held == capacity)."""
         try:
-            await client.call("check_integrity")
+            await engine_call("check_integrity")
         except RuntimeError as e:
             raise ApiError(500, str(e), kind="server_error") from e
         return {"ok": True}
 
+    async def engine_call(name: str, **kwargs) -> object:
+        try:
+            return await client.call(name, **kwargs)
+        except EngineDeadError as e:
+            raise unavailable(str(e)) from e
+
     return app
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+
+def token_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 def native_result(job: Job, full: bool, index: int = 0) -> dict:
@@ -230,6 +280,7 @@ def native_result(job: Job, full: bool, index: int = 0) -> dict:
             "id": job.response_id,
             "prompt_tokens": len(job.prompts[index]),
             "cached_tokens": t.cached_tokens,
+            "cached_tokens_by_tier": t.cached_by_tier(),
             "completion_tokens": len(t.token_ids),
             "finish_reason": t.finish_reason,
         },

@@ -1,20 +1,31 @@
-"""EngineClient: the HTTP process's handle on the engine process.
+"""EngineClient: the HTTP process's handle on the engine process, and its supervisor.
 
 Starts the engine in its own (spawned) process, connected by two ZeroMQ IPC sockets in a
 private temporary directory (so several servers share a machine). One background task reads
 everything the engine sends and routes it: step outputs to each request's queue, replies to
 waiting futures, stats to the metrics. ``add`` resolves only once the engine accepted the
 request, so a rejected one becomes an HTTP 400 before any streaming starts.
+
+If the engine process dies (a crash, ``kill -9``, the OOM killer), every request in flight
+fails at once with ``EngineDeadError`` (a short message; the engine's traceback, if it sent
+one, goes to the log), and a new engine is started after a backoff (0.5 s, doubling). At
+most ``max_restarts`` restarts within ``RESTART_WINDOW_S``; past that the client gives up,
+``dead`` says why, and ``on_give_up`` is called so the server can exit non-zero for a
+supervisor to act. Each engine gets fresh sockets: nothing sent to a dead one reaches the
+next. Sends never block: with no engine to take a message, the request fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
 import shutil
 import tempfile
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +37,17 @@ from radixserve.engine import SamplingParams, StepOutput
 from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.server.engine_process import run_engine_process
 
+log = logging.getLogger("radixserve.server")
+
+RESTART_WINDOW_S = 600.0
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
+POLL_MS = 200
+START_TIMEOUT_S = 600.0
+DIED = "the engine process failed while this request ran; it is being restarted"
+
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine cannot serve this request now (it died, or is being restarted)."""
 
 
 class EngineClient:
@@ -37,69 +56,157 @@ class EngineClient:
         config: EngineConfig,
         on_stats: Callable[[EngineStats, bool], None],
         log_level: int = logging.INFO,
+        max_restarts: int = 3,
+        on_give_up: Callable[[], None] | None = None,
     ):
-        self.config = config
-        self.on_stats = on_stats
+        self.config, self.on_stats, self.log_level = config, on_stats, log_level
+        self.max_restarts, self.on_give_up = max_restarts, on_give_up
         self._dir = tempfile.mkdtemp(prefix="radixserve-")
         self._ctx = zmq.asyncio.Context()
+        self._generation = 0
+        self._push: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._process: mp.process.BaseProcess | None = None
+        self._queues: dict[str, tuple[asyncio.Queue, Any]] = {}
+        self._pending: dict[Any, asyncio.Future] = {}
+        self._calls = itertools.count()
+        self._supervisor: asyncio.Task | None = None
+        self._restart_times: deque[float] = deque()
+        self.info: EngineInfo | None = None
+        self.pid: int | None = None  # the engine process's, as it reported when ready
+        self.state = "starting"  # starting, ready, restarting, dead
+        self.dead: str | None = None  # why the client gave up
+        self.num_restarts = 0
+
+    # ------------------------------------------------------------------ life cycle
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._queues)
+
+    def _spawn(self) -> None:
+        """A new engine process on new sockets (the old ones are closed unread)."""
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._generation += 1
+        in_addr = f"ipc://{self._dir}/in-{self._generation}"
+        out_addr = f"ipc://{self._dir}/out-{self._generation}"
         self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
         self._pull = self._ctx.socket(zmq.PULL)
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._push.bind(in_addr)
         self._pull.bind(out_addr)
         self._process = mp.get_context("spawn").Process(
             target=run_engine_process,
-            args=(config, in_addr, out_addr, log_level),
+            args=(self.config, in_addr, out_addr, self.log_level),
             daemon=True,
             name="radixserve-engine",
         )
-        self._queues: dict[str, tuple[asyncio.Queue, Any]] = {}
-        self._pending: dict[Any, asyncio.Future] = {}
-        self._calls = itertools.count()
-        self._reader: asyncio.Task | None = None
-        self.info: EngineInfo | None = None
-        self.pid: int | None = None
-        self.dead: str | None = None
-
-    # ------------------------------------------------------------------ life cycle
-    async def start(self, timeout: float = 600.0) -> EngineInfo:
         self._process.start()
-        deadline = asyncio.get_running_loop().time() + timeout
+
+    async def _wait_ready(self, timeout: float) -> EngineInfo:
+        deadline = time.monotonic() + timeout
         while True:
-            if await self._pull.poll(500):
+            if await self._pull.poll(POLL_MS):
                 msg = await self._pull.recv_pyobj()
                 if msg[0] == "ready":
-                    _, self.info, self.pid = msg
-                    break
+                    _, info, self.pid = msg
+                    return info
                 if msg[0] == "fatal":
-                    raise EngineDeadError(f"the engine failed to start:\n{msg[1]}")
+                    log.error("the engine failed to start:\n%s", msg[1])
+                    raise EngineDeadError(f"the engine failed to start: {_last_line(msg[1])}")
             if not self._process.is_alive():
                 raise EngineDeadError(f"the engine process exited ({self._process.exitcode})")
-            if asyncio.get_running_loop().time() > deadline:
+            if time.monotonic() > deadline:
                 raise EngineDeadError("the engine did not start in time")
-        self._reader = asyncio.create_task(self._read_loop())
+
+    async def start(self, timeout: float = START_TIMEOUT_S) -> EngineInfo:
+        self._spawn()
+        self.info = await self._wait_ready(timeout)
+        disagg = self.info.disaggregation
+        if disagg is not None and disagg.endpoint:  # a restarted engine keeps its KV port,
+            port = int(disagg.endpoint.rsplit(":", 1)[1])  # where decode instances look
+            self.config = dataclasses.replace(self.config, kv_transfer_port=port)
+        self.state = "ready"
+        self._supervisor = asyncio.create_task(self._supervise())
         return self.info
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._process.is_alive():
-            await self._push.send_pyobj(("shutdown",))
-            await asyncio.to_thread(self._process.join, 10)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(10)
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        process = self._process
+        if process is not None and process.is_alive():
+            self._send(("shutdown",))
+            await asyncio.to_thread(process.join, 10)
+        if process is not None and process.is_alive():
+            process.terminate()
+            process.join(10)
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    async def _read_loop(self) -> None:
+    async def _supervise(self) -> None:
         while True:
-            if not await self._pull.poll(1000):
+            reason = await self._read_until_death()
+            log.error("the engine died: %s", reason)
+            self._fail_inflight(DIED)
+            if not await self._restart():
+                return
+
+    async def _restart(self) -> bool:
+        while True:
+            now = time.monotonic()
+            while self._restart_times and self._restart_times[0] < now - RESTART_WINDOW_S:
+                self._restart_times.popleft()
+            recent = len(self._restart_times)
+            if recent >= self.max_restarts:
+                self.state = "dead"
+                self.dead = (
+                    f"the engine died and {recent} restart(s) within {RESTART_WINDOW_S:.0f} s "
+                    "used up the limit (--engine-restarts); giving up"
+                )
+                log.critical(self.dead)
+                if self.on_give_up is not None:
+                    self.on_give_up()
+                return False
+            self.state = "restarting"
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**recent)
+            log.warning(
+                "restarting the engine in %.1f s (restart %d of at most %d within %.0f s)",
+                delay,
+                recent + 1,
+                self.max_restarts,
+                RESTART_WINDOW_S,
+            )
+            await asyncio.sleep(delay)
+            self._restart_times.append(time.monotonic())
+            self.num_restarts += 1
+            if self._process is not None and self._process.is_alive():
+                self._process.kill()
+            if self._process is not None:
+                await asyncio.to_thread(self._process.join, 10)
+            self._spawn()
+            try:
+                self.info = await self._wait_ready(START_TIMEOUT_S)
+            except EngineDeadError as e:
+                log.error("the restarted engine did not come up: %s", e)
+                continue
+            self.state = "ready"
+            log.warning("the engine is back (pid %s)", self.pid)
+            return True
+
+    async def _read_until_death(self) -> str:
+        """Route everything the engine sends until it dies; return how it died."""
+        while True:
+            if not await self._pull.poll(POLL_MS):
                 if not self._process.is_alive():
-                    self._fail(f"the engine process exited ({self._process.exitcode})")
-                    return
+                    return f"the engine process exited with code {self._process.exitcode}"
                 continue
             msg = await self._pull.recv_pyobj()
             kind = msg[0]
@@ -121,11 +228,11 @@ class EngineClient:
                 if fut is not None and not fut.done():
                     fut.set_result((msg[2], msg[3]))
             elif kind == "fatal":
-                self._fail(f"the engine crashed:\n{msg[1]}")
-                return
+                log.error("the engine crashed:\n%s", msg[1])
+                await asyncio.to_thread(self._process.join, 5)
+                return f"the engine crashed: {_last_line(msg[1])}"
 
-    def _fail(self, reason: str) -> None:
-        self.dead = reason
+    def _fail_inflight(self, reason: str) -> None:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
@@ -135,9 +242,22 @@ class EngineClient:
         self._queues.clear()
 
     # ------------------------------------------------------------------ requests
-    def _check_alive(self) -> None:
-        if self.dead:
-            raise EngineDeadError(self.dead)
+    def _check_ready(self) -> None:
+        if self.state == "dead":
+            raise EngineDeadError(self.dead or "the engine is gone")
+        if self.state != "ready":
+            raise EngineDeadError("the engine is restarting; retry shortly")
+
+    def _send(self, msg: tuple) -> bool:
+        """Send without waiting; False where no engine is connected to take it."""
+        try:
+            fut = self._push.send_pyobj(msg, flags=zmq.DONTWAIT)
+        except zmq.Again:
+            return False
+        if fut.done():
+            return fut.exception() is None
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return True
 
     async def add(
         self,
@@ -146,33 +266,48 @@ class EngineClient:
         params: SamplingParams,
         queue: asyncio.Queue,
         tag: Any = None,
+        extra_key: Any = None,
+        prefill_peer: str | None = None,
     ) -> None:
         """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
-        Raises ``ValueError`` with the engine's message if the engine rejects it."""
-        self._check_alive()
+        Raises ``ValueError`` with the engine's message if the engine rejects it, and
+        ``EngineDeadError`` if there is no engine to take it. ``prefill_peer``: on a decode
+        instance, the prefill instance to take the prompt's KV from."""
+        self._check_ready()
         fut = asyncio.get_running_loop().create_future()
         self._pending[("add", request_id)] = fut
         self._queues[request_id] = (queue, tag)
-        await self._push.send_pyobj(("add", request_id, prompt_ids, params))
+        options = {"prefill_peer": prefill_peer} if prefill_peer else {}
+        if not self._send(("add", request_id, prompt_ids, params, extra_key, options)):
+            self._pending.pop(("add", request_id), None)
+            self._queues.pop(request_id, None)
+            raise EngineDeadError("the engine is not taking requests; retry shortly")
         error = await fut
         if error is not None:
             self._queues.pop(request_id, None)
             raise ValueError(error)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
-        if not self.dead:
-            await self._push.send_pyobj(("abort", request_id, reason))
+        if self.ready:
+            self._send(("abort", request_id, reason))
 
     async def call(self, name: str, **kwargs: Any) -> Any:
-        self._check_alive()
+        self._check_ready()
         call_id = next(self._calls)
         fut = asyncio.get_running_loop().create_future()
         self._pending[("rpc", call_id)] = fut
-        await self._push.send_pyobj(("rpc", call_id, name, kwargs))
+        if not self._send(("rpc", call_id, name, kwargs)):
+            self._pending.pop(("rpc", call_id), None)
+            raise EngineDeadError("the engine is not taking requests; retry shortly")
         ok, value = await fut
         if not ok:
             raise RuntimeError(value)
         return value
+
+
+def _last_line(traceback_text: str) -> str:
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "unknown error"
 
 
 __all__ = ["EngineClient", "EngineDeadError", "StepOutput"]

@@ -1,7 +1,9 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
 Messages in (PULL, pickled tuples):
-    ("add", request_id, prompt_ids, SamplingParams)   -> ("added", id) or ("rejected", id, msg)
+    ("add", request_id, prompt_ids, SamplingParams, extra_key, options)
+                                                      -> ("added", id) or ("rejected", id, msg)
+        options (optional): more keyword arguments of Engine.add_request (prefill_peer)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -11,8 +13,16 @@ every step (after_step True) or abort (False),
 bug.
 
 New messages are read between steps: the loop never blocks while requests are running, and
-sleeps on the socket when idle. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
+sleeps on the socket when idle. In a disaggregation mode it also wakes on KV transfer
+traffic (``Engine.wake_fd``), and while every request waits for transferred KV it sleeps
+between looks instead of spinning. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
 boundary), which the HTTP side turns into metrics.
+
+The loop never dies on one message: a message that cannot be read or handled is logged with
+its traceback and answered with a short error for that request alone. A step that raises
+(the engine isolates the errors of its forward pass itself; this is the net below it) ends
+every unfinished request with ``finish_reason="error"``; if the slot ledger is then no longer
+whole, the process exits with ``EXIT_CORRUPT`` so the HTTP side starts a fresh engine.
 """
 
 from __future__ import annotations
@@ -34,7 +44,13 @@ from radixserve.kvevents.publisher import KVEventPublisher
 from radixserve.server.event_bridge import EventBridge
 
 IDLE_POLL_MS = 200
+WAITING_POLL_MS = 20  # requests exist but none could run (their KV is on its way)
 PR_SET_PDEATHSIG = 1
+EXIT_CORRUPT = 3
+STEP_ERROR = "the engine failed while computing this request; the details are in the server log"
+ADD_ERROR = "the engine could not take this request; the details are in the server log"
+
+log = logging.getLogger("radixserve.engine")
 
 
 class _Shutdown(Exception):
@@ -47,15 +63,21 @@ class EngineLoop:
     ):
         self.engine, self.pull, self.push = engine, pull, push
         self.events = events
+        self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, params = msg
+            _, rid, prompt_ids, params, extra_key, *rest = msg
+            options = rest[0] if rest else {}
             try:
-                self.engine.add_request(rid, prompt_ids, params)
+                self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key, **options)
             except ValueError as e:
                 self.push.send_pyobj(("rejected", rid, str(e)))
+            except Exception:
+                log.exception("request %s could not be added", rid)
+                self._forget(rid)
+                self.push.send_pyobj(("rejected", rid, ADD_ERROR))
             else:
                 self.push.send_pyobj(("added", rid))
         elif kind == "abort":
@@ -75,8 +97,64 @@ class EngineLoop:
         else:
             raise ValueError(f"unknown message {kind!r}")
 
+    def _forget(self, rid: str) -> None:
+        """Drop what a failed ``add_request`` may have left of request ``rid``."""
+        if rid in self.engine.requests:
+            try:
+                self.engine.abort_request(rid, "error")
+            except Exception:
+                log.exception("request %s could not be dropped", rid)
+
+    def receive(self) -> None:
+        """Read and handle one message; whatever goes wrong is logged, never raised."""
+        try:
+            msg = self.pull.recv_pyobj()
+        except Exception:
+            log.exception("an unreadable message was dropped")
+            return
+        try:
+            self.handle(msg)
+        except _Shutdown:
+            raise
+        except Exception:
+            log.exception("handling a %r message failed", msg[0] if msg else None)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("an engine step failed; its requests end with an error")
+            outputs = self._fail_unfinished()
+            try:
+                self.engine.check_integrity()
+            except Exception:
+                log.critical("the KV slot ledger is broken after a failed step; exiting")
+                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                raise SystemExit(EXIT_CORRUPT) from None
+        stats = self.engine.stats()
+        counts = (stats.num_running, stats.num_waiting, stats.num_loading)
+        # a look at KV transfer traffic that ran nothing reports only what changed
+        if outputs or not self.engine.last_step_empty or counts != self._counts:
+            self.push.send_pyobj(("outputs", outputs, stats, True))
+            self._counts = counts
+
+    def _fail_unfinished(self) -> list:
+        outputs = []
+        for rid in list(self.engine.requests):
+            try:
+                out = self.engine.abort_request(rid, "error")
+            except Exception:
+                log.exception("request %s could not be ended", rid)
+                continue
+            if out is not None:
+                outputs.append(dataclasses.replace(out, error=STEP_ERROR))
+        return outputs
+
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
+
+    def rpc_clear_storage(self) -> bool:
+        return self.engine.clear_storage()
 
     def rpc_cache_summary(self, top: int = 10) -> TreeSummary:
         return self.engine.cache_summary(top)
@@ -91,20 +169,25 @@ class EngineLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        wake = self.engine.wake_fd()
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         parent = os.getppid()
         while True:
-            timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
+            if not self.engine.has_unfinished():
+                timeout = IDLE_POLL_MS
+            else:
+                timeout = WAITING_POLL_MS if self.engine.last_step_empty else 0
             if timeout and os.getppid() != parent:
                 return  # the HTTP process is gone: nobody will read our outputs
-            while poller.poll(timeout):
+            ready = dict(poller.poll(timeout))
+            while self.pull.poll(0):
                 try:
-                    self.handle(self.pull.recv_pyobj())
+                    self.receive()
                 except _Shutdown:
                     return
-                timeout = 0
-            if self.engine.has_unfinished():
-                outputs = self.engine.step()
-                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+            if self.engine.has_unfinished() or wake in ready:
+                self.step()
             if self.events is not None:
                 self.events.sync()
 
@@ -129,6 +212,7 @@ def run_engine_process(
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
     publisher = None
+    engine = None
     try:
         engine = Engine(config)
         info, bridge = engine.info(), None
@@ -144,11 +228,19 @@ def run_engine_process(
         push.send_pyobj(("ready", info, os.getpid()))
         EngineLoop(engine, pull, push, bridge).run()
     except Exception:
+        # the traceback goes to the HTTP process's log, never to a client
         push.send_pyobj(("fatal", traceback.format_exc()))
+        push.close(linger=1000)  # give the message time to leave
         raise
     finally:
         if publisher is not None:
             publisher.close()
-        push.close(linger=1000)
+        if engine is not None:
+            engine.close()  # storage writes finish (a warm restart needs them); KV transfer stops
+        push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+    # A clean shutdown: nothing is left to flush, and tearing down torch's interpreter state
+    # takes seconds that a server stopping under a deadline does not have.
+    logging.shutdown()
+    os._exit(0)

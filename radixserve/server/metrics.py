@@ -3,18 +3,22 @@
 Cache and pool figures come from the engine's stats snapshot (sent after every step) and are
 exported as they are on each scrape, by a custom collector. Latencies are measured here, in
 the HTTP process, from the moment a request arrives. The hit rate and average matched prefix
-are over the requests admitted in the last ``WINDOW_SECONDS``.
+are over the requests admitted in the last ``WINDOW_SECONDS``. Token counters move as tokens
+are generated, not when a request ends. ``engine_restarts`` reads the engine supervisor's
+count on each scrape.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.server.tier_metrics import tier_families
 
 WINDOW_SECONDS = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -22,14 +26,18 @@ EVICT_BUCKETS = (0, 1, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class Metrics:
-    def __init__(self, model_name: str, info: EngineInfo):
+    def __init__(
+        self, model_name: str, info: EngineInfo, engine_restarts: Callable[[], int] = lambda: 0
+    ):
         self.model_name = model_name
         self.info = info
+        self.engine_restarts = engine_restarts
         self.registry = CollectorRegistry()
         self.stats = EngineStats.idle(info.kv_capacity_tokens)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.requests: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt, cached)
         self.registry.register(self)
         h = dict(registry=self.registry, labelnames=["model_name"])
@@ -65,8 +73,13 @@ class Metrics:
         while self._window and self._window[0][0] < now - WINDOW_SECONDS:
             self._window.popleft()
 
-    def on_finished(self, finish_reason: str | None, output_tokens: int, e2e: float) -> None:
-        self.generation_tokens += output_tokens
+    def on_tokens(self, n: int) -> None:
+        self.generation_tokens += n
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def on_finished(self, finish_reason: str | None, e2e: float) -> None:
         reason = finish_reason or "unknown"
         self.requests[reason] = self.requests.get(reason, 0) + 1
         self.e2e.labels(self.model_name).observe(e2e)
@@ -124,6 +137,19 @@ class Metrics:
         for reason, n in sorted(self.requests.items()):
             finished.add_metric([m, reason], n)
         yield finished
+        rejected = CounterMetricFamily(
+            "requests_rejected",
+            "Requests refused for lack of room (503 with Retry-After), by reason",
+            labels=["model_name", "reason"],
+        )
+        for reason, n in sorted(self.rejected.items()):
+            rejected.add_metric([m, reason], n)
+        yield rejected
+        yield counter(
+            "engine_restarts",
+            "Times the engine process died and was started again",
+            self.engine_restarts(),
+        )
         yield gauge(
             "radix_cache_hit_rate", f"Cache hit rate over the last {WINDOW_SECONDS:.0f} s", hit_rate
         )
@@ -143,6 +169,7 @@ class Metrics:
         )
         yield gauge("num_running_reqs", "Requests in the running batch", s.num_running)
         yield gauge("num_queue_reqs", "Requests waiting for admission", s.num_waiting)
+        yield from tier_families(s, m)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

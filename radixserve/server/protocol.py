@@ -2,59 +2,74 @@
 
 Every field is either honoured or rejected: unknown fields fail validation (``extra=forbid``)
 and known OpenAI fields we do not implement (tools, logit_bias, ...) are refused with a
-message naming them, unless they carry their neutral value. ``ApiError`` carries the HTTP
-status and the offending parameter to the OpenAI-style error body.
+message naming them, unless they carry their neutral value. Types are strict (``true`` is not
+a count, ``2.5`` is not an integer), floats finite, and no string anywhere in a body may hold
+a lone surrogate (the tokenizer cannot encode one). Parameters a request leaves out take the
+server's defaults (the model's recommendation, see ``generation_defaults``); ``model`` may be
+left out too. ``cache_salt`` puts the request's prefixes in a cache namespace of their own.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
+from radixserve.server.errors import ApiError
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_SALT_CHARS = 256
 
 
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = (
-            status,
-            message,
-            param,
-            kind,
-            code,
-        )
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate_at(key) is not None:
+            return path or "body"
+        found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+
+class _Body(BaseModel):
+    """A request body: strict types, and every string valid Unicode."""
+
+    model_config = STRICT
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone surrogate, which is not valid Unicode")
+        return data
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     """Fields shared by chat and text completions (OpenAI names plus common extensions)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
+    model: str | None = None  # None: the served model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -91,24 +106,32 @@ class _Sampling(BaseModel):
                 400, "stream_options is only allowed with stream: true", "stream_options"
             )
 
-    def choice_params(self) -> list[SamplingParams]:
-        """Validated sampling parameters for each of the ``n`` choices (seeds differ)."""
+    def choice_params(self, defaults: dict[str, Any]) -> list[SamplingParams]:
+        """Validated sampling parameters for each of the ``n`` choices (seeds differ);
+        ``defaults`` fill what the request leaves out."""
         self.reject_unsupported()
-        return [self.to_sampling_params(i) for i in range(self.n)]
+        return [self.to_sampling_params(defaults, i) for i in range(self.n)]
 
-    def to_sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
         raise NotImplementedError
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0
+        self,
+        defaults: dict[str, Any],
+        max_tokens: int | None,
+        logprobs: int | None,
+        seed_offset: int = 0,
     ) -> SamplingParams:
+        seed = self.seed
+        if seed is not None and seed <= SEED_MAX < seed + seed_offset:
+            seed -= 2**64  # wrap, so that choice i's seed stays within what torch takes
         fields = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
-            "seed": None if self.seed is None else self.seed + seed_offset,
+            "seed": None if seed is None else seed + seed_offset,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -119,12 +142,20 @@ class _Sampling(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
         }
-        try:
-            # None means "the default", except for max_tokens where it means "up to the context"
-            given = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
-            return SamplingParams(**given)
-        except ValueError as e:
-            raise ApiError(400, str(e), _param_named_in(str(e), fields)) from e
+        return build_params(fields, defaults)
+
+
+def build_params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from what a request gave (None: left out), over ``defaults``.
+    A ``max_tokens`` left out with no default means up to the context."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    merged = {"max_tokens": None, **defaults, **given}
+    try:
+        return SamplingParams(**merged)
+    except TypeError as e:
+        raise ApiError(400, f"unknown sampling parameter: {e}", "sampling_params") from e
+    except ValueError as e:
+        raise ApiError(400, str(e), _param_named_in(str(e), merged)) from e
 
 
 def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
@@ -132,7 +163,7 @@ def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -174,7 +205,7 @@ class ChatCompletionRequest(_Sampling):
             "parallel_tool_calls": self.parallel_tool_calls,
         }
 
-    def to_sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
         if not self.messages:
             raise ApiError(400, "messages must not be empty", "messages")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -183,7 +214,7 @@ class ChatCompletionRequest(_Sampling):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs, seed_offset)
+        return self.sampling_params(defaults, max_tokens, logprobs, seed_offset)
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role
@@ -208,10 +239,10 @@ class CompletionRequest(_Sampling):
             "best_of": None if self.best_of in (None, 1, self.n) else self.best_of,
         }
 
-    def to_sampling_params(self, seed_offset: int = 0) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
         # OpenAI's default for completions is 16 tokens
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, seed_offset)
+        max_tokens = defaults.get("max_tokens", 16) if self.max_tokens is None else self.max_tokens
+        return self.sampling_params(defaults, max_tokens, self.logprobs, seed_offset)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -224,19 +255,24 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class GenerateRequest(BaseModel):
-    """The native endpoint: token ids (or text) in, token ids out."""
+# the OpenAPI description of /generate's sampling_params: SamplingParams' own fields
+_SAMPLING_SCHEMA = {
+    "properties": TypeAdapter(SamplingParams).json_schema()["properties"],
+    "additionalProperties": False,
+}
 
-    model_config = ConfigDict(extra="forbid")
+
+class GenerateRequest(_Body):
+    """The native endpoint: token ids (or text) in, token ids out. ``sampling_params`` are
+    ``SamplingParams`` fields, checked there (strictly typed, since JSON reaches it as is)."""
+
     input_ids: list[int] | None = None
     text: str | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra=_SAMPLING_SCHEMA
+    )
     stream: bool = False
 
-    def to_sampling_params(self) -> SamplingParams:
-        try:
-            return SamplingParams(**self.sampling_params)
-        except TypeError as e:
-            raise ApiError(400, f"unknown sampling parameter: {e}", "sampling_params") from e
-        except ValueError as e:
-            raise ApiError(400, str(e), "sampling_params") from e
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens
+        return build_params(self.sampling_params, {"max_tokens": 16, **defaults})

@@ -2,29 +2,44 @@
 
 One HTTP request becomes one engine request per (prompt, choice) pair (``n`` choices of
 several prompts). Their outputs share one queue; ``OutputTracker`` turns them into text and
-applies stop strings (which abort the engine request). If the client goes away, every
-unfinished sub-request is aborted, so its locks and slots are released at once.
+applies stop strings (which abort the engine request). If the client goes away, streaming or
+not, every unfinished sub-request is aborted, so its locks and slots are released at once.
+
+Admission: at most ``max_request_sequences`` sub-requests per request (400 beyond), and at
+most ``max_queued_requests`` waiting beyond the engine's running batch (503 with
+``Retry-After`` beyond). Tokenization and chat templates run on a worker thread (the
+tokenizer releases the GIL), so a huge prompt never stalls ``/health`` or other requests.
+A sub-request that ends with ``finish_reason="error"`` (the engine failed on it) or whose
+engine died fails its HTTP request with a short message; the traceback is in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from radixserve.engine import SamplingParams
 from radixserve.engine.output import OutputTracker
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.engine_client import EngineClient
+from radixserve.server.config import ServerConfig
+from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.errors import ApiError, internal_error, unavailable
 from radixserve.server.metrics import Metrics
-from radixserve.server.protocol import ApiError
 
-DISCONNECT_POLL_SECONDS = 0.5
+DISCONNECT_POLL_SECONDS = 0.2
+ENGINE_ERROR = "the engine failed while computing this request; the details are in the server log"
+
+log = logging.getLogger("radixserve.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,14 +60,68 @@ class Job:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer, metrics: Metrics):
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Tokenizer,
+        metrics: Metrics,
+        config: ServerConfig,
+        max_running: int,
+    ):
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.config = config
+        self.max_running = max_running
+        # one thread: a transformers tokenizer is not safe to share between threads
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work on the worker thread; its ``ValueError`` becomes a 400."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_size(self, num_sequences: int, param: str = "n") -> None:
+        """Refuse a request of more sub-requests than the limit, or more than the queue
+        has room for now."""
+        limit = self.config.max_request_sequences
+        if num_sequences > limit:
+            raise ApiError(
+                400,
+                f"this request asks for {num_sequences} sequences (prompts x n); "
+                f"the server's limit is {limit} (--max-request-sequences)",
+                param,
+            )
+        queued = self.client.num_inflight + num_sequences - self.max_running
+        if queued > self.config.max_queued_requests:
+            self.metrics.on_rejected("queue_full")
+            raise unavailable(
+                f"the server is busy ({self.client.num_inflight} sequences in flight, "
+                f"queue limit {self.config.max_queued_requests}); retry shortly"
+            )
 
     async def submit(
-        self, kind: str, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        kind: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        extra_key: str | None = None,
+        prefill_peer: str | None = None,
     ) -> tuple[Job, asyncio.Queue]:
+        self.check_size(len(prompts))
+        limit = self.client.info.max_model_len
+        longest = max(map(len, prompts), default=0)
+        if limit and longest >= limit:  # refused here, not shipped to the engine to be refused
+            raise ApiError(
+                400,
+                f"the prompt has {longest} tokens but the model's context is {limit} tokens, "
+                "which must also hold at least one output token",
+            )
         base = uuid.uuid4().hex[:24]
         job = Job(
             kind=kind, prompts=prompts, trackers=[], request_ids=[], response_id=f"{kind}-{base}"
@@ -63,10 +132,15 @@ class Serving:
                 rid = f"{base}-{i}"
                 job.trackers.append(OutputTracker(rid, self.tokenizer, p))
                 job.request_ids.append(rid)
-                await self.client.add(rid, ids, p, queue, tag=i)
+                await self.client.add(
+                    rid, ids, p, queue, tag=i, extra_key=extra_key, prefill_peer=prefill_peer
+                )
         except ValueError as e:
             await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e
+        except EngineDeadError as e:
+            await self.abort_unfinished(job)
+            raise unavailable(str(e)) from e
         return job, queue
 
     async def abort_unfinished(self, job: Job) -> None:
@@ -80,12 +154,17 @@ class Serving:
         while not job.finished:
             tag, out = await queue.get()
             if isinstance(out, Exception):
-                raise ApiError(503, str(out), kind="server_error")
+                raise unavailable(str(out))
             tracker = job.trackers[tag]
             if tracker.finished:
                 continue  # the engine's answer to our own abort after a stop string
             now = time.monotonic()
+            if out.finish_reason == "error":
+                tracker.finish_reason = "error"
+                self.metrics.on_finished("error", now - job.arrival)
+                raise ApiError(500, out.error or ENGINE_ERROR, kind="server_error")
             if out.new_token_ids:
+                self.metrics.on_tokens(len(out.new_token_ids))
                 if tag not in last_token_at:
                     self.metrics.ttft.labels(self.metrics.model_name).observe(now - job.arrival)
                     self.metrics.on_admitted(out.prompt_tokens, out.cached_tokens)
@@ -97,9 +176,7 @@ class Serving:
             if tracker.update(out):
                 await self.client.abort(job.request_ids[tag], reason="stop")
             if tracker.finished:
-                self.metrics.on_finished(
-                    tracker.finish_reason, len(tracker.token_ids), now - job.arrival
-                )
+                self.metrics.on_finished(tracker.finish_reason, now - job.arrival)
             yield tag
 
     async def wait(self, job: Job, queue: asyncio.Queue, raw: Request) -> Job:
@@ -141,5 +218,8 @@ class Serving:
             yield "data: [DONE]\n\n"
         except ApiError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception:
+            log.exception("a stream failed")
+            yield f"data: {json.dumps(internal_error().body())}\n\n"
         finally:
             await self.abort_unfinished(job)

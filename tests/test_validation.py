@@ -1,0 +1,243 @@
+"""Validation without a server: sampling parameters, the engine's second check, the engine
+loop's safety net, server options, and the sampling defaults read from a model."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+
+import gguf
+import pytest
+
+from radixserve.engine import SamplingParams
+from radixserve.model.generation_defaults import generation_defaults
+from radixserve.server.config import ServerConfig, parse_sampling_overrides
+from radixserve.server.engine_process import STEP_ERROR, EngineLoop
+from radixserve.server.protocol import ChatCompletionRequest, GenerateRequest, lone_surrogate_at
+
+BAD_PARAMS = [
+    ({"top_k": 10**20}, "top_k"),  # issue 13: killed the engine (int64 overflow in the sampler)
+    ({"logprobs": 2.5}, "logprobs"),  # issue 13: killed the engine
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 0.5}, "logprobs"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"repetition_penalty": math.nan}, "repetition_penalty"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"min_p": -math.inf}, "min_p"),
+    ({"seed": 2**64}, "seed"),  # was "Overflow when unpacking long long"
+    ({"seed": 1.5}, "seed"),
+    ({"stop": {"a": 1}}, "stop"),  # was taken as the stop string "a"
+    ({"stop": ["a\ud800"]}, "lone surrogate"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 4.0}, "max_tokens"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+]
+
+
+@pytest.mark.parametrize("fields,needle", BAD_PARAMS)
+def test_bad_sampling_params_are_refused_with_their_name(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**fields)
+
+
+def test_huge_top_k_within_int64_means_off_and_tiny_temperature_is_greedy():
+    assert SamplingParams(top_k=2**63 - 1).top_k == 2**63 - 1
+    assert SamplingParams(temperature=1e-9).greedy and not SamplingParams(temperature=0.1).greedy
+
+
+def test_engine_refuses_params_that_slipped_past_construction_and_goes_on(make_engine):
+    engine = make_engine()
+    bad = SamplingParams(max_tokens=4)
+    bad.top_k = 10**20  # as if unpickled in the engine process, where __post_init__ never ran
+    bad = pickle.loads(pickle.dumps(bad))
+    with pytest.raises(ValueError, match="top_k"):
+        engine.add_request("bad", [5, 6, 7], bad)
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["good"]
+    engine.check_integrity()
+
+
+class Recorder:
+    """Stands in for the engine loop's PUSH socket."""
+
+    def __init__(self):
+        self.sent: list[tuple] = []
+
+    def send_pyobj(self, msg):
+        self.sent.append(msg)
+
+
+class BrokenPull:
+    def recv_pyobj(self):
+        raise pickle.UnpicklingError("garbage")
+
+
+def outputs_of(sent: list[tuple]) -> list:
+    return [out for msg in sent if msg[0] == "outputs" for out in msg[1]]
+
+
+def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monkeypatch):
+    engine = make_engine()
+    push = Recorder()
+    loop = EngineLoop(engine, BrokenPull(), push)
+    loop.receive()  # an unreadable message: logged and dropped
+    loop.handle(("add", "a", [5, 6, 7, 8], SamplingParams(max_tokens=50), None))
+    loop.handle(("add", "b", [9, 10], {"not": "params"}, None))
+    assert push.sent[:2] == [("added", "a"), ("rejected", "b", "params must be a SamplingParams")]
+    loop.step()  # the prefill of "a"
+    real_step = engine.step
+
+    def failing_step():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    loop.step()
+    failed = outputs_of(push.sent)[-1]
+    assert failed.request_id == "a" and failed.finished and failed.finish_reason == "error"
+    assert failed.error == STEP_ERROR and "boom" not in failed.error
+    engine.check_integrity()
+    monkeypatch.setattr(engine, "step", real_step)
+    loop.handle(("add", "c", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True), None))
+    while engine.has_unfinished():
+        loop.step()
+    last = outputs_of(push.sent)[-1]
+    assert last.request_id == "c" and last.finish_reason == "length"
+
+
+def test_request_bodies_refuse_nan_lone_surrogates_and_loose_types():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    ChatCompletionRequest.model_validate(chat)  # model may be left out
+    for extra in ({"temperature": math.nan}, {"n": True}, {"max_tokens": 2.5}, {"stream": 1}):
+        with pytest.raises(ValueError):
+            ChatCompletionRequest.model_validate({**chat, **extra})
+    surrogate = {"messages": [{"role": "user", "content": "a\ud800b"}]}
+    with pytest.raises(ValueError, match=r"messages\.0\.content holds a lone surrogate"):
+        ChatCompletionRequest.model_validate(surrogate)
+    assert lone_surrogate_at({"a": ["ok", "\U0001f600"]}) is None
+    with pytest.raises(ValueError, match="lone surrogate"):
+        GenerateRequest.model_validate({"text": "\udfff"})
+
+
+def test_generate_schema_describes_sampling_params():
+    schema = GenerateRequest.model_json_schema()["properties"]["sampling_params"]
+    assert schema["additionalProperties"] is False and "top_k" in schema["properties"]
+
+
+def test_default_sampling_flag_syntax():
+    assert parse_sampling_overrides("temperature=0.2, top_p=0.9,max-tokens=64") == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "max_tokens": 64,
+    }
+    for bad, needle in [("temp=1", "unknown parameter 'temp'"), ("top_p", "NAME=VALUE"),
+                        ("top_p=high", "not a number")]:  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            parse_sampling_overrides(bad)
+
+
+def test_server_config_checks_its_options():
+    for options, needle in [
+        ({"max_request_sequences": 0}, "max_request_sequences"),
+        ({"api_keys": ["k"], "admin_key": "k"}, "must differ"),
+        ({"salt_from_api_key": True}, "needs at least one API key"),
+        ({"max_request_bytes": "lots"}, "memory size"),
+        ({"default_sampling": {"temp": 1}}, "unknown parameter"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            ServerConfig(**options)
+    with pytest.raises(ValueError, match="unknown server option"):
+        ServerConfig.from_options(api_key="x")
+
+
+def test_serve_flags_name_themselves_in_errors(capsys):
+    from radixserve.cli import main
+
+    for argv, needle in [
+        (["--default-sampling", "temperature=-1"], "--default-sampling: temperature"),
+        (["--max-request-sequences", "0"], "--max-request-sequences"),
+        (["--salt-from-api-key"], "--salt-from-api-key needs at least one API key"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["serve", *argv])
+        assert needle in capsys.readouterr().err
+
+
+def test_generation_defaults_from_hf_directory(tmp_path):
+    assert generation_defaults(tmp_path).values == {}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "do_sample": True, "bos_token_id": 1})
+    )
+    found = generation_defaults(tmp_path)
+    assert found.values == {"temperature": 0.6, "top_p": 0.9}
+    assert found.source == "generation_config.json"
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert generation_defaults(tmp_path).values == {"temperature": 0.0}
+
+
+def write_gguf_header(path, **fields) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        name = key.replace("__", ".")
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        else:
+            writer.add_float32(name, value)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def test_generation_defaults_from_gguf_metadata_then_the_family_table(tmp_path, default_gguf):
+    meta = tmp_path / "meta.gguf"
+    write_gguf_header(meta, general__basename="smollm2", general__sampling__temp=0.3)
+    found = generation_defaults(meta)
+    assert found.values == {"temperature": 0.3} and "metadata" in found.source
+    family = tmp_path / "family.gguf"
+    write_gguf_header(family, general__basename="Qwen2.5")
+    assert generation_defaults(family).values["top_k"] == 20
+    real = generation_defaults(default_gguf)  # the default model: SmolLM2's model card
+    assert real.values == {"temperature": 0.2, "top_p": 0.9}
+
+
+class Writes:
+    """A stdout that keeps every write, to see what was printed when."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_chat_streams_tokens_and_reports_the_cache_split(make_engine, monkeypatch):
+    from radixserve import LLM
+    from radixserve.cli import stream_answer
+
+    llm = LLM.from_engine(make_engine())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    history = [{"role": "user", "content": "Tell me a story."}]
+    out = Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    first = stream_answer(llm, history, params)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More."}]
+    second = stream_answer(llm, history, params)
+    text_writes = [w for w in out.writes if w and not w.startswith("\n[")]
+    assert len(text_writes) >= 6  # piece by piece, not the whole answer at once
+    summaries = [w for w in out.writes if w.startswith("\n[prompt")]
+    assert f"{first.prompt_tokens} tokens: 0 from the cache" in summaries[0]
+    cached = second.cached_tokens
+    assert cached > first.prompt_tokens
+    assert f"{cached} from the cache, {second.prompt_tokens - cached} computed" in summaries[1]
+    assert "tokens/s" in summaries[1]
