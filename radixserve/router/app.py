@@ -47,8 +47,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", **kw)
 
 
 def create_router_app(
-    pool: WorkerPool, tokenizer: Tokenizer, api_key: str | None = None
+    pool: WorkerPool,
+    tokenizer: Tokenizer,
+    api_keys: list[str] | None = None,
+    salt_from_api_key: bool = False,
 ) -> FastAPI:
+    """``api_keys``: the keys the router accepts (the workers check them too);
+    ``salt_from_api_key``: the workers give every key its own cache namespace."""
     app = FastAPI(title="radixserve router")
     policy, client = pool.policy, pool.client
     metrics = RouterMetrics(policy)
@@ -56,9 +61,9 @@ def create_router_app(
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if api_keys and request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not any(secrets.compare_digest(given, f"Bearer {k}".encode()) for k in api_keys):
                 return _error(401, "missing or wrong API key", "authentication_error")
         return await call_next(request)
 
@@ -125,7 +130,9 @@ def create_router_app(
             return _error(404, f"model {model!r} not found; this router serves {pool.model!r}",
                           param="model", code="model_not_found")  # fmt: skip
         t0 = time.perf_counter()
-        wanted = route_request(path, body, dict(request.headers), tokenizer, pool.block_size)
+        wanted = route_request(
+            path, body, dict(request.headers), tokenizer, pool.block_size, salt_from_api_key
+        )
         metrics.prepare.observe(time.perf_counter() - t0)
         headers = _forward_headers(request)
         tried: set[str] = set()

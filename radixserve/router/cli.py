@@ -88,13 +88,29 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("RADIXSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (forwarded to the workers)",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (forwarded to the workers); repeat for "
+        "several keys (default: $RADIXSERVE_API_KEY, comma-separated)",
+    )
+    p.add_argument(
+        "--salt-from-api-key",
+        action="store_true",
+        help="the workers run with --salt-from-api-key: hash each key's prompts in its namespace",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of randomised policies")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_policy_args(p)
     p.set_defaults(func=cmd_router, parser=p)
+
+
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """``--api-key`` values, else ``$RADIXSERVE_API_KEY`` (comma-separated), as the server."""
+    if args.api_keys:
+        return list(args.api_keys)
+    env = os.environ.get("RADIXSERVE_API_KEY", "")
+    return [k.strip() for k in env.split(",") if k.strip()]
 
 
 def bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
@@ -112,8 +128,9 @@ def cmd_router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return asyncio.run(
-            serve_router(sock, args.worker, args.policy, config, args.model, args.api_key,
-                         args.log_level, args.seed)
+            serve_router(sock, args.worker, args.policy, config, args.model,
+                         api_keys_from_args(args), args.log_level, args.seed,
+                         args.salt_from_api_key)
         )  # fmt: skip
     except KeyboardInterrupt:
         return 0
@@ -125,9 +142,10 @@ async def serve_router(
     policy_name: str,
     config: PolicyConfig,
     model: str | None,
-    api_key: str | None,
+    api_keys: list[str],
     log_level: str = "info",
     seed: int = 0,
+    salt_from_api_key: bool = False,
 ) -> int:
     import httpx
     import uvicorn
@@ -147,7 +165,9 @@ async def serve_router(
         return 2
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     timeout = httpx.Timeout(None, connect=5.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    # the router's own calls to the workers (/v1/models, /kv_events, /health) carry a key
+    auth = {"authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=auth) as client:
         pool = WorkerPool(make_policy(policy_name, config, seed), client)
         try:
             for url in worker_urls:
@@ -156,7 +176,7 @@ async def serve_router(
             print(f"radixserve router: error: {e}", file=sys.stderr)
             await pool.close()
             return 2
-        app = create_router_app(pool, tokenizer, api_key)
+        app = create_router_app(pool, tokenizer, api_keys, salt_from_api_key)
         pool.start()
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
         signal.signal(signal.SIGTERM, _raise_system_exit)

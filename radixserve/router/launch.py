@@ -23,7 +23,7 @@ import time
 import httpx
 
 from radixserve.cli import flag
-from radixserve.router.cli import policy_config_from_args, serve_router
+from radixserve.router.cli import api_keys_from_args, policy_config_from_args, serve_router
 from radixserve.router.policy import PolicyConfig
 from radixserve.server.engine_process import _die_with_parent
 
@@ -77,8 +77,9 @@ def cmd_dp(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: sock
         _wait_healthy(children, urls, timeout=600.0)
         print(f"radixserve: {n} instances ready ({threads} threads each)", flush=True)
         return asyncio.run(
-            serve_router(sock, urls, args.policy, config, args.model, args.api_key,
-                         args.log_level)
+            serve_router(sock, urls, args.policy, config, args.model,
+                         api_keys_from_args(args), args.log_level,
+                         salt_from_api_key=args.salt_from_api_key)
         )  # fmt: skip
     except KeyboardInterrupt:
         return 0

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.policy import RouteRequest
+from radixserve.server.guard import cache_namespace, key_tenant
 from radixserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 SESSION_HEADER = "x-session-id"
@@ -47,10 +48,19 @@ def prompt_ids(path: str, body: dict[str, Any], tokenizer: Tokenizer) -> list[in
     return None
 
 
-def namespace(body: dict[str, Any], headers: dict[str, str]) -> Any:
-    """The cache namespace (engine ``extra_key``) the worker will put this request in.
-    The server puts every request in the shared namespace."""
-    return None
+def namespace(
+    body: dict[str, Any], headers: dict[str, str], salt_from_api_key: bool = False
+) -> str | None:
+    """The cache namespace (engine ``extra_key``) the worker will put this request in: the
+    server's own rule (``guard.cache_namespace``) over the request's ``cache_salt`` and, when
+    the workers run with ``--salt-from-api-key``, the caller's key."""
+    salt = body.get("cache_salt")
+    tenant = None
+    if salt_from_api_key:
+        given = headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        tenant = key_tenant(token) if token else None
+    return cache_namespace(tenant, salt if isinstance(salt, str) else None)
 
 
 def route_request(
@@ -59,6 +69,7 @@ def route_request(
     headers: dict[str, str],
     tokenizer: Tokenizer,
     block_size: int,
+    salt_from_api_key: bool = False,
 ) -> RouteRequest:
     ids = prompt_ids(path, body, tokenizer) if body is not None else None
     session = headers.get(SESSION_HEADER)
@@ -66,5 +77,5 @@ def route_request(
         session = body["user"]
     if not ids:
         return RouteRequest((), 0, session)
-    ns = namespace(body or {}, headers)
+    ns = namespace(body or {}, headers, salt_from_api_key)
     return RouteRequest(prompt_block_hashes(ids, block_size, ns), len(ids), session)
