@@ -113,9 +113,11 @@ class RadixServeReplica:
         import ray
 
         from radixserve.config import EngineConfig
+        from radixserve.model.generation_defaults import generation_defaults
         from radixserve.model.loader import resolve_model_path
         from radixserve.model.tokenizer import Tokenizer
         from radixserve.server.app import create_app
+        from radixserve.server.config import ServerConfig
         from radixserve.server.engine_client import EngineClient
 
         host = ray.util.get_node_ip_address()
@@ -128,7 +130,9 @@ class RadixServeReplica:
         info = await self.client.start()
         path = resolve_model_path(config.model)
         tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, path, [])
-        self.app = create_app(self.client, tokenizer, served_model_name or info.model_name)
+        server_config = ServerConfig(served_model_name=served_model_name or info.model_name)
+        sampling = generation_defaults(path)
+        self.app = create_app(self.client, tokenizer, server_config, sampling)
         self.info = info
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
