@@ -166,6 +166,16 @@ def test_summary_figures_and_missing_usage_is_not_zero():
     assert records[0].tpot == pytest.approx(0.1)
     blind = summarize(RunResult("m", [_record(1, 0.5, None, None)], 1.0))
     assert blind["cache_hit_rate"] is None and blind["peak_kv_tokens"] is None
+    assert blind["requests_imbalance"] is None  # not a router
+
+
+def test_a_fleet_run_reports_the_routers_last_imbalance():
+    samples = [
+        {"t": 0.0, "radix_router_requests_imbalance": 2.0, "radix_router_prefill_imbalance": 3.0},
+        {"t": 1.0, "radix_router_requests_imbalance": 1.1, "radix_router_prefill_imbalance": 1.2},
+    ]
+    s = summarize(RunResult("m", [_record(1, 0.5, 100, 0)], 1.0, samples, True))
+    assert (s["requests_imbalance"], s["prefill_imbalance"]) == (1.1, 1.2)
 
 
 def _bench_parser():
