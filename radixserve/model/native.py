@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "decoder.cpp")
 HEADERS = ("kernels.h",)
+STALE_LOCK_S = 900.0
 _loaded: dict[str, Any] = {}
 
 
@@ -41,6 +43,17 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """A build killed midway leaves torch's lock file, and every later build would wait for it
+    forever; no build takes anywhere near STALE_LOCK_S, so an older lock is dead."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing the lock of an abandoned native build: %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def paged_ops() -> Any | None:
@@ -59,6 +72,7 @@ def paged_ops() -> Any | None:
         name = f"radixserve_native_{digest.hexdigest()[:12]}"
         build_dir = cache_dir() / "native" / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build_dir / "lock")
         # the venv's ninja, when the venv is not on PATH (e.g. `.venv/bin/python -m ...`)
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         if not (build_dir / f"{name}.so").exists():
@@ -69,3 +83,4 @@ def paged_ops() -> Any | None:
     except Exception as e:  # any failure just means the PyTorch path
         log.warning("native CPU kernels unavailable, using PyTorch: %s", e)
     return _loaded["ops"]
+
