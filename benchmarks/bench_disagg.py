@@ -93,10 +93,15 @@ def router(model: list[str], *args: str) -> list[str]:
     return [PY, "-m", "radixserve.cli", "router", *model, "--log-level", "warning", *args]
 
 
+EVENTS = ["--kv-events-endpoint", "tcp://127.0.0.1:0",
+          "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
+
+
 def deploy(name: str, fleet: Fleet, model: list[str], engine: list[str]) -> tuple[str, str | None]:
     """Start deployment ``name``; return its front URL and the decode instance's (or None)."""
     if name == "colocated":
         return fleet.start("colocated", serve(model, *engine)), None
+    engine = [*engine, *EVENTS]  # behind a router: publish KV events for its index
     if name == "dp2":
         a = fleet.start("dp-a", serve(model, *engine), cores="0")
         b = fleet.start("dp-b", serve(model, *engine), cores="1")
