@@ -18,7 +18,8 @@ arriving while chats run; ITL of the chats is read from the report's ``by_group`
 one JSON line; ``--out DIR`` keeps every bench report.
 
 Usage: ``python benchmarks/bench_disagg.py [--deployments colocated,dp2,pd,pd-resend]
-[--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick]``
+[--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick]
+[--workload-args 'WORKLOAD=FLAGS']``
 """
 
 from __future__ import annotations
@@ -151,11 +152,23 @@ def main() -> None:
     ap.add_argument("--model", help="model file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--engine-args", default="", help="extra flags for every instance")
     ap.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
+    ap.add_argument(
+        "--workload-args",
+        action="append",
+        default=[],
+        metavar="WORKLOAD=ARGS",
+        help="replace a workload's radixserve bench flags, e.g. 'doc-mix=--num-docs 2 ...'",
+    )
     ap.add_argument("--out", help="keep reports and logs here (default: a temporary dir)")
     args = ap.parse_args()
     model = ["--model", args.model] if args.model else []
     engine = shlex.split(args.engine_args)
-    table = QUICK_ARGS if args.quick else WORKLOAD_ARGS
+    table = dict(QUICK_ARGS if args.quick else WORKLOAD_ARGS)
+    for item in args.workload_args:
+        workload, sep, flags = item.partition("=")
+        if not sep or workload not in table:
+            ap.error(f"--workload-args: give WORKLOAD=ARGS with WORKLOAD in {', '.join(table)}")
+        table[workload] = flags
     out_root = Path(args.out or tempfile.mkdtemp(prefix="bench-disagg-"))
     results: dict = {}
     for name in args.deployments.split(","):

@@ -41,6 +41,12 @@ class RemotePrefill(KVSource):
         self._pending: dict[str, Request] = {}  # transfer id -> request
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
 
+    @staticmethod
+    def check_peer(peer: str) -> None:
+        """A request's prefill peer: ``tcp://HOST:PORT`` or ``PREFILL_HERE``; else ValueError."""
+        if peer != PREFILL_HERE and not peer.startswith("tcp://"):
+            raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {peer!r}")
+
     def plan(self, req: Request, cached: int) -> int:
         if req.prefill_peer == PREFILL_HERE or (req.prefill_peer or self.default_peer) is None:
             return 0

@@ -75,6 +75,10 @@ class Disaggregation:
             )
             self.link = self.receiver
 
+    def check_peer(self, peer: str) -> None:
+        """Decode mode: ValueError unless ``peer`` names a prefill instance or ``local``."""
+        RemotePrefill.check_peer(peer)
+
     def poll(self) -> None:
         if self.service is not None:
             self.service.poll()

@@ -115,8 +115,7 @@ class Engine:
         if prefill_peer is not None:
             if self.config.disaggregation_mode != "decode":
                 raise ValueError("a prefill instance was named but this is not a decode instance")
-            if prefill_peer != "local" and not prefill_peer.startswith("tcp://"):
-                raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {prefill_peer!r}")
+            self.disagg.check_peer(prefill_peer)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
