@@ -217,3 +217,16 @@ def test_a_malformed_prefill_peer_is_an_error_and_local_means_here(make_engine, 
     batch = prompts(1, seed=11)
     assert run(decode, batch, [prefill], peer="local") == run(colocated, batch)
     assert transfer(decode).transfers_done == transfer(decode).transfers_failed == 0
+
+
+def test_a_quantized_and_a_dense_instance_of_one_model_do_not_pair(
+    tiny_model_dir, make_engine, pair
+):
+    from radixserve.model import load_model
+
+    int8 = load_model(str(tiny_model_dir), dtype="float32", progress=False, quantization="int8")
+    prefill, decode = pair({"loaded": int8})  # its KV differs from the dense model's
+    assert prefill.info().disaggregation.layout != decode.info().disaggregation.layout
+    batch = prompts(1, seed=12, length=(10, 30))
+    assert run(decode, batch, [prefill], peer=endpoint(prefill)) == run(make_engine(), batch)
+    assert transfer(decode).failures == {"layout": 1}
