@@ -221,6 +221,9 @@ def metrics_running(url: str) -> str:
 LONG = 1500  # tokens: with 64-token chunks the prefill side works on it for many steps
 
 
+# Slow: a third server. CI covers the same path below the server: a decode side that goes
+# silent mid-transfer (test_kv_transfer.py) and aborts while KV is on its way (engine tests).
+@pytest.mark.slow
 def test_a_decode_instance_that_dies_mid_transfer_leaves_the_prefill_clean(tiny_model_dir, prefill):
     ids = random_ids(np.random.default_rng(3), LONG)
     with serve(tiny_model_dir, *decode_args(prefill)) as doomed:
