@@ -8,8 +8,10 @@ Deployments, on this machine (2 cores), each started fresh on free loopback port
 - ``pd``: one prefill instance (core 0) and one decode instance (core 1) behind
   ``radixserve router --prefill ... --decode ...``;
 - ``pd-resend``: the same, but the decode instance keeps no prefix cache
-  (``--disable-prefix-caching``), so every request moves its whole prompt: the
-  history-resend design that decode-side reuse is measured against.
+  (``--disable-prefix-caching``) and no split is made (``--local-prefill-tokens 0``,
+  ``--remote-prefill-min-tokens 1``: the router's prediction of a cache would otherwise keep
+  later turns local), so every request moves its whole prompt: the history-resend design
+  that decode-side reuse is measured against.
 
 Each deployment runs each workload through ``radixserve bench --base-url`` (the same load
 generator, workload and seed for all), after which the decode instance's ``/disagg/info``
@@ -111,14 +113,16 @@ def deploy(name: str, fleet: Fleet, model: list[str], engine: list[str]) -> tupl
         "prefill", serve(model, *engine, "--disaggregation-mode", "prefill"), cores="0"
     )
     endpoint = httpx.get(prefill + "/disagg/info").json()["endpoint"]
-    extra = ["--disable-prefix-caching"] if name == "pd-resend" else []
+    resend = name == "pd-resend"  # every prompt through the prefill instance, whole
+    extra = ["--disable-prefix-caching", "--remote-prefill-min-tokens", "1"] if resend else []
     decode = fleet.start(
         "decode",
         serve(model, *engine, *extra, "--disaggregation-mode", "decode",
               "--prefill-endpoint", endpoint),
         cores="1",
     )  # fmt: skip
-    front = fleet.start("router", router(model, "--prefill", prefill, "--decode", decode))
+    split = ["--local-prefill-tokens", "0"] if resend else []
+    front = fleet.start("router", router(model, "--prefill", prefill, "--decode", decode, *split))
     return front, decode
 
 
