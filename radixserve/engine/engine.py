@@ -112,8 +112,10 @@ class Engine:
         prefill_peer: str | None = None,
         prefill_only: bool = False,
     ) -> Request:
-        if prefill_peer is not None and self.config.disaggregation_mode != "decode":
-            raise ValueError("a prefill instance was named but this is not a decode instance")
+        if prefill_peer is not None:
+            if self.config.disaggregation_mode != "decode":
+                raise ValueError("a prefill instance was named but this is not a decode instance")
+            self.disagg.check_peer(prefill_peer)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):

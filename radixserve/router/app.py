@@ -16,6 +16,7 @@ router itself. With an API key, every endpoint but ``/health`` needs it (workers
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 import time
@@ -47,8 +48,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", **kw)
 
 
 def create_router_app(
-    pool: WorkerPool, tokenizer: Tokenizer, api_key: str | None = None
+    pool: WorkerPool,
+    tokenizer: Tokenizer,
+    api_key: str | None = None,
+    prefill_pool: WorkerPool | None = None,
 ) -> FastAPI:
+    """``pool``: the workers requests go to (the decode instances in prefill/decode mode,
+    where ``prefill_pool`` holds the prefill instances and the policy is a ``PDPolicy``)."""
     app = FastAPI(title="radixserve router")
     policy, client = pool.policy, pool.client
     metrics = RouterMetrics(policy)
@@ -83,13 +89,20 @@ def create_router_app(
 
     @app.get("/workers")
     async def list_workers() -> dict:
-        return {
+        listing = {
             "policy": policy.name,
             "workers": [w.describe(policy) for w in pool.workers.values()],
         }
+        if prefill_pool is not None:  # prefill/decode mode: "workers" are the decode ones
+            p = prefill_pool.policy
+            listing["prefill"] = [w.describe(p) for w in prefill_pool.workers.values()]
+            listing["split"] = dataclasses.asdict(policy.pd_stats)
+        return listing
 
     @app.post("/workers")
     async def add_worker(request: Request) -> JSONResponse:
+        if prefill_pool is not None:
+            return _error(400, "workers are fixed in prefill/decode mode (--prefill, --decode)")
         body = parse_body(await request.body())
         if not body or not isinstance(body.get("url"), str):
             return _error(400, 'give the worker as {"url": "http://HOST:PORT"}', param="url")
@@ -109,12 +122,13 @@ def create_router_app(
     async def flush_cache(request: Request) -> JSONResponse:
         headers = _forward_headers(request)
         total = 0
-        for worker in pool.workers.values():
-            r = await client.post(f"{worker.url}/flush_cache", headers=headers, timeout=60)
-            if r.status_code != 200:
-                return Response(r.content, r.status_code, media_type="application/json")
-            total += int(r.json().get("flushed_tokens", 0))
-            policy.worker_lost_events(worker.url)  # events will tell what is left
+        for each in (pool, prefill_pool) if prefill_pool is not None else (pool,):
+            for worker in each.workers.values():
+                r = await client.post(f"{worker.url}/flush_cache", headers=headers, timeout=60)
+                if r.status_code != 200:
+                    return Response(r.content, r.status_code, media_type="application/json")
+                total += int(r.json().get("flushed_tokens", 0))
+                each.policy.worker_lost_events(worker.url)  # events will tell what is left
         return JSONResponse({"flushed_tokens": total})
 
     async def proxy(request: Request, path: str) -> Response:
@@ -137,7 +151,7 @@ def create_router_app(
                 metrics.failures.inc()
                 return _error(503, "no worker could serve the request", "server_error")
             metrics.routing.observe(time.perf_counter() - t0)
-            upstream, chunks, first = await _open(route, path, raw, headers)
+            upstream, chunks, first = await _open(route, path, raw, {**headers, **route.headers})
             if upstream is None:
                 policy.finish(route.ticket)
                 pool.mark_failed(route.worker)

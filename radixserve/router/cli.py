@@ -81,6 +81,27 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
     )
     p.add_argument("--worker", action="append", default=[], help="a worker's base URL")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        help="prefill/decode mode: a prefill instance's base URL (serve --disaggregation-mode "
+        "prefill); needs --decode",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        help="prefill/decode mode: a decode instance's base URL (serve --disaggregation-mode "
+        "decode)",
+    )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=64,
+        help="prefill/decode mode: a request whose uncached part on its decode instance is "
+        "shorter is prefilled there, without a prefill instance; default %(default)s",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind; default %(default)s")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free); default %(default)s")
     p.add_argument(
@@ -107,13 +128,20 @@ def bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket
 
 
 def cmd_router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.worker and (args.prefill or args.decode):
+        parser.error("give --worker, or --prefill and --decode (prefill/decode mode), not both")
+    if bool(args.prefill) != bool(args.decode):
+        parser.error("prefill/decode mode needs at least one --prefill and one --decode")
+    if args.local_prefill_tokens < 0:
+        parser.error(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
     config = policy_config_from_args(parser, args)
     sock = bind(parser, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return asyncio.run(
-            serve_router(sock, args.worker, args.policy, config, args.model, args.api_key,
-                         args.log_level, args.seed)
+            serve_router(sock, args.worker or args.decode, args.policy, config, args.model,
+                         args.api_key, args.log_level, args.seed, args.prefill,
+                         args.local_prefill_tokens)
         )  # fmt: skip
     except KeyboardInterrupt:
         return 0
@@ -128,13 +156,18 @@ async def serve_router(
     api_key: str | None,
     log_level: str = "info",
     seed: int = 0,
+    prefill_urls: list[str] | None = None,
+    local_prefill_tokens: int = 64,
 ) -> int:
+    """Serve the router over ``worker_urls``; with ``prefill_urls``, in prefill/decode mode
+    (``worker_urls`` are then the decode instances)."""
     import httpx
     import uvicorn
 
     from radixserve.model.loader import ModelNotFoundError, resolve_model_path
     from radixserve.model.tokenizer import Tokenizer
     from radixserve.router.app import create_router_app
+    from radixserve.router.pd_pools import PDPools
     from radixserve.router.policy import make_policy
     from radixserve.router.workers import WorkerError, WorkerPool
 
@@ -148,25 +181,35 @@ async def serve_router(
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     timeout = httpx.Timeout(None, connect=5.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        pool = WorkerPool(make_policy(policy_name, config, seed), client)
+        if prefill_urls:
+            fleet = PDPools(client, policy_name, config, seed, local_prefill_tokens)
+            pool, prefill_pool = fleet.decode, fleet.prefill
+        else:
+            fleet = pool = WorkerPool(make_policy(policy_name, config, seed), client)
+            prefill_pool = None
         try:
+            for url in prefill_urls or ():
+                await fleet.add_prefill(url)
             for url in worker_urls:
-                await pool.add(url)
+                await (fleet.add_decode(url) if prefill_urls else pool.add(url))
         except WorkerError as e:
             print(f"radixserve router: error: {e}", file=sys.stderr)
-            await pool.close()
+            await fleet.close()
             return 2
-        app = create_router_app(pool, tokenizer, api_key)
-        pool.start()
+        app = create_router_app(pool, tokenizer, api_key, prefill_pool)
+        fleet.start()
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
         signal.signal(signal.SIGTERM, _raise_system_exit)
         host, port = sock.getsockname()[:2]
+        workers = f"{len(pool.workers)} workers"
+        if prefill_pool is not None:
+            workers = f"{len(prefill_pool.workers)} prefill, {len(pool.workers)} decode"
         print(f"radixserve router listening on http://{host}:{port} "
-              f"({policy_name}, {len(pool.workers)} workers)", flush=True)  # fmt: skip
+              f"({policy_name}, {workers})", flush=True)  # fmt: skip
         try:
             await server.serve(sockets=[sock])
         finally:
-            await pool.close()
+            await fleet.close()
     return 0
 
 
