@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
 
 Every engine option is a flag (``add_engine_args``), shared by the commands that build an
 engine; a bad value ends with an argparse error naming the flag.
@@ -13,7 +13,8 @@ from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.tiered_cache import WRITE_POLICIES
-from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.model.quant import QUANTIZATIONS
 
 ENGINE_FLAGS = {
     # option: (flag kwargs)
@@ -27,6 +28,13 @@ ENGINE_FLAGS = {
         choices=DTYPES,
         help="weights and KV dtype; auto: bfloat16 on hardware that computes it natively "
         "(AVX512-BF16, AMX, recent GPUs), else float32",
+    ),
+    "quantization": dict(
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="weights kept quantized and computed as such: auto (a GGUF file's own Q8_0, "
+        "Q4_0, Q4_1 tensors; a Hugging Face model loads dense), none (dequantize all), "
+        "int8, int4; default %(default)s",
     ),
     "chunked_prefill_size": dict(
         type=int, help="most prompt tokens computed per step (default: 256 on CPU, 2048 on GPU)"
@@ -44,6 +52,11 @@ ENGINE_FLAGS = {
         default="lru",
         choices=sorted(EVICTION_POLICIES),
         help="radix-tree eviction order; default %(default)s",
+    ),
+    "cache_threshold": dict(
+        type=float,
+        help="evict nodes whose reuse rate (hits per request admitted since they were cached) "
+        "is below this, before any other (0.1-0.3 is the usual range); default: off",
     ),
     "max_running_requests": dict(
         type=int, default=64, help="most requests decoding at once; default %(default)s"
@@ -82,6 +95,41 @@ ENGINE_FLAGS = {
         help="seconds a request waits for pages from storage before computing them; "
         "default %(default)s",
     ),
+    # prefill/decode disaggregation (README: "Prefill/decode disaggregation")
+    "disaggregation_mode": dict(
+        default="off",
+        choices=DISAGGREGATION_MODES,
+        help="off (default), or this instance's role: prefill (computes prompts' KV and sends "
+        "it to decode instances) or decode (takes prompts' KV from a prefill instance)",
+    ),
+    "kv_transfer_host": dict(
+        default="127.0.0.1",
+        help="prefill mode: address of the KV transfer socket; default %(default)s",
+    ),
+    "kv_transfer_port": dict(
+        type=int, default=0, help="prefill mode: port of the KV transfer socket (0: any free)"
+    ),
+    "kv_transfer_heartbeat": dict(
+        type=float,
+        default=1.0,
+        help="seconds between heartbeats; a peer silent for 5 is dead; default %(default)s",
+    ),
+    "prefill_endpoint": dict(
+        help="decode mode: the prefill instance's KV endpoint (tcp://HOST:PORT, from its "
+        "/disagg/info) for requests that name none (the router names one per request)"
+    ),
+    "kv_transfer_timeout": dict(
+        type=float,
+        default=30.0,
+        help="decode mode: seconds a transfer may take before the prompt is computed here "
+        "instead; default %(default)s",
+    ),
+    "remote_prefill_min_tokens": dict(
+        type=int,
+        default=64,
+        help="decode mode: prompts with fewer uncached tokens are prefilled here; "
+        "default %(default)s",
+    ),
 }
 ALIASES = {"host_kv_memory": ("--hicache-size",)}  # SGLang's name for the same option
 
@@ -110,7 +158,7 @@ def engine_config_from_args(
         return EngineConfig.from_options(**options, **extra)
     except ValueError as e:
         message = str(e)
-        for option in ENGINE_FLAGS:  # name the flag the user typed, not the Python field
+        for option in [*ENGINE_FLAGS, *extra]:  # name the flag the user typed, not the field
             message = message.replace(option, flag(option))
         parser.error(message)
 
@@ -255,17 +303,30 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_parser(sub)
     try:
+        from radixserve.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
+        from radixserve.router.ray_cli import add_ray_parser
+
+        add_ray_parser(sub)
+    try:
         from radixserve.bench.cli import add_bench_parser
     except ImportError:
         pass
     else:
         add_bench_parser(sub)
+    from radixserve.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --dp passes them on
     return args.func(args.parser, args) or 0
 
 

@@ -36,7 +36,8 @@ def make_cache(page_size: int, device_slots: int, host_slots: int, policy: str, 
     alloc = PagedAllocator(device_slots, page_size)
     pool = KVPool(SHAPE, alloc.num_slots)
     host = HostKVPool(pool, host_slots, page_size)
-    return TieredRadixCache(alloc, host, policy, event_queue=events), pool
+    cache = TieredRadixCache(alloc, host, policy, event_queue=events, event_block_size=page_size)
+    return cache, pool
 
 
 def write_device(pool: KVPool, slots: torch.Tensor, values: list[float]) -> None:

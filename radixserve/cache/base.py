@@ -200,3 +200,18 @@ class PrefixCache(ABC):
     def close(self) -> None:
         """Finish pending writes to lower tiers and stop their threads."""
         return None
+
+    # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
+    event_block_size: int = 0
+
+    def enable_events(self, queue: Any) -> None:
+        """Emit what is cached now, then every change, to ``queue`` (a ``KVEventQueue``)."""
+        return None
+
+    def disable_events(self) -> None:
+        """Stop emitting (and hashing)."""
+        return None
+
+    def snapshot_events(self) -> list[Any]:
+        """Every cached block as ``BlockStored`` events, parents first."""
+        return []

@@ -12,6 +12,7 @@ medium it concerns.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,7 +24,6 @@ from radixserve.cache.events import (
     BlockRemoved,
     BlockStored,
     KVEventQueue,
-    chain_page_hashes,
 )
 from radixserve.cache.eviction import LeafHeap
 from radixserve.cache.host_pool import HostKVPool
@@ -44,12 +44,14 @@ class HostTree(RadixCache):
     node_class = TieredNode
 
     def __init__(self, allocator: PagedAllocator, host: HostKVPool, eviction_policy: str = "lru",
-                 event_queue: KVEventQueue | None = None):  # fmt: skip
+                 event_queue: KVEventQueue | None = None,
+                 event_block_size: int | None = None,
+                 cache_threshold: float | None = None):  # fmt: skip
         if host.page_size != allocator.page_size:
             raise ValueError("the host pool and the device pool must use the same page size")
-        super().__init__(allocator, eviction_policy, event_queue)
+        super().__init__(allocator, eviction_policy, event_queue, event_block_size, cache_threshold)
         self.host = host
-        self._host_heap = LeafHeap(self._heap.priority)
+        self._host_heap = LeafHeap(self._heap.policy, self._heap.clock)
         self._host_leaves: set[TieredNode] = set()
         self._host_size = 0  # tokens with a host copy
         self.tiers = TierStats(host_capacity_tokens=host.num_slots,
@@ -71,14 +73,17 @@ class HostTree(RadixCache):
             self._host_heap.maybe_compact(self._host_leaves, len(self._host_leaves))
 
     def _event(self, kind: type, node: TreeNode, medium: str) -> None:
+        """Announce that ``node``'s blocks moved onto (BlockStored) or off (BlockRemoved)
+        ``medium``; hashes come from the tree's block hasher, like every other event."""
         if self.events is None:
             return
         if kind is BlockRemoved:
-            self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
+            if node.page_hashes:
+                self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
             return
-        parent_hash = node.parent.page_hashes[-1] if node.parent.page_hashes else None
-        self.events.append(BlockStored(node.page_hashes, parent_hash, node.key.tolist(),
-                                       self.page_size, node.namespace, medium))  # fmt: skip
+        event = self._hasher.hash_node(node)
+        if event is not None:
+            self.events.append(dataclasses.replace(event, medium=medium))
 
     def _mark_host_leaf(self, node: TieredNode) -> None:
         self._host_leaves.add(node)
@@ -136,10 +141,6 @@ class HostTree(RadixCache):
         leaf.storage_keys = keys[(pos - start) // self.page_size :]
         leaf.last_access = self._clock
         parent.children[self._child_key(leaf.key)] = leaf
-        if self.events is not None:
-            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
-            leaf.page_hashes = chain_page_hashes(parent_hash, leaf.key, self.page_size,
-                                                 leaf.namespace)  # fmt: skip
         self._event(BlockStored, leaf, MEDIUM_HOST)
         self._host_size += len(leaf.key)
         self._host_leaves.discard(parent)

@@ -34,14 +34,15 @@ from radixserve.cache.base import (
     as_token_array,
 )
 from radixserve.cache.events import (
+    MEDIUM_DEVICE,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     KVEventQueue,
-    chain_page_hashes,
+    default_block_size,
 )
-from radixserve.cache.eviction import LeafHeap, get_eviction_policy
+from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
 from radixserve.cache.tree_check import check_tree, tree_summary
+from radixserve.cache.tree_events import TreeEvents
 
 
 class TreeNode:
@@ -55,7 +56,11 @@ class TreeNode:
         "last_access",
         "hit_count",
         "page_hashes",
+        "offset",
         "namespace",
+        "depth",
+        "created",
+        "policy_state",
     )
 
     def __init__(
@@ -74,8 +79,12 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
-        self.page_hashes: list[int] = []
+        self.page_hashes: list[int] = []  # the KV-event blocks it owns (tree_events.py)
+        self.offset = 0  # tokens above its edge, kept while events are on
         self.namespace = namespace
+        self.depth = 0  # tokens from the root to the end of this edge
+        self.created = 0  # the cache's admission count when this node was cached
+        self.policy_state: Any = None  # the eviction policy's own (eviction.py)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -87,14 +96,22 @@ class RadixCache(PrefixCache):
     def __init__(
         self,
         allocator: PagedAllocator,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionPolicy = "lru",
         event_queue: KVEventQueue | None = None,
+        event_block_size: int | None = None,
+        cache_threshold: float | None = None,
     ):
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.eviction_policy = eviction_policy
-        self._heap = LeafHeap(get_eviction_policy(eviction_policy))
-        self.events = event_queue
+        if isinstance(eviction_policy, str):
+            eviction_policy = make_policy(
+                eviction_policy, cache_threshold, self.total_size, lambda: self._clock
+            )
+        self.eviction_policy = eviction_policy.name
+        self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
+        self._heap = LeafHeap(eviction_policy, lambda: self.admissions)
+        self.events: KVEventQueue | None = None  # set only while events are on
+        self._hasher = TreeEvents(self, event_block_size or default_block_size(self.page_size))
         self.stats = CacheStats()
         self._next_id = 0
         self._clock = 0
@@ -102,6 +119,33 @@ class RadixCache(PrefixCache):
         self._evictable_leaves: set[TreeNode] = set()
         self._evictable_size = 0
         self._protected_size = 0
+        if event_queue is not None:
+            self.events = event_queue  # an empty tree: nothing to snapshot
+
+    # ------------------------------------------------------------------ events
+    @property
+    def event_block_size(self) -> int:
+        return self._hasher.block_size
+
+    def enable_events(self, queue: KVEventQueue) -> None:
+        """Emit ``AllBlocksCleared`` and every cached block as stored (what a subscriber knew
+        may be stale: events were off), then every change, to ``queue``."""
+        self.events = queue
+        queue.append(AllBlocksCleared())
+        for event in self._hasher.snapshot():
+            queue.append(event)
+
+    def disable_events(self) -> None:
+        """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
+        self.events = None
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every cached block as ``BlockStored`` events, parents first (a full dump)."""
+        return self._hasher.snapshot()
+
+    def node_medium(self, node: TreeNode) -> str:
+        """The tier a node's KV is on, for its events (a tiered cache overrides this)."""
+        return MEDIUM_DEVICE
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
@@ -122,6 +166,8 @@ class RadixCache(PrefixCache):
 
     def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
         n = min(len(edge), len(key))
+        if edge[:n].tobytes() == key[:n].tobytes():  # most edges on a path match whole
+            return n - n % self.page_size
         differs = edge[:n] != key[:n]
         m = int(differs.argmax()) if differs.any() else n
         return m - m % self.page_size
@@ -152,12 +198,14 @@ class RadixCache(PrefixCache):
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
+        mid.depth, mid.created = parent.depth + n, child.created
+        mid.policy_state = child.policy_state
         if self.events is not None:
-            cut = n // self.page_size
-            mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
+            self._hasher.split(mid, child, n)
         parent.children[self._child_key(mid.key)] = mid
         child.key, child.parent = child.key[n:], mid
         mid.children[self._child_key(child.key)] = child
+        self._heap.note_split(mid, child)
         return mid
 
     def _split_payload(self, mid: TreeNode, child: TreeNode, n: int) -> None:
@@ -176,6 +224,7 @@ class RadixCache(PrefixCache):
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
         leaf = self._new_node(parent, key, value, parent.namespace)
+        leaf.depth, leaf.created = parent.depth + len(key), self.admissions
         parent.children[self._child_key(key)] = leaf
         self._evictable_leaves.discard(parent)
         self._evictable_size += len(key)
@@ -183,13 +232,9 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
-            leaf.page_hashes = chain_page_hashes(parent_hash, key, self.page_size, leaf.namespace)
-            self.events.append(
-                BlockStored(
-                    leaf.page_hashes, parent_hash, key.tolist(), self.page_size, leaf.namespace
-                )
-            )
+            event = self._hasher.hash_node(leaf)
+            if event is not None:
+                self.events.append(event)
         return leaf
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
@@ -202,8 +247,8 @@ class RadixCache(PrefixCache):
         self._evictable_size -= size
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
-        if self.events is not None:
-            self.events.append(BlockRemoved(leaf.page_hashes, leaf.namespace))
+        if self.events is not None and leaf.page_hashes:
+            self.events.append(self._hasher.removed(leaf))
         if parent.parent is not None:
             if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
@@ -304,12 +349,15 @@ class RadixCache(PrefixCache):
         storage_tokens: int = 0,
     ) -> None:
         super().record_hit(node, lookup_tokens, hit_tokens, host_tokens, storage_tokens)
+        self.admissions += 1
         n = node
         while n is not None and n.parent is not None:
             n.hit_count += 1
             n = n.parent
+        if node is not None and node.parent is not None:
+            self._heap.note_hit(node, self._is_evictable_leaf)
         if node in self._evictable_leaves:
-            self._heap.push(node)  # under LFU its priority changed
+            self._heap.push(node)  # its priority changed (LFU, cost-aware, threshold)
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:

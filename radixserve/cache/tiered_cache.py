@@ -30,6 +30,7 @@ both pools of everything unlocked.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -66,12 +67,16 @@ class TieredRadixCache(HostTree):
         eviction_policy: str = "lru",
         event_queue: KVEventQueue | None = None,
         load_back_min_tokens: int = 1,
+        event_block_size: int | None = None,
+        cache_threshold: float | None = None,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"unknown write policy {write_policy!r}; choose one of {WRITE_POLICIES}"
             )
-        super().__init__(allocator, host, eviction_policy, event_queue)
+        super().__init__(
+            allocator, host, eviction_policy, event_queue, event_block_size, cache_threshold
+        )
         self.write_policy = self.tiers.write_policy = write_policy
         self.load_back_min_tokens = load_back_min_tokens
         self.storage: Any = None  # a StorageTier, attached by storage_tier.attach_storage
@@ -161,19 +166,24 @@ class TieredRadixCache(HostTree):
         """A callback that reports the node's first pages written to storage (KV events)."""
         if self.events is None:
             return None
-        parent_hash = node.parent.page_hashes[-1] if node.parent.page_hashes else None
-        hashes, tokens, ns, p = (
-            list(node.page_hashes),
-            node.key.tolist(),
-            node.namespace,
-            self.page_size,
-        )
+        whole = self._hasher.hash_node(node)
+        if whole is None:
+            return None
+        offset, block = node.offset, self._hasher.block_size
 
-        def emit(n: int) -> None:
-            stored = BlockStored(hashes[:n], parent_hash, tokens[: n * p], p, ns, MEDIUM_STORAGE)
-            self.events.append(stored)
+        def emit(pages: int) -> None:
+            # the node's blocks that end inside its first ``pages`` pages are all in storage
+            count = (offset + pages * self.page_size) // block - offset // block
+            if count > 0:
+                self.events.append(dataclasses.replace(
+                    whole, block_hashes=whole.block_hashes[:count],
+                    token_ids=whole.token_ids[: count * block], medium=MEDIUM_STORAGE,
+                ))  # fmt: skip
 
         return emit
+
+    def node_medium(self, node: TreeNode) -> str:
+        return MEDIUM_DEVICE if node.value is not None else MEDIUM_HOST
 
     def _to_device(self, node: TieredNode, slots: torch.Tensor) -> None:
         """An off-device node gets device slots (its KV is there, or about to be)."""

@@ -75,7 +75,7 @@ def check_tree(cache: RadixCache, held_indices: torch.Tensor | None = None) -> N
         child_locks = sum(c.lock_ref for c in node.children.values())
         _require(node.lock_ref >= child_locks >= 0, f"{node!r}: lock below its children's")
         if cache.events is not None:
-            _require(len(node.page_hashes) == size // p, f"{node!r}: page hashes lost")
+            cache._hasher.check(node)
         if node.value is None:  # off the device (a tiered cache checks its other tiers)
             _require(node.lock_ref == 0, f"{node!r}: locked but not on the device")
             continue

@@ -42,7 +42,13 @@ def build_cache(
     if not config.enable_prefix_caching:
         return NullCache(allocator)
     if config.host_kv_memory is None:
-        return RadixCache(allocator, config.eviction_policy, events)
+        return RadixCache(
+            allocator,
+            config.eviction_policy,
+            events,
+            config.kv_events_block_size,
+            config.cache_threshold,
+        )
     host_slots = pool.shape.slots_for_memory(int(config.host_kv_memory), config.page_size)
     if host_slots <= allocator.num_slots:
         raise ValueError(
@@ -52,7 +58,8 @@ def build_cache(
         )
     host = HostKVPool(pool, host_slots, config.page_size)
     cache = TieredRadixCache(allocator, host, config.write_policy, config.eviction_policy,
-                             events, config.load_back_min_tokens)  # fmt: skip
+                             events, config.load_back_min_tokens,
+                             config.kv_events_block_size, config.cache_threshold)  # fmt: skip
     log.info("host KV tier: %d tokens (%.2f GiB), write policy %s",
              host.num_slots, host.nbytes() / 2**30, config.write_policy)  # fmt: skip
     if config.kv_storage is not None:

@@ -12,6 +12,12 @@ that step end with ``finish_reason="error"``; if sampling raises, each row is sa
 only the requests whose rows fail end so. Their slots go back through their ledgers, and the
 traceback goes to the log, never to the client. ``stats()`` and ``info()`` are the engine's
 typed boundary (``stats.py``): callers never reach into the scheduler, allocator or cache.
+
+In a disaggregation mode (``radixserve/disagg``) the engine also serves or takes KV transfers:
+a prefill engine turns decode instances' transfer requests into prefill-only requests (which
+sample nothing and produce no outputs); a decode engine loads prompts' KV from a prefill
+instance through the scheduler's ``KVSource``. ``wake_fd()`` then tells an idle loop when
+transfer traffic needs a step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
 from radixserve.cache.base import TreeSummary
+from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.kv_manager import RequestKV
@@ -58,7 +65,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         if loaded is None:
-            loaded = load_model(config.model, config.device, config.dtype, config.load_progress)
+            loaded = load_model(
+                config.model, config.device, config.dtype, config.load_progress,
+                config.quantization,
+            )  # fmt: skip
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -79,16 +89,31 @@ class Engine:
             config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
         )
         self.kv = RequestKV(self.cache, self.allocator)
-        self.scheduler = Scheduler(config, self.kv)
+        self.disagg = None
+        if config.disaggregation_mode != "off":
+            from radixserve.disagg.engine_side import Disaggregation
+
+            self.disagg = Disaggregation(self)
+        self.scheduler = Scheduler(config, self.kv, self.disagg and self.disagg.source)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.last_step_evicted_tokens = 0  # for the per-step eviction histogram
+        self.last_step_empty = False  # nothing could run: an engine loop may sleep a little
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, extra_key: Any = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        extra_key: Any = None,
+        *,
+        prefill_peer: str | None = None,
+        prefill_only: bool = False,
     ) -> Request:
+        if prefill_peer is not None and self.config.disaggregation_mode != "decode":
+            raise ValueError("a prefill instance was named but this is not a decode instance")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -132,6 +157,7 @@ class Engine:
             extra_key,
             arrival=next(self._arrivals),
         )
+        req.prefill_peer, req.prefill_only = prefill_peer, prefill_only
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -147,14 +173,22 @@ class Engine:
         return self._output(req, [], [])
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        s = self.scheduler
+        return bool(s.waiting or s.running or s.loading)
+
+    def wake_fd(self) -> int | None:
+        """A descriptor readable when KV transfer traffic needs a ``step`` (None: no mode)."""
+        return self.disagg.fileno() if self.disagg is not None else None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
         self.cache.poll_transfers()
+        if self.disagg is not None:
+            self.disagg.poll()  # prefill: take transfer requests, drop cancelled ones
         evicted_before = self.cache.stats.evicted_tokens
         step = self.scheduler.schedule()
         self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
+        self.last_step_empty = step.empty
         if step.empty:
             if self.scheduler.waiting:  # maybe waiting for pages: wait for a transfer, not spin
                 self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
@@ -171,10 +205,13 @@ class Engine:
         for r, n in step.prefills:
             self.kv.commit(r, n)
             self.kv.publish(r)
-            if r.num_computed == r.num_tokens:
+            if r.num_computed == r.num_tokens and not r.prefill_only:
                 sampling.append(r)
+        if self.disagg is not None:  # prefill: push the new KV, end fully pushed requests
+            self.disagg.after_step([r for r, _ in step.prefills if r.prefill_only])
         outputs = []
-        for r, drawn in zip(sampling, self._sample(logits, sampling), strict=True):
+        drawn_all = self._sample(logits, sampling) if sampling else []
+        for r, drawn in zip(sampling, drawn_all, strict=True):
             if isinstance(drawn, Exception):
                 outputs.append(self._fail(r, drawn))
                 continue
@@ -199,7 +236,7 @@ class Engine:
                 torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
                 r.num_computed,
                 r.kv.slots[: r.num_computed + n],
-                r.num_computed + n == r.num_tokens,
+                r.num_computed + n == r.num_tokens and not r.prefill_only,
             )
             for r, n in step.prefills
         ]
@@ -223,6 +260,8 @@ class Engine:
         return drawn
 
     def _fail(self, req: Request, error: Exception) -> StepOutput:
+        if self.disagg is not None and req.prefill_only:
+            self.disagg.on_failed(req, type(error).__name__)
         self.scheduler.finish(req, "error")
         self.requests.pop(req.request_id, None)
         out = self._output(req, [], [])
@@ -264,6 +303,8 @@ class Engine:
             kv_bytes_per_token=self.pool.shape.bytes_per_token(),
             dtype=str(self.pool.shape.dtype).removeprefix("torch."),
             prefix_caching=self.cache.reuses_prefixes,
+            kv_events_block_size=self.cache.event_block_size,
+            disaggregation=self.disagg.info() if self.disagg is not None else None,
         )
 
     def stats(self) -> EngineStats:
@@ -280,6 +321,8 @@ class Engine:
             step_evicted_tokens=self.last_step_evicted_tokens,
             cache=self.cache.stats.copy(),
             tiers=self.cache.tier_stats(),
+            num_loading=len(self.scheduler.loading),
+            kv_transfer=self.disagg.stats() if self.disagg is not None else None,
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:
@@ -287,7 +330,7 @@ class Engine:
         return self.cache.summary(top)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.scheduler.running)
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.loading)
 
     def flush_cache(self) -> int:
         """Drop every unlocked cached token from the device and host tiers (not storage)."""
@@ -298,5 +341,26 @@ class Engine:
         return self.cache.clear_storage()
 
     def close(self) -> None:
-        """Finish pending writes to the storage tier and stop its threads."""
+        """Finish pending writes to the storage tier, stop its threads and the KV transfer;
+        the engine is not used afterwards."""
+        if self.disagg is not None:
+            self.disagg.close()
         self.cache.close()
+
+    # ------------------------------------------------------------------ KV events
+    def set_kv_events(self, on: bool) -> None:
+        """Switch KV events on (``AllBlocksCleared`` and a snapshot of the tree come first) or
+        off (no hashing at all until they are switched on again)."""
+        if on and self.kv_events is None:
+            self.kv_events = KVEventQueue()
+            self.cache.enable_events(self.kv_events)
+        elif not on and self.kv_events is not None:
+            self.cache.disable_events()
+            self.kv_events = None
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv_events.drain() if self.kv_events is not None else []
+
+    def kv_events_snapshot(self) -> list[BlockStored]:
+        """Every cached block as stored events, parents first (a dump for a subscriber)."""
+        return self.cache.snapshot_events()
