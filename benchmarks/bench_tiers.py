@@ -9,7 +9,8 @@ them out, side by side on one machine, plus a warm restart and the per-page cost
 2. Systems, each a fresh ``radixserve serve`` on a free port, page size 16. ``unbounded`` runs
    first with a pool that holds everything; its peak cached tokens are the working set W.
    Then ``device-only`` (device pool W/4), ``+host`` (device W/4, host tier
-   ``--host-fraction`` of W, 1/2 by default), ``+file`` and ``+redis`` (the same, over a
+   ``--host-fraction`` of W, 1/2 by default; the default write policy, then ``write_back``),
+   ``+file`` and ``+redis`` (the same, over a
    file store in a fresh directory / a valkey-server started here). Hit rate = cached prompt
    tokens / prompt tokens (every tier counts), split by tier from each server's ``/metrics``;
    TTFT per request from the streamed answer.
@@ -127,7 +128,11 @@ def workload_systems(conversations, args, log_dir: Path) -> tuple[int, list[dict
     device = max(args.max_model_len, ws // 4 // PAGE * PAGE)
     host = f"{max(2 * device, int(ws * args.host_fraction)) * args.bytes_per_token}"
     rows = [unbounded]
-    runs = [("device-only", []), ("+host", ["--host-kv-memory", host])]
+    runs = [
+        ("device-only", []),
+        ("+host", ["--host-kv-memory", host]),
+        ("+host write_back", ["--host-kv-memory", host, "--write-policy", "write_back"]),
+    ]
     with tempfile.TemporaryDirectory() as store, RedisServer() as redis:
         runs += [("+file", ["--host-kv-memory", host, "--kv-storage", f"file://{store}"]),
                  ("+redis", ["--host-kv-memory", host, "--kv-storage", redis.url])]  # fmt: skip
