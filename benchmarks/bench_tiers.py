@@ -84,12 +84,18 @@ async def drive(url: str, conversations, turns: range, args, histories: dict) ->
 
 
 def tier_hits(url: str) -> dict[str, float]:
-    """Cached prompt tokens by tier, from the server's ``/metrics``."""
+    """Cached prompt tokens by tier and storage prefetches (started, timed out), from the
+    server's ``/metrics``."""
     out = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("radix_cache_hit_tokens_by_tier_total{"):
             tier = line.split('tier="')[1].split('"')[0]
             out[f"hit_{tier}"] = float(line.rsplit(" ", 1)[1])
+        for name in ("kv_storage_prefetches_total", "kv_storage_prefetch_timeouts_total"):
+            if line.startswith(name + "{"):
+                out[name.removeprefix("kv_storage_").removesuffix("_total")] = float(
+                    line.rsplit(" ", 1)[1]
+                )
     return out
 
 
@@ -116,6 +122,8 @@ def run_system(name: str, flags: list[str], conversations, args, log_dir: Path) 
         "wall_s": elapsed,
         "cached_tokens_at_end": peak,
         "prompt_tokens": prompt,
+        "prefetches": m.get("prefetches", 0),
+        "prefetch_timeouts": m.get("prefetch_timeouts", 0),
     }
 
 
@@ -137,6 +145,8 @@ def workload_systems(conversations, args, log_dir: Path) -> tuple[int, list[dict
         runs += [("+file", ["--host-kv-memory", host, "--kv-storage", f"file://{store}"]),
                  ("+redis", ["--host-kv-memory", host, "--kv-storage", redis.url])]  # fmt: skip
         for name, flags in runs:
+            if args.systems and name not in args.systems.split(","):
+                continue
             flags = [*model, "--max-total-tokens", str(device), *flags]
             rows.append(run_system(name, flags, conversations, args, log_dir))
     return ws, rows
@@ -197,6 +207,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument(
         "--skip", default="", help="comma-separated parts to skip: systems,restart,pages"
+    )
+    p.add_argument(
+        "--systems",
+        default="",
+        help="comma-separated systems to run after unbounded (default: all)",
     )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
