@@ -12,9 +12,10 @@ One extension module built from ``csrc/``:
 The build (a minute or two, once) goes to radixserve's cache directory under a name that
 includes the sources' hash and the CPU's features, since it is tuned for them
 (``-march=native``; AVX2 code paths are chosen at compile time, with plain C++ twins for
-other CPUs); a module of that name already built is imported directly. Anything that fails (no compiler, no ninja, an unusual CPU) leaves
-``paged_ops()`` returning None and every caller on its pure-PyTorch path, which computes the
-same function. ``RADIXSERVE_NATIVE=0`` turns the kernels off.
+other CPUs); a module of that name already built is imported directly. Anything that fails
+(no compiler, no ninja, an unusual CPU) leaves ``paged_ops()`` returning None and every
+caller on its pure-PyTorch path, which computes the same function. ``RADIXSERVE_NATIVE=0``
+turns the kernels off.
 """
 
 from __future__ import annotations
