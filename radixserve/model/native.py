@@ -12,9 +12,10 @@ One extension module built from ``csrc/``:
 The build (a minute or two, once) goes to radixserve's cache directory under a name that
 includes the sources' hash and the CPU's features, since it is tuned for them
 (``-march=native``; AVX2 code paths are chosen at compile time, with plain C++ twins for
-other CPUs). Anything that fails (no compiler, no ninja, an unusual CPU) leaves
-``paged_ops()`` returning None and every caller on its pure-PyTorch path, which computes the
-same function. ``RADIXSERVE_NATIVE=0`` turns the kernels off.
+other CPUs); a module of that name already built is imported directly. Anything that fails
+(no compiler, no ninja, an unusual CPU) leaves ``paged_ops()`` returning None and every
+caller on its pure-PyTorch path, which computes the same function. ``RADIXSERVE_NATIVE=0``
+turns the kernels off.
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ def _drop_stale_lock(lock: Path) -> None:
         pass
 
 
+def _import_built(name: str, path: Path) -> Any:
+    import importlib.util
+
+    import torch  # noqa: F401  (libtorch's symbols, before the extension needs them)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def paged_ops() -> Any | None:
     """The compiled module, or None to use PyTorch."""
     if "ops" in _loaded:
@@ -75,12 +87,14 @@ def paged_ops() -> Any | None:
         _drop_stale_lock(build_dir / "lock")
         # the venv's ninja, when the venv is not on PATH (e.g. `.venv/bin/python -m ...`)
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-        if not (build_dir / f"{name}.so").exists():
-            log.info("building native CPU kernels (first run only, a minute or two)")
+        built = build_dir / f"{name}.so"
+        if built.exists():  # the name pins sources and CPU: no ninja run (file times differ
+            _loaded["ops"] = _import_built(name, built)  # after a checkout) nor build lock
+            return _loaded["ops"]
+        log.info("building native CPU kernels (first run only, a minute or two)")
         sources = [str(CSRC / file) for file in SOURCES]
         _loaded["ops"] = load(name=name, sources=sources, build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native"], verbose=False)  # fmt: skip
     except Exception as e:  # any failure just means the PyTorch path
         log.warning("native CPU kernels unavailable, using PyTorch: %s", e)
     return _loaded["ops"]
-
