@@ -16,6 +16,7 @@ typed boundary (``stats.py``): callers never reach into the scheduler, allocator
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler, Step
+from radixserve.engine.segments import SegmentBlender, validate_ratio, validate_segments
 from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.model import LoadedModel, build_forward_batch, load_model, native
 from radixserve.utils import default_kv_cache_bytes
@@ -48,6 +50,9 @@ class StepOutput:
     cached_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": a short message for the client
+    segment_hits: int = 0  # RAG segments found in the segment store
+    reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
+    recomputed_tokens: int = 0  # reused segment tokens computed again (partial recompute)
 
 
 class Engine:
@@ -77,6 +82,15 @@ class Engine:
             self.cache = NullCache(self.allocator)
         self.kv = RequestKV(self.cache, self.allocator)
         self.scheduler = Scheduler(config, self.kv)
+        self.segments = SegmentBlender(
+            self.model,
+            self.pool,
+            self.cache,
+            self.kv,
+            config.segment_recompute_ratio,
+            config.segment_first_tokens,
+            config.segment_deviation_layer,
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -84,8 +98,17 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, extra_key: Any = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        extra_key: Any = None,
+        segments: list[tuple[int, int]] | None = None,
+        recompute_ratio: float | None = None,
     ) -> Request:
+        """Queue a request. ``segments``: sorted, disjoint ``(start, end)`` prompt ranges whose
+        KV may be reused wherever they appear (RAG passages; see ``segments.py``), with
+        ``recompute_ratio`` of their tokens computed again (None: the engine's default)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -119,6 +142,10 @@ class Engine:
                 f"max_tokens {max_tokens}) but the KV pool holds only {capacity}; lower "
                 "max_tokens or give the pool more memory (max_total_tokens / kv_cache_memory)"
             )
+        if segments:
+            validate_segments(segments, n)
+        if recompute_ratio is not None:
+            validate_ratio(recompute_ratio)
         seed = params.seed if params.seed is not None else self._next_seed()
         req = Request(
             request_id,
@@ -128,6 +155,8 @@ class Engine:
             seed,
             extra_key,
             arrival=next(self._arrivals),
+            segments=segments,
+            recompute_ratio=recompute_ratio,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -153,12 +182,22 @@ class Engine:
         self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
         if step.empty:
             return []
+        blended = [r for r, n in step.prefills if self.segments.applies(r, n)]
+        step.prefills = [(r, n) for r, n in step.prefills if r not in blended]
+        outputs, blend_logits, blend_done = [], [], []
+        for r in blended:  # each alone: one sparse forward over its whole context
+            try:
+                blend_logits.append(self.segments.prefill(r))
+                blend_done.append(r)
+            except Exception as e:
+                log.exception("a segment prefill failed; failing its request")
+                outputs.append(self._fail(r, e))
         try:
-            logits = self._forward(step)
+            logits = self._forward(step) if not step.empty else None
         except Exception as e:
             log.exception("the forward pass failed; failing the requests of this step")
             failed = step.decodes + [r for r, _ in step.prefills]
-            return [self._fail(r, e) for r in failed]
+            return outputs + [self._fail(r, e) for r in failed]
         sampling = list(step.decodes)
         for r in step.decodes:
             self.kv.commit(r, 1)
@@ -167,7 +206,13 @@ class Engine:
             self.kv.publish(r)
             if r.num_computed == r.num_tokens:
                 sampling.append(r)
-        outputs = []
+        for r in blend_done:
+            self.kv.commit(r, r.num_uncomputed)
+            self.kv.publish(r)
+            sampling.append(r)
+        if not sampling:
+            return outputs
+        logits = torch.cat(([] if logits is None else [logits]) + blend_logits)
         for r, drawn in zip(sampling, self._sample(logits, sampling), strict=True):
             if isinstance(drawn, Exception):
                 outputs.append(self._fail(r, drawn))
@@ -242,6 +287,9 @@ class Engine:
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_tokens,
             new_logprobs=logprobs,
+            segment_hits=req.segment_hits,
+            reused_tokens=req.segment_reused_tokens,
+            recomputed_tokens=req.segment_recomputed_tokens,
         )
 
     # ------------------------------------------------------------------ inspection
@@ -271,6 +319,7 @@ class Engine:
             num_retractions=self.scheduler.num_retractions,
             step_evicted_tokens=self.last_step_evicted_tokens,
             cache=self.cache.stats.copy(),
+            segments=dataclasses.replace(self.segments.stats),
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:

@@ -82,7 +82,7 @@ class Scheduler:
         for r in sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival):
             if budget == 0:
                 break
-            n = min(budget, r.num_uncomputed)
+            n = self._chunk(r, budget)
             if not self.kv.extend(r, n):
                 blocked = True
                 break
@@ -116,7 +116,10 @@ class Scheduler:
             if req.num_uncomputed + self._reserved_output(req) > self.kv.available() - reserved:
                 self.kv.release(req)
                 break
-            n = min(budget, req.num_uncomputed)
+            n = self._chunk(req, budget)
+            if n > budget and step.prefills:  # a segment prefill goes whole, in a step of its own
+                self.kv.release(req)
+                continue
             if not self.kv.extend(req, n):
                 self.kv.release(req)
                 break
@@ -125,13 +128,24 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             step.prefills.append((req, n))
-            budget -= n
+            budget = max(budget - n, 0)
             reserved += self._future_need(req)
             inflight.append(req)
             newest_admitted = max(newest_admitted, req.arrival)
         for req in self.waiting:
             if req.arrival < newest_admitted:
                 req.times_overtaken += 1
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
+        it is copied, not computed); any other prefills at most ``budget`` tokens."""
+        if (
+            self.kv.reuses_prefixes
+            and req.segments
+            and any(s >= req.num_computed for s, _ in req.segments)
+        ):
+            return req.num_uncomputed
+        return min(budget, req.num_uncomputed)
 
     def _shares_inflight_prefix(self, req: Request, matched: int, inflight: list[Request]) -> bool:
         for other in inflight:

@@ -8,9 +8,10 @@ the cache. Token counts are in KV slots (one slot holds one token's K and V in e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.cache.base import CacheStats
+from radixserve.engine.segments import SegmentStats
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class EngineStats:
     num_retractions: int  # monotonic
     step_evicted_tokens: int  # evicted while scheduling the last step
     cache: CacheStats  # monotonic counters of the prefix cache
+    segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:
