@@ -3,14 +3,20 @@
 1. Prefill of a 2K-token prompt: our forward (one chunk, logits of the last position only)
    vs transformers' ``model(input_ids)`` on the same GGUF weights (logits for every position,
    as a user calls it); also transformers with ``logits_to_keep=1`` for reference. Median of
-   ``--repeat`` runs, tokens/s.
+   ``--repeat`` runs, tokens/s. Also our prefill in 256-token chunks (the CPU default), and
+   the matmul roofline: the model's four matmul shapes at 2048 rows timed with
+   ``torch.matmul`` in float32 and bfloat16 on dense weights (median of ``--repeat``), the
+   faster dtype's FLOP/s divided by 2 x the layers' parameters gives the tokens/s a prefill
+   could reach if it were nothing but those matmuls; ``share_of_roofline`` is ours / that.
 2. Decode throughput at batch 1, 8 and 32: each request a 128-token prompt, 64 greedy tokens
    (``ignore_eos``); tokens/s over the decode steps only (prefill excluded).
 3. A 5-turn chat whose history reaches ~1.5K tokens: time to the first token of each turn,
    with the cache on (the model writes each 250-token answer, as in a real chat) and off
    (the same five prompts, the answers replayed). Reports turns 2 and 5 and the speed-ups.
 
-Prints one JSON line. Usage: ``python benchmarks/bench_engine.py [--repeat 3] [--dtype float32]``.
+Prints one JSON line. Usage: ``python benchmarks/bench_engine.py [--repeat 3] [--dtype float32]
+[--quantization auto]`` (the engine's ``--quantization``; transformers always runs the
+dequantized weights).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
+from radixserve.model.quant import QUANTIZATIONS
 
 
 def median_time(fn, repeat: int) -> float:
@@ -39,23 +46,49 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
+def roofline(loaded, repeat: int, rows: int = 2048) -> dict:
+    """tokens/s of a prefill that were only the layers' matmuls, at the best dense dtype."""
+    c = loaded.model.config
+    q_kv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    shapes = [
+        (q_kv, c.hidden_size),
+        (c.hidden_size, c.num_heads * c.head_dim),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
+    flops_per_token = 2 * c.num_layers * sum(n * k for n, k in shapes)
+    out = {"flops_per_token": flops_per_token}
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
+        ws = [torch.randn(n, k, dtype=dtype) for n, k in shapes]
+
+        def layer(xs=xs, ws=ws):
+            for x, w in zip(xs, ws, strict=True):
+                torch.matmul(x, w.T)
+
+        t = median_time(layer, repeat)
+        gflops = rows * flops_per_token / c.num_layers / t / 1e9
+        out[f"{str(dtype).removeprefix('torch.')}_gflops"] = round(gflops, 1)
+    best = max(out["float32_gflops"], out["bfloat16_gflops"])
+    out["tokens_per_s"] = round(best * 1e9 / flops_per_token, 1)
+    return out
+
+
 def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 40000, n).tolist()
-    engine = Engine(
-        EngineConfig(
-            load_progress=False,
-            chunked_prefill_size=n,
-            enable_prefix_caching=False,
-            max_total_tokens=n + 64,
-        ),
-        loaded,
-    )
 
-    def ours():
+    def make_engine(chunk: int) -> Engine:
+        config = EngineConfig(load_progress=False, chunked_prefill_size=chunk,
+                              enable_prefix_caching=False, max_total_tokens=n + 64)  # fmt: skip
+        return Engine(config, loaded)
+
+    engine, chunked = make_engine(n), make_engine(256)
+
+    def ours(engine=engine):
         engine.add_request("p", ids, SamplingParams(max_tokens=1))
-        engine.step()
-        assert not engine.has_unfinished()
+        while engine.has_unfinished():
+            engine.step()
 
     x = torch.tensor([ids])
 
@@ -68,9 +101,11 @@ def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
             reference(x, logits_to_keep=1)
 
     t_ours, t_full, t_last = (median_time(f, repeat) for f in (ours, hf_full, hf_last))
+    t_chunked = median_time(lambda: ours(chunked), repeat)
     return {
         "prompt_tokens": n,
         "ours_tokens_per_s": round(n / t_ours, 1),
+        "ours_chunks_of_256_tokens_per_s": round(n / t_chunked, 1),
         "transformers_tokens_per_s": round(n / t_full, 1),
         "transformers_last_logits_tokens_per_s": round(n / t_last, 1),
         "speedup_vs_transformers": round(t_full / t_ours, 2),
@@ -156,10 +191,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(None, dtype=args.dtype, progress=False)
+    loaded = load_model(None, dtype=args.dtype, progress=False, quantization=args.quantization)
     path = loaded.path
     reference = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, args.dtype)
@@ -167,14 +203,18 @@ def main() -> None:
     result = {
         "bench": "engine",
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "threads": torch.get_num_threads(),
         "prefill": bench_prefill(loaded, reference, args.repeat),
+        "roofline": roofline(loaded, args.repeat),
     }
+    ours = result["prefill"]["ours_tokens_per_s"]
+    result["prefill"]["share_of_roofline"] = round(ours / result["roofline"]["tokens_per_s"], 3)
     del reference
-    decode = [bench_decode(loaded, b) for b in (1, 8, 32)]
+    decode = [bench_decode(loaded, b) for b in (1, 8, 16, 32)]
     result["decode"] = decode
     result["decode_batch32_vs_batch1"] = round(
-        decode[2]["tokens_per_s"] / decode[0]["tokens_per_s"], 2
+        decode[-1]["tokens_per_s"] / decode[0]["tokens_per_s"], 2
     )
     turns = bench_multiturn(loaded)
     on, off = turns["ttft_cache_on_s"], turns["ttft_cache_off_s"]

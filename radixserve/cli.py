@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
 
 Every engine option is a flag (``add_engine_args``), shared by the commands that build an
 engine; a bad value ends with an argparse error naming the flag.
@@ -12,7 +12,9 @@ import time
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
-from radixserve.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.cache.tiered_cache import WRITE_POLICIES
+from radixserve.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.model.quant import QUANTIZATIONS
 
 ENGINE_FLAGS = {
     # option: (flag kwargs)
@@ -26,6 +28,13 @@ ENGINE_FLAGS = {
         choices=DTYPES,
         help="weights and KV dtype; auto: bfloat16 on hardware that computes it natively "
         "(AVX512-BF16, AMX, recent GPUs), else float32",
+    ),
+    "quantization": dict(
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="weights kept quantized and computed as such: auto (a GGUF file's own Q8_0, "
+        "Q4_0, Q4_1 tensors; a Hugging Face model loads dense), none (dequantize all), "
+        "int8, int4; default %(default)s",
     ),
     "chunked_prefill_size": dict(
         type=int, help="most prompt tokens computed per step (default: 256 on CPU, 2048 on GPU)"
@@ -44,12 +53,85 @@ ENGINE_FLAGS = {
         choices=sorted(EVICTION_POLICIES),
         help="radix-tree eviction order; default %(default)s",
     ),
+    "cache_threshold": dict(
+        type=float,
+        help="evict nodes whose reuse rate (hits per request admitted since they were cached) "
+        "is below this, before any other (0.1-0.3 is the usual range); default: off",
+    ),
     "max_running_requests": dict(
         type=int, default=64, help="most requests decoding at once; default %(default)s"
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
+    # the hierarchical cache (README: "Hierarchical cache")
+    "host_kv_memory": dict(
+        help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "
+        "evicts is kept there and loaded back on a hit; default: no host tier"
+    ),
+    "write_policy": dict(
+        choices=WRITE_POLICIES,
+        help="when KV is copied to the host tier: once reused (write_through_selective), as "
+        "soon as computed (write_through) or when evicted (write_back); default "
+        "write_through_selective, or write_through with --kv-storage",
+    ),
+    "kv_storage": dict(
+        help="storage tier (L3) below the host tier, shared by restarts and instances: "
+        "file:///absolute/path or redis://host:port/db"
+    ),
+    "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
+    "load_back_min_tokens": dict(
+        type=int,
+        default=EngineConfig.load_back_min_tokens,
+        help="a shorter host-tier hit is recomputed instead of loaded; default %(default)s",
+    ),
+    "storage_prefetch_min_tokens": dict(
+        type=int,
+        default=EngineConfig.storage_prefetch_min_tokens,
+        help="a shorter storage hit is not fetched; default %(default)s",
+    ),
+    "storage_prefetch_timeout": dict(
+        type=float,
+        default=EngineConfig.storage_prefetch_timeout,
+        help="seconds a request waits for pages from storage before computing them; "
+        "default %(default)s",
+    ),
+    # prefill/decode disaggregation (README: "Prefill/decode disaggregation")
+    "disaggregation_mode": dict(
+        default="off",
+        choices=DISAGGREGATION_MODES,
+        help="off (default), or this instance's role: prefill (computes prompts' KV and sends "
+        "it to decode instances) or decode (takes prompts' KV from a prefill instance)",
+    ),
+    "kv_transfer_host": dict(
+        default="127.0.0.1",
+        help="prefill mode: address of the KV transfer socket; default %(default)s",
+    ),
+    "kv_transfer_port": dict(
+        type=int, default=0, help="prefill mode: port of the KV transfer socket (0: any free)"
+    ),
+    "kv_transfer_heartbeat": dict(
+        type=float,
+        default=1.0,
+        help="seconds between heartbeats; a peer silent for 5 is dead; default %(default)s",
+    ),
+    "prefill_endpoint": dict(
+        help="decode mode: the prefill instance's KV endpoint (tcp://HOST:PORT, from its "
+        "/disagg/info) for requests that name none (the router names one per request)"
+    ),
+    "kv_transfer_timeout": dict(
+        type=float,
+        default=30.0,
+        help="decode mode: seconds a transfer may take before the prompt is computed here "
+        "instead; default %(default)s",
+    ),
+    "remote_prefill_min_tokens": dict(
+        type=int,
+        default=64,
+        help="decode mode: prompts with fewer uncached tokens are prefilled here; "
+        "default %(default)s",
+    ),
 }
+ALIASES = {"host_kv_memory": ("--hicache-size",)}  # SGLang's name for the same option
 
 
 def flag(option: str) -> str:
@@ -59,7 +141,7 @@ def flag(option: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
     for option, kwargs in ENGINE_FLAGS.items():
-        group.add_argument(flag(option), dest=option, **kwargs)
+        group.add_argument(flag(option), *ALIASES.get(option, ()), dest=option, **kwargs)
     group.add_argument(
         "--disable-prefix-caching",
         action="store_true",
@@ -76,7 +158,7 @@ def engine_config_from_args(
         return EngineConfig.from_options(**options, **extra)
     except ValueError as e:
         message = str(e)
-        for option in ENGINE_FLAGS:  # name the flag the user typed, not the Python field
+        for option in [*ENGINE_FLAGS, *extra]:  # name the flag the user typed, not the field
             message = message.replace(option, flag(option))
         parser.error(message)
 
@@ -126,17 +208,17 @@ def cmd_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
     config = engine_config_from_args(parser, args)
     params = sampling_params_from_args(parser, args, config)
-    llm = LLM.from_config(config)
-    for prompt in args.prompts:
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, params)[0]
-        elapsed = time.perf_counter() - t0
-        print(out.text)
-        print(
-            f"[{len(out.prompt_token_ids)} prompt tokens, {out.cached_tokens} from cache; "
-            f"{len(out.token_ids)} generated in {elapsed:.2f} s; {out.finish_reason}]",
-            file=sys.stderr,
-        )
+    with LLM.from_config(config) as llm:  # on exit, pending storage writes finish
+        for prompt in args.prompts:
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, params)[0]
+            elapsed = time.perf_counter() - t0
+            print(out.text)
+            print(
+                f"[{len(out.prompt_token_ids)} prompt tokens, {out.cached_tokens} from cache; "
+                f"{len(out.token_ids)} generated in {elapsed:.2f} s; {out.finish_reason}]",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -145,7 +227,11 @@ def cmd_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(parser, args)
     params = sampling_params_from_args(parser, args, config)
-    llm = LLM.from_config(config)
+    with LLM.from_config(config) as llm:  # on exit, pending storage writes finish
+        return chat_loop(llm, args, params)
+
+
+def chat_loop(llm, args: argparse.Namespace, params) -> int:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -186,8 +272,12 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     first = first or end
     n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+    tiers = ""
+    if llm.config.host_kv_memory is not None:  # which tier the cached tokens came from
+        split = tracker.cached_by_tier().items()
+        tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(
-        f"\n[prompt {prompt} tokens: {cached} from the cache, {prompt - cached} computed; "
+        f"\n[prompt {prompt} tokens: {cached} from the cache{tiers}, {prompt - cached} computed; "
         f"first token after {first - t0:.2f} s; {n} tokens at {rate:.1f} tokens/s]"
     )
     return tracker
@@ -213,17 +303,30 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_parser(sub)
     try:
+        from radixserve.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
+        from radixserve.router.ray_cli import add_ray_parser
+
+        add_ray_parser(sub)
+    try:
         from radixserve.bench.cli import add_bench_parser
     except ImportError:
         pass
     else:
         add_bench_parser(sub)
+    from radixserve.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --dp passes them on
     return args.func(args.parser, args) or 0
 
 

@@ -81,6 +81,18 @@ def real_loaded():
     return load_model(None, dtype="float32", progress=False)
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def kernels(request, monkeypatch):
+    """Run a test with the native CPU kernels (when they build) and with PyTorch only."""
+    from radixserve.model import native
+
+    if request.param == "pytorch":
+        monkeypatch.setattr(native, "paged_ops", lambda: None)
+    elif native.paged_ops() is None:
+        pytest.skip("the native kernels did not build on this machine")
+    return request.param
+
+
 @pytest.fixture
 def make_engine(tiny_loaded):
     """Engine factory over the tiny model; every engine it made is integrity-checked at the end."""

@@ -2,7 +2,9 @@
 
 Covered: prefill from scratch, prefill after a cached prefix, decode, and one packed step that
 mixes decode tokens with prefill chunks; for Llama, Mistral, Qwen2 (QKV bias), Llama-3 RoPE
-scaling; for GGUF files of several tensor types; and for the real default model.
+scaling; for GGUF files of several tensor types (kept quantized, as ``--quantization auto``
+loads them); and for the real default model. Decode steps run both through the native layer
+stack and op by op in PyTorch (the ``kernels`` fixture).
 """
 
 from __future__ import annotations
@@ -88,19 +90,7 @@ def test_prefill_from_scratch(tiny_pair):
     assert_close(logits, reference_logits(hf, PROMPT), 5e-5)
 
 
-@pytest.fixture(params=["native", "pytorch"])
-def decode_kernels(request, monkeypatch):
-    """Decode attention both ways: the C++ kernels (when they build) and pure PyTorch."""
-    from radixserve.model import native
-
-    if request.param == "pytorch":
-        monkeypatch.setattr(native, "paged_ops", lambda: None)
-    elif native.paged_ops() is None:
-        pytest.skip("the native kernels did not build on this machine")
-    return request.param
-
-
-def test_prefill_after_cached_prefix_then_decode(tiny_pair, decode_kernels):
+def test_prefill_after_cached_prefix_then_decode(tiny_pair, kernels):
     hf, model = tiny_pair
     ref = reference_logits(hf, PROMPT)
     run = Runner(model)
@@ -114,7 +104,7 @@ def test_prefill_after_cached_prefix_then_decode(tiny_pair, decode_kernels):
         assert_close(logits[0], ref[pos], 5e-5)
 
 
-def test_mixed_step_of_decodes_and_chunks(tiny_pair, decode_kernels):
+def test_mixed_step_of_decodes_and_chunks(tiny_pair, kernels):
     hf, model = tiny_pair
     a, b, c = PROMPT, PROMPT[::-1], PROMPT[3:] + PROMPT[:5]
     run = Runner(model)
@@ -165,6 +155,11 @@ def real_reference(default_gguf):
 
 
 def test_real_default_model_matches_transformers(real_loaded, real_reference):
+    """The file's Q4_1/Q8_0 blocks kept quantized (``--quantization auto``) against
+    transformers' float32 dequantization of the same file. Prompt chunks run dequantized
+    matmuls (float32 exact); decode steps round activations to int16 per block of 32 for the
+    integer kernels (so does the LM head for a few rows), ~1e-5 relative a matmul, hence their
+    looser bound."""
     tok = real_loaded.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Name three primary colors."}])
     ref = reference_logits(real_reference, ids + [504, 3418])
@@ -175,11 +170,11 @@ def test_real_default_model_matches_transformers(real_loaded, real_reference):
     run2 = Runner(real_loaded.model)  # prefix from one step, the rest after it
     run2.step(prefill=[(torch.tensor(ids[:20]), 0, torch.arange(20), False)])
     logits = run2.step(prefill=[(torch.tensor(ids[20:]), 20, torch.arange(n), True)])
-    assert_close(logits[0], ref[n - 1], 5e-4)
+    assert_close(logits[0], ref[n - 1], 5e-3)  # one row through the LM head: int16 rounding
     for pos, token in ((n, 504), (n + 1, 3418)):
         logits = run2.step(decode=[(token, pos, torch.arange(pos + 1))])
-        assert_close(logits[0], ref[pos], 5e-4)
-    assert logits[0].argmax() == ref[n + 1].argmax()
+        assert_close(logits[0], ref[pos], 5e-3)  # logits span about +-30
+        assert logits[0].argmax() == ref[pos].argmax()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,9 +16,10 @@ from radixserve.cache import (
 NO_HELD = torch.empty(0, dtype=torch.int64)
 
 
-def make(capacity=256, page_size=1, policy="lru", events=None):
+def make(capacity=256, page_size=1, policy="lru", events=None, block_size=None):
     alloc = PagedAllocator(capacity, page_size)
-    return RadixCache(alloc, eviction_policy=policy, event_queue=events), alloc
+    cache = RadixCache(alloc, policy, event_queue=events, event_block_size=block_size)
+    return cache, alloc
 
 
 def test_insert_then_match_returns_the_same_slots():
@@ -196,7 +197,7 @@ def test_counters_track_lookups_hits_and_evictions():
 
 def test_events_name_pages_by_chained_hash():
     events = KVEventQueue()
-    cache, alloc = make(capacity=64, page_size=2, events=events)
+    cache, alloc = make(capacity=64, page_size=2, events=events, block_size=2)
     cache_sequence(cache, alloc, [1, 2, 3, 4])
     cache_sequence(cache, alloc, [1, 2, 3, 4, 5, 6])
     cache_sequence(cache, alloc, [1, 2, 3, 4], extra_key="tenant")

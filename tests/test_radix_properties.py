@@ -2,16 +2,25 @@
 
 The reference is a dict from every cached (namespace, page-aligned prefix) to the slot run of
 its last page. The tree must agree with it after every step, and ``check_integrity`` must pass
-with no slot held outside the tree and the allocator.
+with no slot held outside the tree and the allocator. Each run draws an eviction policy (with
+or without a cache threshold): a locked prefix is never evicted, and a single-leaf eviction
+takes a leaf of the smallest priority, recomputed from scratch over all evictable leaves (so a
+stale heap key, e.g. a reuse rate that fell with no event on its node, would be caught).
 """
 
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from radixserve.cache import PagedAllocator, RadixCache
+from radixserve.cache import EVICTION_POLICIES, PagedAllocator, RadixCache
 
 NO_HELD = torch.empty(0, dtype=torch.int64)
 NAMESPACES = [None, "tenant-b"]
@@ -25,6 +34,13 @@ def make_machine(page_size: int, capacity: int, alphabet: int, max_pages: int):
             self.cache = RadixCache(self.alloc)
             self.ref: dict[tuple, torch.Tensor] = {}  # (ns, prefix) -> slots of its last page
             self.locks: list[tuple] = []  # (node, ns, prefix)
+
+        @initialize(
+            policy=st.sampled_from(EVICTION_POLICIES),
+            threshold=st.sampled_from([None, 0.1, 0.25, 0.5, 1.0]),
+        )
+        def choose_policy(self, policy, threshold):
+            self.cache = RadixCache(self.alloc, policy, cache_threshold=threshold)
 
         def ref_match(self, ns, tokens):
             n = 0
@@ -87,6 +103,21 @@ def make_machine(page_size: int, capacity: int, alphabet: int, max_pages: int):
         @rule(num_tokens=st.integers(0, capacity))
         def evict(self, num_tokens):
             self.evict_and_sync(num_tokens)
+
+        @precondition(lambda self: self.cache.evictable_size() > 0)
+        @rule()
+        def evict_one_leaf(self):
+            cache = self.cache
+            leaves = list(cache._evictable_leaves)
+            prios = {leaf: cache._heap.priority(leaf) for leaf in leaves}
+            locked = [(n, n.lock_ref) for n, _, _ in self.locks if n and n.parent]
+            self.evict_and_sync(1)
+            gone = [leaf for leaf in leaves if leaf.parent.children.get(
+                cache._child_key(leaf.key)) is not leaf]  # fmt: skip
+            assert len(gone) == 1
+            assert prios[gone[0]] == min(prios.values())
+            for node, lock_ref in locked:
+                assert node.lock_ref == lock_ref > 0 and node not in gone
 
         @rule()
         def reset(self):

@@ -7,6 +7,11 @@
 | ``fcfs`` | ``radixserve serve --schedule-policy fcfs`` (cache on) |
 | ``dfs-weight`` | ``radixserve serve --schedule-policy dfs-weight`` (cache on) |
 | ``llamacpp`` | llama.cpp's server (PyPI ``xllamacpp``) on the same GGUF file, prompt cache on |
+| ``fleet-POLICY`` | ``radixserve serve --dp N --router-policy POLICY``: N instances, the router |
+| ``single-big`` | one instance whose KV pool is the fleet's total (N x per-instance pool) |
+
+Fleet systems take ``instances`` (N) and ``instance_kv_tokens`` (each instance's pool, so that
+routing is what decides); ``single-big`` is the optimum a fleet of N can hope for.
 
 Every server is a child process in its own session on a free loopback port (found by binding
 127.0.0.1:0), with its output in ``<log_dir>/<name>.log``. Startup waits for ``GET /health`` to
@@ -39,7 +44,9 @@ RADIX_SYSTEMS: dict[str, tuple[str, ...]] = {
     "fcfs": ("--schedule-policy", "fcfs"),
     "dfs-weight": ("--schedule-policy", "dfs-weight"),
 }
-SYSTEMS = (*RADIX_SYSTEMS, "llamacpp")
+FLEET_POLICIES = ("cache-aware", "round-robin", "least-load", "consistent-hash", "power-of-two")
+FLEET_SYSTEMS = tuple(f"fleet-{p}" for p in FLEET_POLICIES)
+SYSTEMS = (*RADIX_SYSTEMS, "llamacpp", *FLEET_SYSTEMS, "single-big")
 LOG_TAIL_LINES = 30
 STOP_GRACE_S = 15.0
 
@@ -53,9 +60,11 @@ class ServerSettings:
     radix_args: tuple[str, ...] = ()  # extra `radixserve serve` flags
     startup_timeout: float = 300.0
     log_dir: Path = Path(".")
+    instances: int = 2  # fleet systems: N
+    instance_kv_tokens: int | None = None  # KV pool of each fleet instance
 
     def __post_init__(self) -> None:
-        for name in ("slots", "context_length", "threads"):
+        for name in ("slots", "context_length", "threads", "instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.startup_timeout > 0:
@@ -92,13 +101,23 @@ def command(system: str, settings: ServerSettings) -> Callable[[int], list[str]]
             "--port", str(port), "--parallel", str(settings.slots),
             "--ctx-per-slot", str(settings.context_length), "--threads", str(settings.threads),
         ]  # fmt: skip
-    if system not in RADIX_SYSTEMS:
+    if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     model = ("--model", settings.model) if settings.model else ()
+    pool = settings.instance_kv_tokens
+    if system in FLEET_SYSTEMS:
+        flags = ("--dp", str(settings.instances), "--router-policy", system.split("-", 1)[1])
+        flags += ("--max-total-tokens", str(pool)) if pool else ()
+    elif system == "single-big":
+        if pool is None:
+            raise BenchError("single-big needs --instance-kv-tokens (its pool is N times that)")
+        flags = ("--max-total-tokens", str(pool * settings.instances))
+    else:
+        flags = RADIX_SYSTEMS[system]
     return lambda port: [
         sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1", "--port",
         str(port), *model, "--max-model-len", str(settings.context_length),
-        *RADIX_SYSTEMS[system], *settings.radix_args,
+        *flags, *settings.radix_args,
     ]  # fmt: skip
 
 

@@ -35,15 +35,19 @@ DEFAULT_SYSTEMS = {
     "shared-prefix": ("radix", "no-cache", "fcfs", "llamacpp"),
     "few-shot": ("radix", "no-cache", "llamacpp"),
     "random": ("radix", "no-cache", "llamacpp"),
+    "doc-mix": ("radix", "no-cache"),
 }
 # Options that only configure the servers the harness starts: meaningless with --base-url.
 SERVER_OPTIONS = ("systems", "model", "radix_args", "context_length", "llamacpp_threads",
-                  "startup_timeout")  # fmt: skip
+                  "startup_timeout", "instances", "instance_kv_tokens")  # fmt: skip
 
 EPILOG = """\
 systems: radix (cache on, lpm), no-cache (--disable-prefix-caching), fcfs, dfs-weight
 (cache on, that schedule policy), llamacpp (llama.cpp's server from `pip install xllamacpp`,
-prompt cache on, one slot per concurrent request, --context-length tokens per slot).
+prompt cache on, one slot per concurrent request, --context-length tokens per slot),
+fleet-cache-aware, fleet-round-robin, fleet-least-load, fleet-consistent-hash,
+fleet-power-of-two (`serve --dp N` with that router policy, --instances N, each instance's
+pool --instance-kv-tokens), single-big (one instance with N times that pool: the optimum).
 A schedule policy only matters when requests queue inside the server: use a
 --max-concurrency above the server's --max-running-requests (e.g. --radix-args
 "--max-running-requests 2").
@@ -53,6 +57,8 @@ examples:
   radixserve bench --workload sharegpt-multiturn --num-conversations 4 --turns 5 \\
       --systems radix,no-cache,llamacpp --max-concurrency 2 --duration 300
   radixserve bench --workload random --base-url http://127.0.0.1:8000 --request-rate 2
+  radixserve bench --workload sharegpt-multiturn --instances 2 --instance-kv-tokens 3000 \
+      --systems fleet-cache-aware,fleet-round-robin,single-big
 """
 
 
@@ -131,6 +137,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="seconds a server may take to become healthy; "
         f"default {baselines.ServerSettings.startup_timeout:g}",
     )
+    g.add_argument(
+        "--instances",
+        type=int,
+        help="fleet-* systems: instances behind the router (single-big: the pool multiple); "
+        "default 2",
+    )
+    g.add_argument(
+        "--instance-kv-tokens",
+        type=int,
+        help="fleet-* systems: KV pool of each instance in tokens (single-big gets N times it)",
+    )
     g = p.add_argument_group("load shape")
     g.add_argument(
         "--request-rate",
@@ -183,6 +200,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 # Error messages name dataclass fields; the user typed flags.
 SETTINGS_FLAGS = {"context_length": "--context-length", "threads": "--llamacpp-threads",
+                  "instances": "--instances",
                   "startup_timeout": "--startup-timeout", "slots": "--max-concurrency"}  # fmt: skip
 
 
@@ -254,7 +272,8 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )  # fmt: skip
         given = dict(
             model=args.model, context_length=args.context_length, threads=args.llamacpp_threads,
-            startup_timeout=args.startup_timeout,
+            startup_timeout=args.startup_timeout, instances=args.instances,
+            instance_kv_tokens=args.instance_kv_tokens,
             radix_args=tuple(shlex.split(args.radix_args)) if args.radix_args else None,
         )  # fmt: skip
         settings = baselines.ServerSettings(

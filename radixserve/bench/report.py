@@ -14,6 +14,9 @@
   None (``n/a``) for servers without these metrics (llama.cpp exports none).
 - ``server_hit_rate``: growth of ``radix_cache_hit_tokens_total`` over that of
   ``radix_cache_query_tokens_total`` during the run, a cross-check from the server's side.
+- ``by_group``: when conversation ids name groups (``chat-3``, ``doc-1``: the part before the
+  first ``-``), TTFT and ITL percentiles per group, so the streams of running chats can be
+  judged apart from the long prompts that stall them.
 
 ``write_reports`` writes the JSON (every record and metric sample), a Markdown table per
 workload and three plots per workload (``plots.py``).
@@ -99,7 +102,29 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "prompt_tokens": sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None) or None,
         "cache_hit_rate": sum(c for c, _ in usage) / prompt_total if prompt_total else None,
         **kv_figures(result.metrics),
+        "by_group": by_group(ok),
     }
+
+
+def by_group(ok: list) -> dict[str, dict[str, float | None]]:
+    groups: dict[str, list] = {}
+    for r in ok:
+        if "-" in r.conversation_id:
+            groups.setdefault(r.conversation_id.split("-", 1)[0], []).append(r)
+    if len(groups) < 2:
+        return {}
+    out = {}
+    for name, records in sorted(groups.items()):
+        ttft = [r.ttft for r in records if r.ttft is not None]
+        itl = [x for r in records for x in r.itl]
+        out[name] = {
+            "requests": len(records),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99),
+            "itl_p50_s": pct(itl, 50),
+            "itl_p99_s": pct(itl, 99),
+        }
+    return out
 
 
 def kv_figures(samples: list[dict[str, float]]) -> dict[str, Any]:
@@ -179,8 +204,24 @@ def markdown(group: WorkloadRuns, summaries: dict[str, dict[str, Any]]) -> str:
             f"| {_ms(s['ttft_p99_s'])} |{turns} {_num(s['requests_per_s'])} "
             f"| {_num(s['output_tokens_per_s'], 1)} | {hit} | {_kv(s, run.info)} |"
         )
+    lines += group_table(group, summaries)
     lines += ["", *(f"![{w.name} {p}]({w.name}_{p}.png)" for p in plots.PLOTS), ""]
     return "\n".join(lines)
+
+
+def group_table(group: WorkloadRuns, summaries: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [
+        f"| {run.name} | {name} | {g['requests']} | {_ms(g['ttft_p50_s'])} "
+        f"| {_ms(g['ttft_p99_s'])} | {_ms(g['itl_p50_s'])} | {_ms(g['itl_p99_s'])} |"
+        for run in group.runs
+        if run.name in summaries
+        for name, g in summaries[run.name]["by_group"].items()
+    ]
+    if not rows:
+        return []
+    head = "| system | group | requests | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
+    head += "| ITL p99 (ms) |"
+    return ["", head, "|---|---|---|---|---|---|---|", *rows]
 
 
 def write_reports(out_dir: Path, groups: list[WorkloadRuns], meta: dict[str, Any]) -> dict:

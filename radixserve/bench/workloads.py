@@ -12,6 +12,7 @@ endpoint serves the workload: ``chat`` (``/v1/chat/completions``) or ``completio
 | ``shared-prefix`` | chat | groups of questions behind one long system prompt per group |
 | ``few-shot`` | completions | GSM8K questions behind the same k-shot prefix |
 | ``random`` | completions | independent prompts sharing nothing: the control case |
+| ``doc-mix`` | chat | long documents to summarise arriving while chats run (prefill/decode) |
 
 Generated text is drawn from ``vocab.WORDS``, so a length in words is a length in tokens for the
 default model. ShareGPT user messages are cut to ``max_user_chars`` characters (about four
@@ -125,6 +126,19 @@ class RandomSpec(Spec):
     input_len: int = param(256, "prompt length in words (~tokens)")
 
 
+@dataclass
+class DocMixSpec(Spec):
+    """Chats running turn after turn while long documents to summarise keep arriving: the
+    long prefills that stall running streams in a colocated server. Conversation ids start
+    with ``chat-`` or ``doc-``; reports split TTFT and ITL by that prefix."""
+
+    num_chats: int = param(4, "chats running throughout")
+    turns: int = param(6, "user turns per chat")
+    chat_turn_len: int = param(40, "user message length in words (~tokens)")
+    num_docs: int = param(4, "documents, sent one after another while the chats run")
+    doc_len: int = param(1500, "document length in words (~tokens)")
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(WORDS, k=n))
 
@@ -192,11 +206,25 @@ def build_random(spec: RandomSpec, seed: int) -> list[Conversation]:
     return conversations
 
 
+def build_doc_mix(spec: DocMixSpec, seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    chats = [
+        Conversation(f"chat-{i}", tuple(words(rng, spec.chat_turn_len) for _ in range(spec.turns)))
+        for i in range(spec.num_chats)
+    ]
+    docs = [
+        Conversation(f"doc-{i}", ("Summarise this document:\n" + words(rng, spec.doc_len),))
+        for i in range(spec.num_docs)
+    ]
+    return chats + docs  # the chats start first; documents follow as slots free up
+
+
 WORKLOADS: dict[str, tuple[type[Spec], Callable[[Any, int], list[Conversation]]]] = {
     "sharegpt-multiturn": (ShareGPTSpec, build_sharegpt),
     "shared-prefix": (SharedPrefixSpec, build_shared_prefix),
     "few-shot": (FewShotSpec, build_few_shot),
     "random": (RandomSpec, build_random),
+    "doc-mix": (DocMixSpec, build_doc_mix),
 }
 
 

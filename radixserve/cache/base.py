@@ -21,6 +21,12 @@ attention; the lower tiers must be loaded first. The ``handle`` is opaque: calle
 back to lock, unlock and credit the prefix, and never look inside. ``peek_prefix`` answers
 "how long is the cached prefix?" without touching anything (no split, no recency update).
 
+Lower tiers (a tiered cache; every other cache answers these trivially): ``load_back(match)``
+copies the host part of a match onto the device (all or nothing; skipped when too short to be
+worth it) and returns the match it became; ``start_prefetch`` asks the storage tier for the
+pages after the cached prefix of a waiting request (``None``: nothing worth fetching), and
+``poll_transfers`` applies finished transfers, waiting up to ``timeout`` seconds for one.
+
 Token ids are converted once to an ``int32`` numpy array (``as_token_array``); callers that
 already hold one (the engine does) pay nothing for it.
 """
@@ -57,6 +63,7 @@ class MatchResult:
     device_len: int
     host_len: int = 0
     storage_len: int = 0
+    lower_handle: CacheHandle = None  # opaque: the end of the host part, for load_back
 
     @property
     def total_len(self) -> int:
@@ -78,7 +85,9 @@ class CacheStats:
 
     lookups: int = 0
     lookup_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # every tier; of which:
+    host_hit_tokens: int = 0  # loaded back from the host tier
+    storage_hit_tokens: int = 0  # fetched from the storage tier
     evicted_tokens: int = 0
     evictions: int = 0  # evicted nodes
     evict_calls: int = 0
@@ -113,12 +122,23 @@ class PrefixCache(ABC):
         """The length ``match_prefix`` would return over all tiers, without any side effect:
         no split, no recency or hit update, no statistics."""
 
-    def record_hit(self, handle: CacheHandle, lookup_tokens: int, hit_tokens: int) -> None:
+    def record_hit(
+        self,
+        handle: CacheHandle,
+        lookup_tokens: int,
+        hit_tokens: int,
+        host_tokens: int = 0,
+        storage_tokens: int = 0,
+    ) -> None:
         """Count one lookup (``match_prefix`` with ``record_stats`` does this itself): the
-        counters, and for trees the hit counts of the matched path (which LFU evicts by)."""
+        counters, and for trees the hit counts of the matched path (which LFU evicts by).
+        ``hit_tokens`` counts every tier; ``host_tokens`` and ``storage_tokens`` are its parts
+        that came from those tiers."""
         self.stats.lookups += 1
         self.stats.lookup_tokens += lookup_tokens
         self.stats.hit_tokens += hit_tokens
+        self.stats.host_hit_tokens += host_tokens
+        self.stats.storage_hit_tokens += storage_tokens
 
     @abstractmethod
     def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
@@ -154,3 +174,44 @@ class PrefixCache(ABC):
 
     def summary(self, top: int = 10) -> TreeSummary:
         return TreeSummary(num_nodes=0, cached_tokens=self.total_size())
+
+    # ------------------------------------------------------------------ lower tiers
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring the host part of ``match`` onto the device; the match it became."""
+        return match
+
+    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Any:
+        """Start fetching from storage what follows the cached prefix; an opaque ticket with
+        ``done`` and ``expired(now)``, or None when there is nothing worth fetching."""
+        return None
+
+    def poll_transfers(self, timeout: float = 0.0) -> None:
+        """Apply finished transfers between tiers (wait up to ``timeout`` s for one)."""
+        return None
+
+    def tier_stats(self) -> Any:
+        """A snapshot of the lower tiers (``TierStats``), or None without them."""
+        return None
+
+    def clear_storage(self) -> bool:
+        """Delete every page in the storage tier; False when there is none."""
+        return False
+
+    def close(self) -> None:
+        """Finish pending writes to lower tiers and stop their threads."""
+        return None
+
+    # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
+    event_block_size: int = 0
+
+    def enable_events(self, queue: Any) -> None:
+        """Emit what is cached now, then every change, to ``queue`` (a ``KVEventQueue``)."""
+        return None
+
+    def disable_events(self) -> None:
+        """Stop emitting (and hashing)."""
+        return None
+
+    def snapshot_events(self) -> list[Any]:
+        """Every cached block as ``BlockStored`` events, parents first."""
+        return []

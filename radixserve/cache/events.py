@@ -1,65 +1,42 @@
-"""KV cache events for a cache-aware router: which pages a cache stored and removed.
+"""KV cache events for a cache-aware router: which blocks a cache stored and removed.
 
-Each cached page is named by a chained hash: ``hash(parent page hash, page tokens, extra_key)``,
-so equal hashes mean equal whole prefixes. The radix tree computes hashes and emits events
-only when it was given a ``KVEventQueue``; without one, it does no hashing at all.
+The event values and the chained block hash live in ``radixserve.kvevents`` (pure modules a
+router imports without the tree); this module re-exports them for the cache and adds the
+bounded queue the tree appends to. The radix tree computes hashes and emits events only while
+it has a queue (``RadixCache.enable_events``); without one it does no hashing at all.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
+from radixserve.kvevents.hashing import chain_block_hashes, default_block_size
+from radixserve.kvevents.types import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
-# Which tier a page is stored on or removed from (vLLM's events call this the medium).
-MEDIUM_DEVICE = "device"
-MEDIUM_HOST = "host"
-MEDIUM_STORAGE = "storage"
+# The older name: a page-aligned block is a page when the block size equals the page size.
+chain_page_hashes = chain_block_hashes
 
-
-@dataclass(frozen=True)
-class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    extra_key: Any = None
-    medium: str = MEDIUM_DEVICE
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: list[int]
-    extra_key: Any = None
-    medium: str = MEDIUM_DEVICE
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def chain_page_hashes(
-    parent_hash: int | None, tokens: np.ndarray, page_size: int, extra_key: Any = None
-) -> list[int]:
-    """Hashes of the whole pages of ``tokens``, each chained to the one before it."""
-    salt = repr(extra_key).encode() if extra_key is not None else b""
-    hashes = []
-    prev = parent_hash
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        h = hashlib.blake2b(digest_size=8)
-        h.update(b"" if prev is None else prev.to_bytes(8, "little"))
-        h.update(salt)
-        h.update(tokens[start : start + page_size].tobytes())
-        prev = int.from_bytes(h.digest(), "little")
-        hashes.append(prev)
-    return hashes
+__all__ = [
+    "MEDIUM_DEVICE",
+    "MEDIUM_HOST",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventQueue",
+    "chain_block_hashes",
+    "chain_page_hashes",
+    "default_block_size",
+]
 
 
 class KVEventQueue:
@@ -70,6 +47,9 @@ class KVEventQueue:
 
     def append(self, event: KVEvent) -> None:
         self._events.append(event)
+
+    def __len__(self) -> int:
+        return len(self._events)
 
     def drain(self) -> list[KVEvent]:
         out = list(self._events)

@@ -55,9 +55,20 @@ class KVPool:
         self.k[:, :, self.pad_slot].zero_()
         self.v[:, :, self.pad_slot].zero_()
         self._scratch = torch.empty(0, dtype=shape.dtype, device=self.device)
+        self._layer_events: list | None = None  # CUDA: a load from the host tier in flight
+
+    def wait_for_layers(self, events: list) -> None:
+        """Make the next forward pass wait, layer by layer, for a copy into the pool (one
+        CUDA event per layer, recorded on the copy's stream)."""
+        self._layer_events = events
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V given as ``[n, num_kv_heads, head_dim]`` into ``slots`` of one layer."""
+        """Store K/V given as ``[n, num_kv_heads, head_dim]`` into ``slots`` of one layer.
+        The forward pass calls it first for every layer, before reading the layer's KV."""
+        if self._layer_events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+            if layer == len(self._layer_events) - 1:
+                self._layer_events = None
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 

@@ -34,14 +34,15 @@ from radixserve.cache.base import (
     as_token_array,
 )
 from radixserve.cache.events import (
+    MEDIUM_DEVICE,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     KVEventQueue,
-    chain_page_hashes,
+    default_block_size,
 )
-from radixserve.cache.eviction import LeafHeap, get_eviction_policy
+from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
 from radixserve.cache.tree_check import check_tree, tree_summary
+from radixserve.cache.tree_events import TreeEvents
 
 
 class TreeNode:
@@ -55,7 +56,11 @@ class TreeNode:
         "last_access",
         "hit_count",
         "page_hashes",
+        "offset",
         "namespace",
+        "depth",
+        "created",
+        "policy_state",
     )
 
     def __init__(
@@ -74,25 +79,39 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
-        self.page_hashes: list[int] = []
+        self.page_hashes: list[int] = []  # the KV-event blocks it owns (tree_events.py)
+        self.offset = 0  # tokens above its edge, kept while events are on
         self.namespace = namespace
+        self.depth = 0  # tokens from the root to the end of this edge
+        self.created = 0  # the cache's admission count when this node was cached
+        self.policy_state: Any = None  # the eviction policy's own (eviction.py)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
 class RadixCache(PrefixCache):
+    node_class: type[TreeNode] = TreeNode
+
     def __init__(
         self,
         allocator: PagedAllocator,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionPolicy = "lru",
         event_queue: KVEventQueue | None = None,
+        event_block_size: int | None = None,
+        cache_threshold: float | None = None,
     ):
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.eviction_policy = eviction_policy
-        self._heap = LeafHeap(get_eviction_policy(eviction_policy))
-        self.events = event_queue
+        if isinstance(eviction_policy, str):
+            eviction_policy = make_policy(
+                eviction_policy, cache_threshold, self.total_size, lambda: self._clock
+            )
+        self.eviction_policy = eviction_policy.name
+        self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
+        self._heap = LeafHeap(eviction_policy, lambda: self.admissions)
+        self.events: KVEventQueue | None = None  # set only while events are on
+        self._hasher = TreeEvents(self, event_block_size or default_block_size(self.page_size))
         self.stats = CacheStats()
         self._next_id = 0
         self._clock = 0
@@ -100,13 +119,40 @@ class RadixCache(PrefixCache):
         self._evictable_leaves: set[TreeNode] = set()
         self._evictable_size = 0
         self._protected_size = 0
+        if event_queue is not None:
+            self.events = event_queue  # an empty tree: nothing to snapshot
+
+    # ------------------------------------------------------------------ events
+    @property
+    def event_block_size(self) -> int:
+        return self._hasher.block_size
+
+    def enable_events(self, queue: KVEventQueue) -> None:
+        """Emit ``AllBlocksCleared`` and every cached block as stored (what a subscriber knew
+        may be stale: events were off), then every change, to ``queue``."""
+        self.events = queue
+        queue.append(AllBlocksCleared())
+        for event in self._hasher.snapshot():
+            queue.append(event)
+
+    def disable_events(self) -> None:
+        """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
+        self.events = None
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every cached block as ``BlockStored`` events, parents first (a full dump)."""
+        return self._hasher.snapshot()
+
+    def node_medium(self, node: TreeNode) -> str:
+        """The tier a node's KV is on, for its events (a tiered cache overrides this)."""
+        return MEDIUM_DEVICE
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
         self, parent: TreeNode | None, key: np.ndarray, value: torch.Tensor, namespace: Any = None
     ) -> TreeNode:
         self._next_id += 1
-        return TreeNode(self._next_id, parent, key, value, namespace)
+        return self.node_class(self._next_id, parent, key, value, namespace)
 
     def _root(self, extra_key: Any) -> TreeNode:
         root = self._roots.get(extra_key)
@@ -120,6 +166,8 @@ class RadixCache(PrefixCache):
 
     def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
         n = min(len(edge), len(key))
+        if edge[:n].tobytes() == key[:n].tobytes():  # most edges on a path match whole
+            return n - n % self.page_size
         differs = edge[:n] != key[:n]
         m = int(differs.argmax()) if differs.any() else n
         return m - m % self.page_size
@@ -145,20 +193,38 @@ class RadixCache(PrefixCache):
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
         parent = child.parent
         assert parent is not None
-        mid = self._new_node(parent, child.key[:n], child.value[:n], child.namespace)
+        mid = self._new_node(parent, child.key[:n], None, child.namespace)
+        self._split_payload(mid, child, n)
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
+        mid.depth, mid.created = parent.depth + n, child.created
+        mid.policy_state = child.policy_state
         if self.events is not None:
-            cut = n // self.page_size
-            mid.page_hashes, child.page_hashes = child.page_hashes[:cut], child.page_hashes[cut:]
+            self._hasher.split(mid, child, n)
         parent.children[self._child_key(mid.key)] = mid
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        child.key, child.parent = child.key[n:], mid
         mid.children[self._child_key(child.key)] = child
+        self._heap.note_split(mid, child)
         return mid
+
+    def _split_payload(self, mid: TreeNode, child: TreeNode, n: int) -> None:
+        """Cut what a node holds per token (its slot run) between ``mid`` and ``child``."""
+        mid.value, child.value = child.value[:n], child.value[n:]
+
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """Whether nothing below ``node`` holds device slots (so evicting it frees a leaf)."""
+        return not node.children
+
+    def _reuse(self, node: TreeNode, indices: torch.Tensor) -> bool:
+        """``insert`` met ``node`` on its path: True if its KV is cached already (the caller's
+        ``indices`` for it are duplicates); a tiered cache takes them instead when the node
+        has left the device, and answers False."""
+        return True
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
         leaf = self._new_node(parent, key, value, parent.namespace)
+        leaf.depth, leaf.created = parent.depth + len(key), self.admissions
         parent.children[self._child_key(key)] = leaf
         self._evictable_leaves.discard(parent)
         self._evictable_size += len(key)
@@ -166,13 +232,9 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            parent_hash = parent.page_hashes[-1] if parent.page_hashes else None
-            leaf.page_hashes = chain_page_hashes(parent_hash, key, self.page_size, leaf.namespace)
-            self.events.append(
-                BlockStored(
-                    leaf.page_hashes, parent_hash, key.tolist(), self.page_size, leaf.namespace
-                )
-            )
+            event = self._hasher.hash_node(leaf)
+            if event is not None:
+                self.events.append(event)
         return leaf
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
@@ -185,14 +247,12 @@ class RadixCache(PrefixCache):
         self._evictable_size -= size
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
-        if self.events is not None:
-            self.events.append(BlockRemoved(leaf.page_hashes, leaf.namespace))
-        if parent.children:
-            pass
-        elif parent.parent is not None:
-            if parent.lock_ref == 0:
+        if self.events is not None and leaf.page_hashes:
+            self.events.append(self._hasher.removed(leaf))
+        if parent.parent is not None:
+            if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
-        elif parent.namespace is not None:
+        elif not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]  # an empty namespace leaves no trace
         return size
 
@@ -202,10 +262,10 @@ class RadixCache(PrefixCache):
     ) -> MatchResult:
         key = as_token_array(token_ids)
         node = self._roots.get(extra_key)
-        values: list[torch.Tensor] = []
-        matched = 0
+        path: list[TreeNode] = []
         if node is not None:
             end = len(key) - len(key) % self.page_size
+            matched = 0
             while matched < end:
                 child = node.children.get(self._child_key(key[matched:]))
                 if child is None:
@@ -214,19 +274,24 @@ class RadixCache(PrefixCache):
                 edge_len = len(child.key)
                 if n < edge_len:
                     child = self._split(child, n)
-                values.append(child.value)
+                path.append(child)
                 matched += n
                 node = child
                 if n < edge_len:
                     break
             self._touch(node)
+        result = self._match_result(path, node)
         if record_stats:
-            self.record_hit(node, len(key), matched)
-        if not values:
-            indices = EMPTY_INDICES
-        else:
-            indices = values[0] if len(values) == 1 else torch.cat(values)
-        return MatchResult(device_indices=indices, handle=node, device_len=matched)
+            self.record_hit(result.handle, len(key), result.device_len)
+        return result
+
+    def _match_result(self, path: list[TreeNode], last: TreeNode | None) -> MatchResult:
+        """The match along ``path`` (the matched nodes from the root down)."""
+        if not path:
+            return MatchResult(device_indices=EMPTY_INDICES, handle=last, device_len=0)
+        values = [n.value for n in path]
+        indices = values[0] if len(values) == 1 else torch.cat(values)
+        return MatchResult(device_indices=indices, handle=last, device_len=len(indices))
 
     def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
         key = as_token_array(token_ids)
@@ -258,6 +323,7 @@ class RadixCache(PrefixCache):
             return 0
         node = self._root(extra_key)
         pos = 0
+        taken_from: int | None = None  # the first position whose slots the tree took over
         while pos < end:
             child = node.children.get(self._child_key(key[pos:]))
             if child is None:
@@ -267,19 +333,31 @@ class RadixCache(PrefixCache):
             n = self._match_len(child.key, key[pos:end])
             if n < len(child.key):
                 child = self._split(child, n)
+            if not self._reuse(child, indices[pos : pos + n]) and taken_from is None:
+                taken_from = pos
             pos += n
             node = child
         self._touch(node)
-        return pos
+        return pos if taken_from is None else taken_from
 
-    def record_hit(self, node: TreeNode | None, lookup_tokens: int, hit_tokens: int) -> None:
-        super().record_hit(node, lookup_tokens, hit_tokens)
+    def record_hit(
+        self,
+        node: TreeNode | None,
+        lookup_tokens: int,
+        hit_tokens: int,
+        host_tokens: int = 0,
+        storage_tokens: int = 0,
+    ) -> None:
+        super().record_hit(node, lookup_tokens, hit_tokens, host_tokens, storage_tokens)
+        self.admissions += 1
         n = node
         while n is not None and n.parent is not None:
             n.hit_count += 1
             n = n.parent
+        if node is not None and node.parent is not None:
+            self._heap.note_hit(node, self._is_evictable_leaf)
         if node in self._evictable_leaves:
-            self._heap.push(node)  # under LFU its priority changed
+            self._heap.push(node)  # its priority changed (LFU, cost-aware, threshold)
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:
@@ -298,7 +376,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
-                if not node.children:
+                if self._is_leaf(node):
                     self._mark_leaf(node)
             node = node.parent
 

@@ -1,4 +1,4 @@
-"""Inspection of a RadixCache: the full integrity check and the summary behind ``/cache``.
+"""Inspection of a RadixCache: the full integrity checks and the summary behind ``/cache``.
 
 Both walk the whole tree, so they are for tests, debugging and occasional requests, never
 for the hot path. They read the cache's private state: this module is its friend.
@@ -16,6 +16,7 @@ from radixserve.cache.base import EMPTY_INDICES, TreeSummary
 
 if TYPE_CHECKING:
     from radixserve.cache.radix_cache import RadixCache, TreeNode
+    from radixserve.cache.tiered_cache import TieredRadixCache
 
 
 def walk(cache: RadixCache) -> Iterator[tuple[TreeNode, int]]:
@@ -70,20 +71,25 @@ def check_tree(cache: RadixCache, held_indices: torch.Tensor | None = None) -> N
             node.parent.children.get(cache._child_key(node.key)) is node,
             f"{node!r} is not its parent's child under its first key",
         )
-        _require(
-            size > 0 and size % p == 0 and len(node.value) == size,
-            f"{node!r}: edge of {size} tokens, {len(node.value)} slots, page {p}",
-        )
+        _require(size > 0 and size % p == 0, f"{node!r}: edge of {size} tokens, page {p}")
         child_locks = sum(c.lock_ref for c in node.children.values())
         _require(node.lock_ref >= child_locks >= 0, f"{node!r}: lock below its children's")
+        if cache.events is not None:
+            cache._hasher.check(node)
+        if node.value is None:  # off the device (a tiered cache checks its other tiers)
+            _require(node.lock_ref == 0, f"{node!r}: locked but not on the device")
+            continue
+        _require(len(node.value) == size, f"{node!r}: {size} tokens but {len(node.value)} slots")
+        _require(
+            node.parent.parent is None or node.parent.value is not None,
+            f"{node!r} is on the device below a node that is not",
+        )
         if node.lock_ref == 0:
             evictable += size
-            if not node.children:
+            if cache._is_leaf(node):
                 leaves.add(node)
         else:
             protected += size
-        if cache.events is not None:
-            _require(len(node.page_hashes) == size // p, f"{node!r}: page hashes lost")
         slot_runs.append(node.value)
     _require(
         evictable == cache._evictable_size,
@@ -98,13 +104,44 @@ def check_tree(cache: RadixCache, held_indices: torch.Tensor | None = None) -> N
         leaves <= cache._heap.live_nodes(cache._is_evictable_leaf),
         "an evictable leaf has no live heap entry",
     )
-    slots = torch.cat(slot_runs) if slot_runs else EMPTY_INDICES
-    _require(torch.unique(slots).numel() == slots.numel(), "a slot is cached twice")
-    if p > 1 and slots.numel():
-        runs = slots.view(-1, p)
-        _require(bool((runs[:, 0] % p == 0).all()), "a cached page does not start a page")
-        _require(bool((runs.diff(dim=1) == 1).all()), "a cached page is not contiguous")
+    slots = _check_runs(slot_runs, p, "device")
     cache.allocator.check(slots, held_indices)
+
+
+def check_host_tier(cache: TieredRadixCache, held_host: torch.Tensor) -> None:
+    """The host side of a tiered cache: every node on some tier, host sizes and leaves right,
+    host slots in whole pages, none cached twice; free + cached + held == the host pool."""
+    p = cache.page_size
+    size = 0
+    runs: list[torch.Tensor] = []
+    leaves = set()
+    for node, _ in walk(cache):
+        on_host = node.host_value is not None
+        _require(node.value is not None or on_host, f"{node!r} is on no tier")
+        if on_host:
+            _require(len(node.host_value) == len(node.key), f"{node!r}: host run of wrong size")
+            runs.append(node.host_value)
+            size += len(node.key)
+        if node.value is None and not node.children:
+            leaves.add(node)
+        if node.storage_keys is not None:
+            _require(len(node.storage_keys) == len(node.key) // p, f"{node!r}: storage keys lost")
+    _require(size == cache._host_size, f"host size {cache._host_size} != actual {size}")
+    _require(leaves == cache._host_leaves, "host-leaf set is stale")
+    live = cache._host_heap.live_nodes(cache._host_leaves.__contains__)
+    _require(leaves <= live, "a host leaf has no live heap entry")
+    cache.host.check(_check_runs(runs, p, "host"), held_host)
+
+
+def _check_runs(runs: list[torch.Tensor], p: int, tier: str) -> torch.Tensor:
+    """All cached slots of one pool, checked: none twice, whole contiguous pages."""
+    slots = torch.cat(runs) if runs else EMPTY_INDICES
+    _require(torch.unique(slots).numel() == slots.numel(), f"a {tier} slot is cached twice")
+    if p > 1 and slots.numel():
+        pages = slots.view(-1, p)
+        _require(bool((pages[:, 0] % p == 0).all()), f"a cached {tier} page does not start a page")
+        _require(bool((pages.diff(dim=1) == 1).all()), f"a cached {tier} page is not contiguous")
+    return slots
 
 
 def _require(condition: Any, message: str) -> None:

@@ -12,6 +12,12 @@ that step end with ``finish_reason="error"``; if sampling raises, each row is sa
 only the requests whose rows fail end so. Their slots go back through their ledgers, and the
 traceback goes to the log, never to the client. ``stats()`` and ``info()`` are the engine's
 typed boundary (``stats.py``): callers never reach into the scheduler, allocator or cache.
+
+In a disaggregation mode (``radixserve/disagg``) the engine also serves or takes KV transfers:
+a prefill engine turns decode instances' transfer requests into prefill-only requests (which
+sample nothing and produce no outputs); a decode engine loads prompts' KV from a prefill
+instance through the scheduler's ``KVSource``. ``wake_fd()`` then tells an idle loop when
+transfer traffic needs a step.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from typing import Any
 
 import torch
 
-from radixserve.cache import KVEventQueue, KVPool, NullCache, PagedAllocator, RadixCache
+from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
 from radixserve.cache.base import TreeSummary
+from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.config import EngineConfig
+from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
@@ -38,6 +46,7 @@ from radixserve.model import LoadedModel, build_forward_batch, load_model, nativ
 from radixserve.utils import default_kv_cache_bytes
 
 log = logging.getLogger("radixserve")
+IDLE_TRANSFER_WAIT_S = 0.01
 
 
 @dataclass
@@ -47,19 +56,24 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # from every tier; of which:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": a short message for the client
+    host_cached_tokens: int = 0  # loaded back from the host tier
     segment_hits: int = 0  # RAG segments found in the segment store
     reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
     recomputed_tokens: int = 0  # reused segment tokens computed again (partial recompute)
+    storage_cached_tokens: int = 0  # fetched from the storage tier
 
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         if loaded is None:
-            loaded = load_model(config.model, config.device, config.dtype, config.load_progress)
+            loaded = load_model(
+                config.model, config.device, config.dtype, config.load_progress,
+                config.quantization,
+            )  # fmt: skip
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -76,12 +90,16 @@ class Engine:
         self.allocator = PagedAllocator(num_slots, config.page_size)
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
         self.kv_events = KVEventQueue() if config.enable_kv_events else None
-        if config.enable_prefix_caching:
-            self.cache = RadixCache(self.allocator, config.eviction_policy, self.kv_events)
-        else:
-            self.cache = NullCache(self.allocator)
+        self.cache = build_cache(
+            config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
+        )
         self.kv = RequestKV(self.cache, self.allocator)
-        self.scheduler = Scheduler(config, self.kv)
+        self.disagg = None
+        if config.disaggregation_mode != "off":
+            from radixserve.disagg.engine_side import Disaggregation
+
+            self.disagg = Disaggregation(self)
+        self.scheduler = Scheduler(config, self.kv, self.disagg and self.disagg.source)
         self.segments = SegmentBlender(
             self.model,
             self.pool,
@@ -95,6 +113,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.last_step_evicted_tokens = 0  # for the per-step eviction histogram
+        self.last_step_empty = False  # nothing could run: an engine loop may sleep a little
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -103,12 +122,17 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         extra_key: Any = None,
+        *,
+        prefill_peer: str | None = None,
+        prefill_only: bool = False,
         segments: list[tuple[int, int]] | None = None,
         recompute_ratio: float | None = None,
     ) -> Request:
         """Queue a request. ``segments``: sorted, disjoint ``(start, end)`` prompt ranges whose
         KV may be reused wherever they appear (RAG passages; see ``segments.py``), with
         ``recompute_ratio`` of their tokens computed again (None: the engine's default)."""
+        if prefill_peer is not None and self.config.disaggregation_mode != "decode":
+            raise ValueError("a prefill instance was named but this is not a decode instance")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -144,6 +168,8 @@ class Engine:
             )
         if segments:
             validate_segments(segments, n)
+            if self.config.disaggregation_mode != "off":
+                raise ValueError("RAG segments are not supported with disaggregation")
         if recompute_ratio is not None:
             validate_ratio(recompute_ratio)
         seed = params.seed if params.seed is not None else self._next_seed()
@@ -158,6 +184,7 @@ class Engine:
             segments=segments,
             recompute_ratio=recompute_ratio,
         )
+        req.prefill_peer, req.prefill_only = prefill_peer, prefill_only
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -173,25 +200,27 @@ class Engine:
         return self._output(req, [], [])
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        s = self.scheduler
+        return bool(s.waiting or s.running or s.loading)
+
+    def wake_fd(self) -> int | None:
+        """A descriptor readable when KV transfer traffic needs a ``step`` (None: no mode)."""
+        return self.disagg.fileno() if self.disagg is not None else None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
+        self.cache.poll_transfers()
+        if self.disagg is not None:
+            self.disagg.poll()  # prefill: take transfer requests, drop cancelled ones
         evicted_before = self.cache.stats.evicted_tokens
         step = self.scheduler.schedule()
         self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
+        self.last_step_empty = step.empty
         if step.empty:
+            if self.scheduler.waiting:  # maybe waiting for pages: wait for a transfer, not spin
+                self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
             return []
-        blended = [r for r, n in step.prefills if self.segments.applies(r, n)]
-        step.prefills = [(r, n) for r, n in step.prefills if r not in blended]
-        outputs, blend_logits, blend_done = [], [], []
-        for r in blended:  # each alone: one sparse forward over its whole context
-            try:
-                blend_logits.append(self.segments.prefill(r))
-                blend_done.append(r)
-            except Exception as e:
-                log.exception("a segment prefill failed; failing its request")
-                outputs.append(self._fail(r, e))
+        outputs, blended, blend_logits = self._blend(step)
         try:
             logits = self._forward(step) if not step.empty else None
         except Exception as e:
@@ -204,16 +233,18 @@ class Engine:
         for r, n in step.prefills:
             self.kv.commit(r, n)
             self.kv.publish(r)
-            if r.num_computed == r.num_tokens:
+            if r.num_computed == r.num_tokens and not r.prefill_only:
                 sampling.append(r)
-        for r in blend_done:
+        for r in blended:
             self.kv.commit(r, r.num_uncomputed)
             self.kv.publish(r)
             sampling.append(r)
-        if not sampling:
-            return outputs
-        logits = torch.cat(([] if logits is None else [logits]) + blend_logits)
-        for r, drawn in zip(sampling, self._sample(logits, sampling), strict=True):
+        if self.disagg is not None:  # prefill: push the new KV, end fully pushed requests
+            self.disagg.after_step([r for r, _ in step.prefills if r.prefill_only])
+        if blend_logits:
+            logits = torch.cat(([] if logits is None else [logits]) + blend_logits)
+        drawn_all = self._sample(logits, sampling) if sampling else []
+        for r, drawn in zip(sampling, drawn_all, strict=True):
             if isinstance(drawn, Exception):
                 outputs.append(self._fail(r, drawn))
                 continue
@@ -228,6 +259,21 @@ class Engine:
             outputs.append(self._output(r, [token], [logprob] if logprob else []))
         return outputs
 
+    def _blend(self, step: Step) -> tuple[list[StepOutput], list[Request], list[torch.Tensor]]:
+        """Take the prefills that reuse RAG segments out of ``step`` and run each alone (one
+        sparse forward over its whole context); return failures, the done ones, their logits."""
+        outputs, done, logits = [], [], []
+        blended = [r for r, n in step.prefills if self.segments.applies(r, n)]
+        step.prefills = [(r, n) for r, n in step.prefills if r not in blended]
+        for r in blended:
+            try:
+                logits.append(self.segments.prefill(r))
+                done.append(r)
+            except Exception as e:
+                log.exception("a segment prefill failed; failing its request")
+                outputs.append(self._fail(r, e))
+        return outputs, done, logits
+
     def _forward(self, step: Step) -> torch.Tensor:
         decode = [
             (int(r.token_ids[r.num_computed]), r.num_computed, r.kv.slots[: r.num_computed + 1])
@@ -238,7 +284,7 @@ class Engine:
                 torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
                 r.num_computed,
                 r.kv.slots[: r.num_computed + n],
-                r.num_computed + n == r.num_tokens,
+                r.num_computed + n == r.num_tokens and not r.prefill_only,
             )
             for r, n in step.prefills
         ]
@@ -262,6 +308,8 @@ class Engine:
         return drawn
 
     def _fail(self, req: Request, error: Exception) -> StepOutput:
+        if self.disagg is not None and req.prefill_only:
+            self.disagg.on_failed(req, type(error).__name__)
         self.scheduler.finish(req, "error")
         self.requests.pop(req.request_id, None)
         out = self._output(req, [], [])
@@ -287,9 +335,11 @@ class Engine:
             prompt_tokens=req.prompt_len,
             cached_tokens=req.cached_tokens,
             new_logprobs=logprobs,
+            host_cached_tokens=req.host_cached_tokens,
             segment_hits=req.segment_hits,
             reused_tokens=req.segment_reused_tokens,
             recomputed_tokens=req.segment_recomputed_tokens,
+            storage_cached_tokens=req.storage_cached_tokens,
         )
 
     # ------------------------------------------------------------------ inspection
@@ -304,6 +354,8 @@ class Engine:
             kv_bytes_per_token=self.pool.shape.bytes_per_token(),
             dtype=str(self.pool.shape.dtype).removeprefix("torch."),
             prefix_caching=self.cache.reuses_prefixes,
+            kv_events_block_size=self.cache.event_block_size,
+            disaggregation=self.disagg.info() if self.disagg is not None else None,
         )
 
     def stats(self) -> EngineStats:
@@ -319,7 +371,10 @@ class Engine:
             num_retractions=self.scheduler.num_retractions,
             step_evicted_tokens=self.last_step_evicted_tokens,
             cache=self.cache.stats.copy(),
+            tiers=self.cache.tier_stats(),
             segments=dataclasses.replace(self.segments.stats),
+            num_loading=len(self.scheduler.loading),
+            kv_transfer=self.disagg.stats() if self.disagg is not None else None,
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:
@@ -327,7 +382,37 @@ class Engine:
         return self.cache.summary(top)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.scheduler.running)
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.loading)
 
     def flush_cache(self) -> int:
+        """Drop every unlocked cached token from the device and host tiers (not storage)."""
         return self.cache.reset()
+
+    def clear_storage(self) -> bool:
+        """Delete this model's pages from the storage tier; False when there is none."""
+        return self.cache.clear_storage()
+
+    def close(self) -> None:
+        """Finish pending writes to the storage tier, stop its threads and the KV transfer;
+        the engine is not used afterwards."""
+        if self.disagg is not None:
+            self.disagg.close()
+        self.cache.close()
+
+    # ------------------------------------------------------------------ KV events
+    def set_kv_events(self, on: bool) -> None:
+        """Switch KV events on (``AllBlocksCleared`` and a snapshot of the tree come first) or
+        off (no hashing at all until they are switched on again)."""
+        if on and self.kv_events is None:
+            self.kv_events = KVEventQueue()
+            self.cache.enable_events(self.kv_events)
+        elif not on and self.kv_events is not None:
+            self.cache.disable_events()
+            self.kv_events = None
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv_events.drain() if self.kv_events is not None else []
+
+    def kv_events_snapshot(self) -> list[BlockStored]:
+        """Every cached block as stored events, parents first (a dump for a subscriber)."""
+        return self.cache.snapshot_events()

@@ -10,6 +10,8 @@ keeps one ledger (``KVLedger``) and this module is the only code that writes it:
     invariant: cached <= computed <= allocated
 
     admit:     match_prefix -> lock the handle -> cached = computed = allocated = prefix
+    load:      the match's host part is copied into device slots the tree owns (load_back),
+               then locked like the rest: cached = computed = allocated = the longer prefix
     allocate:  extend / extend_decode take slots from the allocator (evicting unlocked tree
                leaves when short): allocated grows
     commit:    after a forward pass wrote their KV: computed grows (never past allocated)
@@ -108,13 +110,54 @@ class RequestKV:
             raise RuntimeError(f"{req!r}: publish limit {n} below its cached prefix")
         kv.publish_limit = n if kv.publish_limit is None else min(kv.publish_limit, n)
 
-    def record_admission(self, req, matched: int) -> None:
-        """Count a request's cache hit once, when it is first admitted (not on resumption)."""
+    def load(self, req, match: MatchResult) -> int:
+        """Bring the host part of an admitted request's match onto the device (when the cache
+        finds it worth it) and lock the longer prefix; returns the tokens loaded."""
+        kv: KVLedger = req.kv
+        if not match.host_len:
+            return 0
+        loaded = self.cache.load_back(match)
+        if loaded.device_len <= kv.cached:
+            return 0
+        self.cache.inc_lock_ref(loaded.handle)
+        self.cache.dec_lock_ref(kv.handle)
+        kv.handle = loaded.handle
+        kv.slots[: loaded.device_len] = loaded.device_indices
+        gained = loaded.device_len - kv.cached
+        kv.cached = kv.computed = kv.allocated = loaded.device_len
+        return gained
+
+    def start_prefetch(self, req) -> None:
+        """A new request whose prompt runs past the cached prefix: ask the storage tier for
+        the rest now, while it waits (the scheduler admits it once the pages are in)."""
+        if not req.admitted_once:
+            req.prefetch = self.cache.start_prefetch(req.token_ids[:-1], req.extra_key)
+
+    def awaiting_pages(self, req, now: float) -> bool:
+        """Whether ``req`` still waits for its prefetch (False once done or timed out)."""
+        p = req.prefetch
+        if p is None or p.done:
+            return False
+        if p.expired(now):
+            p.give_up()  # compute the pages instead; a late fetch still fills the tree
+            return False
+        return True
+
+    def record_admission(self, req, device_tokens: int, loaded_tokens: int = 0) -> None:
+        """Count a request's cache hit once, when it is first admitted (not on resumption):
+        ``device_tokens`` matched on the device, then ``loaded_tokens`` loaded from the lower
+        tiers (those its own prefetch brought count as storage hits, the rest as host hits)."""
         if req.admitted_once:
             return
         req.admitted_once = True
-        req.cached_tokens = min(matched, req.prompt_len)
-        self.cache.record_hit(req.kv.handle, req.prompt_len, req.cached_tokens)
+        p, req.prefetch = req.prefetch, None
+        storage = p.tokens_from_storage(device_tokens, device_tokens + loaded_tokens) if p else 0
+        req.cached_tokens = min(device_tokens + loaded_tokens, req.prompt_len)
+        req.storage_cached_tokens = storage
+        req.host_cached_tokens = loaded_tokens - storage
+        self.cache.record_hit(
+            req.kv.handle, req.prompt_len, req.cached_tokens, loaded_tokens - storage, storage
+        )
 
     # ------------------------------------------------------------------ allocation
     def _alloc_with_eviction(

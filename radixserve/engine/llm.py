@@ -57,6 +57,17 @@ class LLM:
         llm._attach(engine)
         return llm
 
+    def close(self) -> None:
+        """Finish pending writes to a storage tier (a later run reuses them) and stop its
+        threads; without one, nothing to do."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _attach(self, engine: Engine) -> None:
         self.engine, self.config, self.tokenizer = engine, engine.config, engine.tokenizer
         self._ids = itertools.count()

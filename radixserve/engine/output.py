@@ -49,7 +49,9 @@ class OutputTracker:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # every tier; of which host_ and storage_cached_tokens
+    host_cached_tokens: int = 0
+    storage_cached_tokens: int = 0
     streamed_chars: int = 0
     streamed_tokens: int = 0
 
@@ -66,6 +68,8 @@ class OutputTracker:
         if self.finished:
             return False
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.host_cached_tokens = out.host_cached_tokens
+        self.storage_cached_tokens = out.storage_cached_tokens
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
         start = max(0, len(self.text) - self.holdback)
@@ -76,6 +80,12 @@ class OutputTracker:
         if out.finished:
             self.finish_reason = out.finish_reason
         return False
+
+    def cached_by_tier(self) -> dict[str, int]:
+        """The prompt tokens served from the cache, split by the tier they came from."""
+        lower = self.host_cached_tokens + self.storage_cached_tokens
+        return {"device": self.cached_tokens - lower, "host": self.host_cached_tokens,
+                "storage": self.storage_cached_tokens}  # fmt: skip
 
     def _cut_at_stop(self, start: int) -> bool:
         hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]

@@ -7,6 +7,12 @@ only ``RequestKV`` writes; ``num_computed`` reads it.
 
 States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
 then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its output.
+A request whose KV comes from elsewhere (``kv_source.py``) is LOADING between admission and
+RUNNING: it holds its slots but runs nothing until the KV has landed.
+
+Disaggregation: on a decode instance ``prefill_peer`` names the prefill instance to take the
+prompt's KV from (None: compute it here); on a prefill instance ``prefill_only`` marks a
+request that computes its prompt's KV for a decode instance and ends there, sampling nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from radixserve.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -59,6 +66,9 @@ class Request:
         self.num_tokens = self.prompt_len
         self.kv = KVLedger(self.prompt_len + max_tokens)
         self.cached_tokens = 0  # prompt tokens served from the cache at first admission
+        self.host_cached_tokens = 0  # ... of which loaded back from the host tier
+        self.storage_cached_tokens = 0  # ... of which fetched from the storage tier
+        self.prefetch: Any = None  # a storage fetch it waits for before admission
         self.admitted_once = False
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -66,6 +76,9 @@ class Request:
         self.num_retractions = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
+        self.prefill_peer: str | None = None
+        self.prefill_only = False
+        self.load_failed: str | None = None  # why loading its KV failed (then it computes it)
         # reusable prompt ranges (RAG segments, see segments.py) and what reusing them did
         self.segments = [tuple(x) for x in segments] if segments else []
         self.recompute_ratio = recompute_ratio  # None: the engine's default

@@ -11,18 +11,28 @@ Admission needs ``uncached prompt + reserved output`` slots out of ``free + evic
 what running requests still need; reserved output is ``min(remaining, 4096) * ratio``, a
 ratio that decays while memory suffices and jumps back after a retraction. A queued request
 sharing a long uncomputed prefix with one already prefilling waits until that prefix is in
-the tree (in-batch deduplication), then hits it instead of computing it twice.
+the tree (in-batch deduplication), then hits it instead of computing it twice. With a
+hierarchical cache, an admitted request's host-tier part is loaded onto the device before
+the step (``RequestKV.load``), and a request whose pages are being fetched from storage is not
+admitted until they are in, or its prefetch timed out.
+
+With a ``KVSource`` (``kv_source.py``), an admitted request whose missing KV the source can
+bring (from a prefill instance) takes its slots and waits in ``loading`` instead, using no
+prefill budget; each step first lands finished loads (those requests then decode) and
+re-queues failed ones to be computed here.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_manager import RequestKV
+from radixserve.engine.kv_source import KVSource
 from radixserve.engine.policy import order_waiting
 from radixserve.engine.request import Request, RequestStatus
 
@@ -51,25 +61,33 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: RequestKV):
+    def __init__(self, config: EngineConfig, kv: RequestKV, source: KVSource | None = None):
         self.config = config
         self.kv = kv
+        self.source = source
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, holding slots, their KV on its way
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.kv.start_prefetch(req)
 
     def _reserved_output(self, req: Request) -> int:
         return math.ceil(min(req.remaining_output, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
     def _future_need(self, req: Request) -> int:
-        return max(req.num_uncomputed - 1, 0) + self._reserved_output(req)
+        if req.status is RequestStatus.LOADING:  # its prompt's slots are allocated but one
+            ahead = req.num_tokens - req.kv.allocated
+        else:
+            ahead = req.num_uncomputed - 1
+        return max(ahead, 0) + self._reserved_output(req)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Step:
+        self._land_loads()
         step = Step()
         decodes = [r for r in self.running if r.is_decoding]
         while decodes and not self.kv.extend_decode(decodes):
@@ -88,7 +106,7 @@ class Scheduler:
                 break
             step.prefills.append((r, n))
             budget -= n
-        if not blocked and budget > 0 and self.waiting:
+        if not blocked and self.waiting and (budget > 0 or self.source is not None):
             self._admit(step, budget)
         if step.empty and self.running:
             self._retract_newest()  # memory too short for anyone: make room for the oldest
@@ -101,34 +119,53 @@ class Scheduler:
         ordered = order_waiting(
             self.waiting, self.config.schedule_policy, self.kv, self.config.max_overtakes
         )
-        reserved = sum(self._future_need(r) for r in self.running)
-        inflight = [r for r in self.running if not r.is_decoding]
+        reserved = sum(self._future_need(r) for r in self.running + self.loading)
+        inflight = [r for r in self.running if not r.is_decoding] + self.loading
         newest_admitted = -1
+        now = time.monotonic()
         for req in ordered:
-            if budget == 0 or len(self.running) >= self.config.max_running_requests:
+            if len(self.running) + len(self.loading) >= self.config.max_running_requests:
                 break
+            if budget == 0 and self.source is None:
+                break
+            if self.kv.awaiting_pages(req, now):
+                continue
             match = self.kv.match(req)
             if self.kv.reuses_prefixes and self._shares_inflight_prefix(
-                req, match.device_len, inflight
+                req, match.device_len + match.host_len, inflight
             ):
                 continue
+            local = match.device_len + match.host_len
+            if budget == 0 and not self._plan_load(req, local):
+                continue  # only loads, which need no prefill budget, can start now
             self.kv.admit(req, match)
             if req.num_uncomputed + self._reserved_output(req) > self.kv.available() - reserved:
                 self.kv.release(req)
                 break
-            n = self._chunk(req, budget)
-            if n > budget and step.prefills:  # a segment prefill goes whole, in a step of its own
+            loaded = self.kv.load(req, match)  # the host-tier part, onto the device
+            load = self._plan_load(req, req.kv.computed)
+            if load:
+                if not self.kv.extend(req, load):
+                    self.kv.release(req)
+                    break
+                self._start_load(req, match.device_len, loaded)
+            elif budget == 0:  # the estimate said load, the exact plan says compute: not now
                 self.kv.release(req)
                 continue
-            if not self.kv.extend(req, n):
-                self.kv.release(req)
-                break
-            self.kv.record_admission(req, match.device_len)
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            step.prefills.append((req, n))
-            budget = max(budget - n, 0)
+            else:
+                n = self._chunk(req, budget)
+                if n > budget and step.prefills:  # a segment prefill goes whole, in its own step
+                    self.kv.release(req)
+                    continue
+                if not self.kv.extend(req, n):
+                    self.kv.release(req)
+                    break
+                self.kv.record_admission(req, match.device_len, loaded)
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                step.prefills.append((req, n))
+                budget = max(budget - n, 0)
             reserved += self._future_need(req)
             inflight.append(req)
             newest_admitted = max(newest_admitted, req.arrival)
@@ -146,6 +183,36 @@ class Scheduler:
         ):
             return req.num_uncomputed
         return min(budget, req.num_uncomputed)
+
+    def _plan_load(self, req: Request, matched: int) -> int:
+        if self.source is None or req.load_failed is not None:
+            return 0
+        return self.source.plan(req, matched)
+
+    def _start_load(self, req: Request, matched: int, loaded: int) -> None:
+        self.kv.record_admission(req, matched, loaded)
+        self.waiting.remove(req)
+        self.loading.append(req)
+        req.status = RequestStatus.LOADING
+        self.source.start(req)
+
+    def _land_loads(self) -> None:
+        if self.source is None:
+            return
+        for req, reason in self.source.poll():
+            if req.status is not RequestStatus.LOADING:
+                continue  # it finished (was aborted) meanwhile
+            self.loading.remove(req)
+            if reason is None:
+                self.kv.commit(req, req.kv.allocated - req.kv.computed)
+                self.kv.publish(req)  # the landed prefix joins the tree (and its events)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+            else:  # nothing leaks: release frees up to allocated; compute it here instead
+                req.load_failed = reason
+                self.kv.release(req)
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)
 
     def _shares_inflight_prefix(self, req: Request, matched: int, inflight: list[Request]) -> bool:
         for other in inflight:
@@ -169,7 +236,11 @@ class Scheduler:
         return victim
 
     def finish(self, req: Request, reason: str) -> None:
-        if req.status is RequestStatus.RUNNING:
+        if req.status is RequestStatus.LOADING:
+            self.source.cancel(req)  # after this nothing lands in its slots
+            self.kv.release(req)
+            self.loading.remove(req)
+        elif req.status is RequestStatus.RUNNING:
             self.kv.release(req)
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:

@@ -11,6 +11,7 @@ Prefilling a request with segments (``SegmentBlender.prefill``), in one step:
 1. the prefix tree has already served the prompt's cached prefix (the scheduler's match);
 2. each segment after it is looked up in the segment namespace; a miss (or the part past a
    partial match) is computed standalone and inserted, so the next prompt finds it;
+   (a segment evicted to the host tier is loaded back first, as a prefix would be);
 3. the stored K/V is copied into the request's slots, keys rotated to the segment's position
    (``LlamaModel.reanchor``); the tree's copy stays at position 0;
 4. CacheBlend-style partial recomputation restores cross-segment attention: every token that
@@ -98,7 +99,7 @@ class SegmentBlender:
 
     def applies(self, req: Request, n: int) -> bool:
         """Does this prefill chunk (the request's next ``n`` tokens) reuse segments?"""
-        if not req.segments or not self.cache.reuses_prefixes:
+        if not req.segments or not self.cache.reuses_prefixes or req.prefill_only:
             return False
         start = req.num_computed
         return start + n == req.num_tokens and any(s >= start for s, _ in req.segments)
@@ -139,6 +140,10 @@ class SegmentBlender:
             match = self.cache.match_prefix(ids[:aligned], ns, record_stats=False)
             self.cache.inc_lock_ref(match.handle)
             handles.append(match.handle)
+            if match.host_len and match.device_len < aligned:  # evicted to the host tier
+                match = self.cache.load_back(match)
+                self.cache.inc_lock_ref(match.handle)
+                handles.append(match.handle)
             src = match.device_indices
             if match.device_len < aligned:
                 src = self._fill(ids[:aligned], match.device_indices, ns, handles)

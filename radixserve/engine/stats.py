@@ -9,8 +9,10 @@ the cache. Token counts are in KV slots (one slot holds one token's K and V in e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.cache.base import CacheStats
+from radixserve.cache.tier_stats import TierStats
 from radixserve.engine.segments import SegmentStats
 
 
@@ -25,6 +27,10 @@ class EngineInfo:
     kv_bytes_per_token: int
     dtype: str
     prefix_caching: bool
+    kv_events_block_size: int = 0  # 0: no KV events (no prefix cache)
+    kv_events_endpoint: str | None = None  # bound by the engine process's publisher
+    kv_events_replay_endpoint: str | None = None
+    disaggregation: Any = None  # disagg.engine_side.DisaggInfo: mode, KV layout, endpoint
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,9 @@ class EngineStats:
     num_retractions: int  # monotonic
     step_evicted_tokens: int  # evicted while scheduling the last step
     cache: CacheStats  # monotonic counters of the prefix cache
+    tiers: TierStats | None = None  # the host and storage tiers; None without them
+    num_loading: int = 0  # admitted, waiting for their KV (from a prefill instance)
+    kv_transfer: Any = None  # disagg.transfer.TransferStats in a disaggregation mode
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
 
     @classmethod

@@ -1,10 +1,12 @@
-"""Read a Llama-family GGUF file: its config, and its weights dequantized under HF names.
+"""Read a Llama-family GGUF file: its config, and its weights under HF names.
 
 llama.cpp's converter permutes the rows of the Q and K projections of ``llama`` models for its
 own rotary layout (pairs of adjacent dimensions instead of halves); ``unpermute_qk`` undoes
 it so the weights follow the Hugging Face convention our forward pass uses. ``qwen2`` files
 are not permuted. Any tensor type ``gguf`` can dequantize loads (F32, F16, BF16, Q4_0, Q4_1,
-Q5_x, Q8_0, K-quants); the weights become ``dtype`` tensors.
+Q5_x, Q8_0, K-quants). What stays quantized follows ``quantization`` (see ``quant.py``):
+Q8_0/Q4_0/Q4_1 matrices become ``QuantizedWeight``s straight from their blocks, the rest
+become ``dtype`` tensors (or are quantized, for ``int8`` / ``int4``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ import torch
 from tqdm import tqdm
 
 from radixserve.model.config import ModelConfig, RopeScaling
+from radixserve.model.quant import (
+    GGUF_FORMATS,
+    QuantizedWeight,
+    from_gguf_blocks,
+    quantize,
+    target_format,
+)
 
 GGUF_ARCH_TO_HF = {"llama": "llama", "qwen2": "qwen2"}
 
@@ -102,25 +111,45 @@ def read_config(reader: Any, name: str) -> ModelConfig:
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    quantization: str = "auto",
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     import gguf
 
     path = Path(path)
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader, name=path.stem)
     permute = _field(reader, "general.architecture") == "llama"
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress):
         name = hf_name(tensor.name)
         if name is None:
             continue
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
+        heads = None
         if permute and ".q_proj." in name:
-            array = unpermute_qk(array, config.num_heads)
+            heads = config.num_heads
         elif permute and ".k_proj." in name:
-            array = unpermute_qk(array, config.num_kv_heads)
-        keep_fp32 = name == "rope_freq_factors"
-        weights[name] = torch.from_numpy(array.copy()).to(torch.float32 if keep_fp32 else dtype)
+            heads = config.num_kv_heads
+        shape = tuple(int(x) for x in reversed(tensor.shape))
+        kept = tensor.tensor_type.name
+        fmt = target_format(name, shape, quantization, source=kept)
+        if fmt is not None and fmt == GGUF_FORMATS.get(kept):
+            weight = from_gguf_blocks(tensor.data, kept, shape)
+            if heads is not None:
+                perm = unpermute_qk(np.arange(shape[0]), heads)
+                weight = weight.rows(torch.from_numpy(perm))
+            weights[name] = weight
+            continue
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
+        if heads is not None:
+            array = unpermute_qk(array, heads)
+        dense = torch.from_numpy(array.copy())
+        if fmt is not None:
+            weights[name] = quantize(dense, fmt)
+        else:
+            keep_fp32 = name == "rope_freq_factors"
+            weights[name] = dense.to(torch.float32 if keep_fp32 else dtype)
     return config, weights

@@ -1,11 +1,13 @@
 """The Llama-family forward pass (Llama 2/3, Mistral, SmolLM, Qwen2) over the paged KV pool.
 
 Weights use Hugging Face names on input and are fused on load (Q/K/V into one projection,
-gate/up into another) so a layer is four matmuls. RMSNorm and RoPE follow transformers'
+gate/up into another) so a layer is four matmuls; a matrix is a dense tensor or a
+``QuantizedWeight`` (``quant.py``). RMSNorm and RoPE follow transformers'
 ``LlamaForCausalLM`` exactly (rotate-half layout; Llama-3 and linear RoPE scaling; per-
 frequency factors from GGUF ``rope_freqs``). ``forward`` computes logits only at
 ``batch.logits_indices``: the last token of each sequence that samples, never every prompt
-position.
+position. A step of decode tokens only runs in one native call where the kernels are built
+(``native_decode.py``); everything else runs op by op here.
 
 Two helpers serve KV reuse at a new position (RAG segments): ``reanchor`` copies stored K/V
 to other slots with the keys rotated by a position delta (RoPE at position ``p + d`` is the
@@ -17,13 +19,18 @@ row's fresh K/V at one layer is from what the pool holds for it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool, KVShape
+from radixserve.model import native_decode
 from radixserve.model.attention import ForwardBatch, paged_attention
 from radixserve.model.config import ModelConfig
+from radixserve.model.quant import QuantizedWeight, linear
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
@@ -57,7 +64,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ):
@@ -67,10 +74,20 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         c = config
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in weights:
                 raise ValueError(f"model weights lack {name!r}; is this a {c.architecture} model?")
-            return weights[name].to(device=self.device, dtype=dtype)
+            w = weights[name]
+            if isinstance(w, QuantizedWeight):
+                return w.to(self.device)
+            return w.to(device=self.device, dtype=dtype)
+
+        def fuse(parts: list[Weight]) -> Weight:
+            if all(isinstance(p, QuantizedWeight) for p in parts):
+                if len({p.fmt for p in parts}) == 1:
+                    return QuantizedWeight.cat(parts)
+            dense = [p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts]
+            return torch.cat(dense)
 
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
@@ -82,11 +99,9 @@ class LlamaModel:
             layer = {
                 "input_norm": take(p + "input_layernorm.weight"),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
+                "qkv": fuse([take(a + f"{x}_proj.weight") for x in "qkv"]),
                 "o": take(a + "o_proj.weight"),
-                "gate_up": torch.cat(
-                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                ),
+                "gate_up": fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                 "down": take(p + "mlp.down_proj.weight"),
                 "qkv_bias": None,
             }
@@ -99,6 +114,12 @@ class LlamaModel:
         self.rope_inv_freq = inv_freq.to(self.device)
         self.rope_cos = angles.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = angles.sin().to(device=self.device, dtype=dtype)
+        # (kernels module, its decoder or None where the model does not fit it)
+        self._native: tuple[Any, native_decode.NativeDecoder | None] | None = None
+
+    def rope_tables_float32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables as the native decoder wants them (same values as ours)."""
+        return self.rope_cos.float(), self.rope_sin.float()
 
     def kv_shape(self) -> KVShape:
         c = self.config
@@ -108,11 +129,33 @@ class LlamaModel:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run one packed step; return float32 logits ``[len(batch.logits_indices), vocab]``."""
+        if batch.num_decode == batch.num_tokens:
+            decoder = native_decode.for_model(self)
+            if decoder is not None:
+                return decoder.forward(batch, pool)
+        h = self._embed(batch.input_ids)
+        cos, sin = self._rope(batch.positions)
+        for i in range(len(self.layers)):
+            h = self._layer(i, h, cos, sin, batch, pool)
+        last = self._rms_norm(h[batch.logits_indices], self.norm)
+        return linear(last, self.lm_head).float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.embedding(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
     def _qkv(self, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         c, t = self.config, h.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         x = self._rms_norm(h, layer["input_norm"])
-        qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+        qkv = linear(x, layer["qkv"], layer["qkv_bias"])
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
@@ -124,23 +167,10 @@ class LlamaModel:
         layer = self.layers[i]
         q, k, v = self._qkv(layer, h, cos, sin)
         attn = paged_attention(i, q, k, v, batch, pool, self.scale)
-        h = h + F.linear(attn.reshape(h.shape[0], -1), layer["o"])
+        h = h + linear(attn.reshape(h.shape[0], -1), layer["o"])
         x = self._rms_norm(h, layer["post_norm"])
-        gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer["down"])
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Run one packed step; return float32 logits ``[len(batch.logits_indices), vocab]``."""
-        h = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self._rope(batch.positions)
-        for i in range(len(self.layers)):
-            h = self._layer(i, h, cos, sin, batch, pool)
-        last = self._rms_norm(h[batch.logits_indices], self.norm)
-        return F.linear(last, self.lm_head).float()
+        gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, layer["down"])
 
     @torch.inference_mode()
     def kv_deviation(self, batch: ForwardBatch, pool: KVPool, layer: int) -> torch.Tensor:
@@ -148,7 +178,7 @@ class LlamaModel:
         distance between the row's fresh K/V at ``layer`` and what the pool holds for it."""
         if not 0 < layer < len(self.layers):
             raise ValueError(f"the deviation layer must be in [1, {len(self.layers)})")
-        h = F.embedding(batch.input_ids, self.embed)
+        h = self._embed(batch.input_ids)
         cos, sin = self._rope(batch.positions)
         for i in range(layer):
             h = self._layer(i, h, cos, sin, batch, pool)

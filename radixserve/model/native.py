@@ -1,12 +1,20 @@
-"""Optional native (C++) kernels, compiled on first use with this machine's compiler.
+"""Optional native (C++) CPU kernels, compiled on first use with this machine's compiler.
 
-``paged_attention.cpp`` computes decode attention straight from the paged KV pool instead of
-gathering every sequence's K and V into a copy first; on CPU that gather was the largest
-cost of a decode step. The build (about a minute, once) goes to radixserve's cache
-directory under a name that includes the CPU's features, since it is tuned for them
-(``-march=native``). Anything that fails (no compiler, no ninja, an unusual CPU) leaves
-``paged_ops()`` returning None and attention on its pure-PyTorch path, which gives the same
-results. ``RADIXSERVE_NATIVE=0`` turns the kernels off.
+One extension module built from ``csrc/``:
+
+- ``paged_attention.cpp``: decode attention straight from the paged KV pool, without
+  gathering every sequence's K and V into a copy first (``paged_scores``, ``paged_values``).
+- ``quant_gemm.cpp``: matmuls with weights kept block-quantized (Q8_0, Q4_1) or dense float
+  (``QWeight``, ``qgemm``, ``dequantize``).
+- ``decoder.cpp``: the whole layer stack for a batch of decode tokens in one call
+  (``Decoder``), so a decode step pays no per-op Python dispatch.
+
+The build (a minute or two, once) goes to radixserve's cache directory under a name that
+includes the sources' hash and the CPU's features, since it is tuned for them
+(``-march=native``; AVX2 code paths are chosen at compile time, with plain C++ twins for
+other CPUs). Anything that fails (no compiler, no ninja, an unusual CPU) leaves
+``paged_ops()`` returning None and every caller on its pure-PyTorch path, which computes the
+same function. ``RADIXSERVE_NATIVE=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from typing import Any
 from radixserve.utils import cache_dir
 
 log = logging.getLogger("radixserve")
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "decoder.cpp")
+HEADERS = ("kernels.h",)
 _loaded: dict[str, Any] = {}
 
 
@@ -34,7 +44,7 @@ def _cpu_flags() -> str:
 
 
 def paged_ops() -> Any | None:
-    """The compiled module (``paged_scores``, ``paged_values``), or None to use PyTorch."""
+    """The compiled module, or None to use PyTorch."""
     if "ops" in _loaded:
         return _loaded["ops"]
     _loaded["ops"] = None
@@ -43,16 +53,19 @@ def paged_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
-        name = f"radixserve_paged_attention_{key}"
+        digest = hashlib.sha256(_cpu_flags().encode())
+        for file in (*SOURCES, *HEADERS):
+            digest.update((CSRC / file).read_bytes())
+        name = f"radixserve_native_{digest.hexdigest()[:12]}"
         build_dir = cache_dir() / "native" / name
         build_dir.mkdir(parents=True, exist_ok=True)
         # the venv's ninja, when the venv is not on PATH (e.g. `.venv/bin/python -m ...`)
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         if not (build_dir / f"{name}.so").exists():
-            log.info("building native attention kernels (first run only, about a minute)")
-        _loaded["ops"] = load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+            log.info("building native CPU kernels (first run only, a minute or two)")
+        sources = [str(CSRC / file) for file in SOURCES]
+        _loaded["ops"] = load(name=name, sources=sources, build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native"], verbose=False)  # fmt: skip
     except Exception as e:  # any failure just means the PyTorch path
-        log.warning("native attention kernels unavailable, using PyTorch: %s", e)
+        log.warning("native CPU kernels unavailable, using PyTorch: %s", e)
     return _loaded["ops"]

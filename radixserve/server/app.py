@@ -40,8 +40,12 @@ from radixserve.server.responses import (
     completion_response,
 )
 from radixserve.server.serving import Job, Serving
+from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
+# the router sets it per request (README: "Prefill/decode disaggregation").
+PREFILL_HEADER = "x-radixserve-prefill"
 
 
 def create_app(
@@ -108,7 +112,9 @@ def create_app(
         serving.check_size(body.n)
         ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
         ns = namespace(raw, body.cache_salt)
-        job, queue = await serving.submit("chatcmpl", [ids] * body.n, params, ns)
+        job, queue = await serving.submit(
+            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+        )
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -129,7 +135,9 @@ def create_app(
         prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
         ids = [p for p in prompts for _ in range(body.n)]
         ns = namespace(raw, body.cache_salt)
-        job, queue = await serving.submit("cmpl", ids, params * len(prompts), ns)
+        job, queue = await serving.submit(
+            "cmpl", ids, params * len(prompts), ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+        )
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -152,7 +160,9 @@ def create_app(
         else:
             ids = await serving.off_loop(tokenizer.encode, body.text)
         ns = namespace(raw, body.cache_salt)
-        job, queue = await serving.submit("gen", [ids], [params], ns)
+        job, queue = await serving.submit(
+            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+        )
         if body.stream:
             return StreamingResponse(
                 serving.stream(job, queue, native_chunks, lambda _: []),
@@ -164,7 +174,15 @@ def create_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
+        """Drop every unlocked cached token from the device and host tiers."""
         return {"flushed_tokens": await engine_call("flush_cache")}
+
+    @app.post("/clear_kv_storage")
+    async def clear_kv_storage() -> dict:
+        """Delete this model's pages from the storage tier (other models' pages stay)."""
+        if not await engine_call("clear_storage"):
+            raise ApiError(400, "this server has no KV storage tier (see --kv-storage)")
+        return {"cleared": True}
 
     @app.get("/cache")
     async def cache(top: int = 10) -> dict:
@@ -186,11 +204,42 @@ def create_app(
             "capacity_tokens": stats.kv_capacity_tokens,
             "evictable_tokens": stats.evictable_tokens,
             "stats": dataclasses.asdict(stats.cache),
+            "tiers": cache_tiers(stats),
         }
+
+    @app.get("/kv_events")
+    async def kv_events() -> JSONResponse:
+        """Where this server publishes KV events (for a router), or 404 when it does not."""
+        info = client.info
+        if not info.kv_events_endpoint:
+            raise ApiError(404, "this server publishes no KV events (--kv-events-endpoint)")
+        return JSONResponse(
+            {
+                "endpoint": info.kv_events_endpoint,
+                "replay_endpoint": info.kv_events_replay_endpoint,
+                "block_size": info.kv_events_block_size,
+                "page_size": info.page_size,
+                "format": "vllm",
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/disagg/info")
+    async def disagg_info() -> dict:
+        """This instance's disaggregation role, KV layout, transfer endpoint and counters."""
+        info = client.info.disaggregation
+        if info is None:
+            return {"mode": "off"}
+        stats: EngineStats = await engine_call("stats")
+        return {
+            "mode": info.mode,
+            "endpoint": info.endpoint,
+            "layout": dataclasses.asdict(info.layout),
+            "stats": dataclasses.asdict(stats.kv_transfer),
+        }
 
     @app.get("/debug/check_integrity")
     async def check_integrity() -> dict:
@@ -231,6 +280,7 @@ def native_result(job: Job, full: bool, index: int = 0) -> dict:
             "id": job.response_id,
             "prompt_tokens": len(job.prompts[index]),
             "cached_tokens": t.cached_tokens,
+            "cached_tokens_by_tier": t.cached_by_tier(),
             "completion_tokens": len(t.token_ids),
             "finish_reason": t.finish_reason,
         },

@@ -20,6 +20,7 @@ import sys
 from radixserve.cli import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
 from radixserve.server.config import ServerConfig, parse_sampling_overrides
+from radixserve.server.fleet_args import add_fleet_args, kv_event_options
 
 log = logging.getLogger("radixserve")
 
@@ -46,6 +47,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_security_args(p)
     add_limit_args(p)
     add_engine_args(p)
+    add_fleet_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
 
 
@@ -162,13 +164,17 @@ def server_config_from_args(
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
-    config = engine_config_from_args(parser, args)
+    config = engine_config_from_args(parser, args, **kv_event_options(parser, args))
     server_config = server_config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
+    if args.dp > 1:
+        from radixserve.router.launch import cmd_dp
+
+        return cmd_dp(parser, args, sock)
     try:
         code = asyncio.run(serve(config, server_config, sock, args.log_level))
     except KeyboardInterrupt:
@@ -231,6 +237,10 @@ async def serve(
         config.schedule_policy,
         "on" if config.enable_prefix_caching else "off",
     )
+    if info.disaggregation is not None:
+        d = info.disaggregation
+        where = f"; KV transfer endpoint {d.endpoint}" if d.endpoint else ""
+        log.info("disaggregation mode %s%s", d.mode, where)
     log.info("default sampling: %s", sampling.describe())
     server = uvicorn.Server(
         uvicorn.Config(

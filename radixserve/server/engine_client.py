@@ -18,6 +18,7 @@ next. Sends never block: with no engine to take a message, the request fails at 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -126,6 +127,10 @@ class EngineClient:
     async def start(self, timeout: float = START_TIMEOUT_S) -> EngineInfo:
         self._spawn()
         self.info = await self._wait_ready(timeout)
+        disagg = self.info.disaggregation
+        if disagg is not None and disagg.endpoint:  # a restarted engine keeps its KV port,
+            port = int(disagg.endpoint.rsplit(":", 1)[1])  # where decode instances look
+            self.config = dataclasses.replace(self.config, kv_transfer_port=port)
         self.state = "ready"
         self._supervisor = asyncio.create_task(self._supervise())
         return self.info
@@ -262,15 +267,18 @@ class EngineClient:
         queue: asyncio.Queue,
         tag: Any = None,
         extra_key: Any = None,
+        prefill_peer: str | None = None,
     ) -> None:
         """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
         Raises ``ValueError`` with the engine's message if the engine rejects it, and
-        ``EngineDeadError`` if there is no engine to take it."""
+        ``EngineDeadError`` if there is no engine to take it. ``prefill_peer``: on a decode
+        instance, the prefill instance to take the prompt's KV from."""
         self._check_ready()
         fut = asyncio.get_running_loop().create_future()
         self._pending[("add", request_id)] = fut
         self._queues[request_id] = (queue, tag)
-        if not self._send(("add", request_id, prompt_ids, params, extra_key)):
+        options = {"prefill_peer": prefill_peer} if prefill_peer else {}
+        if not self._send(("add", request_id, prompt_ids, params, extra_key, options)):
             self._pending.pop(("add", request_id), None)
             self._queues.pop(request_id, None)
             raise EngineDeadError("the engine is not taking requests; retry shortly")

@@ -1,8 +1,9 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
 Messages in (PULL, pickled tuples):
-    ("add", request_id, prompt_ids, SamplingParams, extra_key)
+    ("add", request_id, prompt_ids, SamplingParams, extra_key, options)
                                                       -> ("added", id) or ("rejected", id, msg)
+        options (optional): more keyword arguments of Engine.add_request (prefill_peer)
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -12,7 +13,9 @@ every step (after_step True) or abort (False),
 bug.
 
 New messages are read between steps: the loop never blocks while requests are running, and
-sleeps on the socket when idle. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
+sleeps on the socket when idle. In a disaggregation mode it also wakes on KV transfer
+traffic (``Engine.wake_fd``), and while every request waits for transferred KV it sleeps
+between looks instead of spinning. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
 boundary), which the HTTP side turns into metrics.
 
 The loop never dies on one message: a message that cannot be read or handled is logged with
@@ -37,8 +40,11 @@ from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
+from radixserve.kvevents.publisher import KVEventPublisher
+from radixserve.server.event_bridge import EventBridge
 
 IDLE_POLL_MS = 200
+WAITING_POLL_MS = 20  # requests exist but none could run (their KV is on its way)
 PR_SET_PDEATHSIG = 1
 EXIT_CORRUPT = 3
 STEP_ERROR = "the engine failed while computing this request; the details are in the server log"
@@ -52,15 +58,20 @@ class _Shutdown(Exception):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, pull: zmq.Socket, push: zmq.Socket):
+    def __init__(
+        self, engine: Engine, pull: zmq.Socket, push: zmq.Socket, events: EventBridge | None = None
+    ):
         self.engine, self.pull, self.push = engine, pull, push
+        self.events = events
+        self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt_ids, params, extra_key = msg
+            _, rid, prompt_ids, params, extra_key, *rest = msg
+            options = rest[0] if rest else {}
             try:
-                self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key)
+                self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key, **options)
             except ValueError as e:
                 self.push.send_pyobj(("rejected", rid, str(e)))
             except Exception:
@@ -120,7 +131,12 @@ class EngineLoop:
                 log.critical("the KV slot ledger is broken after a failed step; exiting")
                 self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
                 raise SystemExit(EXIT_CORRUPT) from None
-        self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+        stats = self.engine.stats()
+        counts = (stats.num_running, stats.num_waiting, stats.num_loading)
+        # a look at KV transfer traffic that ran nothing reports only what changed
+        if outputs or not self.engine.last_step_empty or counts != self._counts:
+            self.push.send_pyobj(("outputs", outputs, stats, True))
+            self._counts = counts
 
     def _fail_unfinished(self) -> list:
         outputs = []
@@ -137,6 +153,9 @@ class EngineLoop:
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
 
+    def rpc_clear_storage(self) -> bool:
+        return self.engine.clear_storage()
+
     def rpc_cache_summary(self, top: int = 10) -> TreeSummary:
         return self.engine.cache_summary(top)
 
@@ -150,19 +169,27 @@ class EngineLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        wake = self.engine.wake_fd()
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         parent = os.getppid()
         while True:
-            timeout = 0 if self.engine.has_unfinished() else IDLE_POLL_MS
+            if not self.engine.has_unfinished():
+                timeout = IDLE_POLL_MS
+            else:
+                timeout = WAITING_POLL_MS if self.engine.last_step_empty else 0
             if timeout and os.getppid() != parent:
                 return  # the HTTP process is gone: nobody will read our outputs
-            while poller.poll(timeout):
+            ready = dict(poller.poll(timeout))
+            while self.pull.poll(0):
                 try:
                     self.receive()
                 except _Shutdown:
                     return
-                timeout = 0
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() or wake in ready:
                 self.step()
+            if self.events is not None:
+                self.events.sync()
 
 
 def _die_with_parent() -> None:
@@ -184,16 +211,32 @@ def run_engine_process(
     push.connect(out_addr)
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
+    publisher = None
+    engine = None
     try:
         engine = Engine(config)
-        push.send_pyobj(("ready", engine.info(), os.getpid()))
-        EngineLoop(engine, pull, push).run()
+        info, bridge = engine.info(), None
+        if config.kv_events_endpoint and info.kv_events_block_size:
+            publisher = KVEventPublisher(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint
+            )
+            endpoint, replay = publisher.start()
+            info = dataclasses.replace(
+                info, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay
+            )
+            bridge = EventBridge(engine, publisher)
+        push.send_pyobj(("ready", info, os.getpid()))
+        EngineLoop(engine, pull, push, bridge).run()
     except Exception:
         # the traceback goes to the HTTP process's log, never to a client
         push.send_pyobj(("fatal", traceback.format_exc()))
         push.close(linger=1000)  # give the message time to leave
         raise
     finally:
+        if publisher is not None:
+            publisher.close()
+        if engine is not None:
+            engine.close()  # storage writes finish (a warm restart needs them); KV transfer stops
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()

@@ -20,7 +20,7 @@ from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 
 OPEN_PATHS = ("/health",)
-ADMIN_PATHS = ("/flush_cache", "/cache", "/debug/")
+ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/")
 
 
 def key_tenant(key: str) -> str:

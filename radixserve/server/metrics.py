@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.server.tier_metrics import tier_families
 
 WINDOW_SECONDS = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -168,6 +169,7 @@ class Metrics:
         )
         yield gauge("num_running_reqs", "Requests in the running batch", s.num_running)
         yield gauge("num_queue_reqs", "Requests waiting for admission", s.num_waiting)
+        yield from tier_families(s, m)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

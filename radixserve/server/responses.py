@@ -1,7 +1,9 @@
 """OpenAI response bodies and stream chunks, built from a finished or running ``Job``.
 
 Usage counts the prompt once per prompt (not once per choice); ``cached_tokens`` is what the
-first choice of each prompt got from the cache.
+first choice of each prompt got from the cache, over every tier, and the extension
+``cached_tokens_by_tier`` splits it: ``device``, ``host`` (loaded back from the host tier),
+``storage`` (fetched from the storage tier).
 """
 
 from __future__ import annotations
@@ -22,8 +24,19 @@ def usage(job: Job, num_prompts: int) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(t.cached_tokens for t in firsts)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(t.cached_tokens for t in firsts),
+            "cached_tokens_by_tier": tier_sum(t.cached_by_tier() for t in firsts),
+        },
     }
+
+
+def tier_sum(splits) -> dict[str, int]:
+    total = {"device": 0, "host": 0, "storage": 0}
+    for split in splits:
+        for tier, n in split.items():
+            total[tier] += n
+    return total
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -111,6 +111,7 @@ class Serving:
         prompts: list[list[int]],
         params: list[SamplingParams],
         extra_key: str | None = None,
+        prefill_peer: str | None = None,
     ) -> tuple[Job, asyncio.Queue]:
         self.check_size(len(prompts))
         limit = self.client.info.max_model_len
@@ -131,7 +132,9 @@ class Serving:
                 rid = f"{base}-{i}"
                 job.trackers.append(OutputTracker(rid, self.tokenizer, p))
                 job.request_ids.append(rid)
-                await self.client.add(rid, ids, p, queue, tag=i, extra_key=extra_key)
+                await self.client.add(
+                    rid, ids, p, queue, tag=i, extra_key=extra_key, prefill_peer=prefill_peer
+                )
         except ValueError as e:
             await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e

@@ -1,0 +1,208 @@
+"""HostKVPool: the host tier (L2), a second KV pool in host memory with its own allocator.
+
+Layout is page-first, ``data[page] = [num_layers, 2 (K, V), num_kv_heads, page_size,
+head_dim]``, so one page of every layer is one contiguous buffer: what a storage backend
+reads and writes whole, without a gather. Copies to and from the device pool go by slot
+indices (whole pages on both sides), layer by layer:
+
+- ``backup(device_slots, host_slots)``: device -> host. Synchronous: the caller may free the
+  device slots as soon as it returns.
+- ``restore(host_slots, device_slots)``: host -> device. On CPU a plain copy. On CUDA the
+  pages are staged in pinned memory and copied on a side stream, one event per layer; the
+  device pool's ``write`` for a layer waits for that layer's event (``KVPool.wait_layer``), so
+  the forward pass computes early layers while later ones are still copying.
+
+Ownership: the allocator owns free host pages, the tree owns the host pages of its nodes, and
+whatever reads or writes pages on another thread (storage I/O) marks them busy: ``free`` of a
+busy page is deferred until ``io_end``, so a page is never reused under a running read or
+write. ``check`` verifies ``free + cached + held == capacity`` with deferred pages counted as
+held.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.cache.allocator import PagedAllocator
+from radixserve.cache.kv_pool import KVPool
+
+
+@dataclass
+class TransferStats:
+    """Monotonic counters of pages and bytes moved, per direction."""
+
+    pages_to_host: int = 0
+    bytes_to_host: int = 0
+    pages_to_device: int = 0
+    bytes_to_device: int = 0
+
+
+class HostKVPool:
+    def __init__(self, device_pool: KVPool, num_slots: int, page_size: int):
+        shape = device_pool.shape
+        self.device_pool = device_pool
+        self.allocator = PagedAllocator(num_slots, page_size)
+        self.page_size = page_size
+        self.num_slots = self.allocator.num_slots
+        cuda = device_pool.device.type == "cuda"
+        size = (self.allocator.num_pages, shape.num_layers, 2, shape.num_kv_heads, page_size,
+                shape.head_dim)  # fmt: skip
+        self.data = torch.empty(size, dtype=shape.dtype, pin_memory=cuda)
+        self.page_nbytes = self.data[0].numel() * self.data.element_size()
+        self._stream = torch.cuda.Stream(device_pool.device) if cuda else None
+        self._stage = torch.empty(0, dtype=shape.dtype, pin_memory=cuda)
+        self.stats = TransferStats()
+        self._lock = threading.Lock()  # guards the busy and deferred pages (I/O threads)
+        self._busy: Counter[int] = Counter()
+        self._deferred: set[int] = set()
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    # ------------------------------------------------------------------ slots
+    def alloc(self, n: int) -> torch.Tensor | None:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return ``slots`` (whole pages); pages under I/O go back when their I/O ends."""
+        if slots.numel() == 0:
+            return
+        pages = self.pages_of(slots)
+        with self._lock:
+            busy = [p for p in pages.tolist() if self._busy[p]]
+            if busy:
+                self._deferred.update(busy)
+                pages = pages[~torch.isin(pages, torch.tensor(busy))]
+        self.allocator.free(self.slots_of(pages))
+
+    def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots[:: self.page_size] // self.page_size
+
+    def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def io_begin(self, pages: list[int]) -> None:
+        with self._lock:
+            self._busy.update(pages)
+
+    def io_end(self, pages: list[int]) -> None:
+        """Called from the main thread once an I/O on ``pages`` finished."""
+        done = []
+        with self._lock:
+            for p in pages:
+                self._busy[p] -= 1
+                if self._busy[p] == 0:
+                    del self._busy[p]
+                    if p in self._deferred:
+                        self._deferred.discard(p)
+                        done.append(p)
+        if done:
+            self.allocator.free(self.slots_of(torch.tensor(done, dtype=torch.int64)))
+
+    def deferred_slots(self) -> torch.Tensor:
+        with self._lock:
+            pages = torch.tensor(sorted(self._deferred), dtype=torch.int64)
+        return self.slots_of(pages)
+
+    # ------------------------------------------------------------------ page buffers
+    def page_buffer(self, page: int) -> memoryview:
+        """One page's bytes (every layer's K and V), a view: storage reads and writes it."""
+        return memoryview(self.data[page].view(torch.uint8).numpy()).cast("B")
+
+    def pages(self, pages: list[int]) -> PageBatch:
+        return PageBatch(self, pages)
+
+    # ------------------------------------------------------------------ copies
+    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Copy the KV of ``device_slots`` into ``host_slots`` (same length, whole pages)."""
+        pool, ps = self.device_pool, self.page_size
+        pages = self.pages_of(host_slots)
+        n = len(pages)
+        if self._stream is not None:  # the slots may be the target of a load still running
+            torch.cuda.current_stream(pool.device).wait_stream(self._stream)
+        dev_slots = device_slots.to(pool.device, non_blocking=True)
+        for layer in range(pool.shape.num_layers):
+            kv = torch.stack(
+                [pool.k[layer].index_select(1, dev_slots), pool.v[layer].index_select(1, dev_slots)]
+            )  # [2, heads, n * ps, dim]
+            kv = kv.view(2, kv.shape[1], n, ps, kv.shape[-1]).permute(2, 0, 1, 3, 4)
+            self.data[pages, layer] = kv.to("cpu")  # a synchronous copy on CUDA
+        self.stats.pages_to_host += n
+        self.stats.bytes_to_host += n * self.page_nbytes
+
+    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Copy the KV of ``host_slots`` into ``device_slots`` (same length, whole pages)."""
+        pool, ps = self.device_pool, self.page_size
+        pages = self.pages_of(host_slots)
+        n = len(pages)
+        if self._stream is None:
+            for layer in range(pool.shape.num_layers):
+                self._restore_layer(self.data[pages, layer], device_slots, layer, n, ps)
+        else:
+            self._restore_async(pages, device_slots, n, ps)
+        self.stats.pages_to_device += n
+        self.stats.bytes_to_device += n * self.page_nbytes
+
+    def _restore_layer(
+        self, kv: torch.Tensor, device_slots: torch.Tensor, layer: int, n: int, ps: int
+    ) -> None:
+        """``kv``: [n, 2, heads, ps, dim] on the device's side; scatter it into the pool."""
+        pool = self.device_pool
+        heads, dim = pool.shape.num_kv_heads, pool.shape.head_dim
+        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, n * ps, dim)
+        pool.k[layer].index_copy_(1, device_slots, kv[0])
+        pool.v[layer].index_copy_(1, device_slots, kv[1])
+
+    def _restore_async(self, pages: torch.Tensor, device_slots: torch.Tensor, n: int, ps: int):
+        pool = self.device_pool
+        layers = pool.shape.num_layers
+        # The staging buffer is reused: wait until the previous load has read it.
+        self._stream.synchronize()
+        need = n * self.data[0].numel()
+        if self._stage.numel() < need:
+            self._stage = torch.empty(need, dtype=self.data.dtype, pin_memory=True)
+        stage = self._stage[:need].view(n, *self.data.shape[1:])
+        torch.index_select(self.data, 0, pages, out=stage)
+        events = []
+        main = torch.cuda.current_stream(pool.device)
+        self._stream.wait_stream(main)  # the slots were allocated by work queued on main
+        with torch.cuda.stream(self._stream):
+            dev_slots = device_slots.to(pool.device, non_blocking=True)
+            for layer in range(layers):
+                kv = stage[:, layer].to(pool.device, non_blocking=True)
+                self._restore_layer(kv, dev_slots, layer, n, ps)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                events.append(event)
+        pool.wait_for_layers(events)
+
+    # ------------------------------------------------------------------ integrity
+    def check(self, cached_slots: torch.Tensor, held_slots: torch.Tensor | None = None) -> None:
+        """free + cached (tree) + held (I/O, deferred frees) == capacity, page by page."""
+        held = [self.deferred_slots()]
+        if held_slots is not None:
+            held.append(held_slots)
+        self.allocator.check(cached_slots, torch.cat(held))
+
+
+class PageBatch:
+    """Host pages as a storage backend sees them (``storage.base.HostPages``): the j-th
+    buffer is page ``pages[j]`` of the pool, read and written in place."""
+
+    def __init__(self, pool: HostKVPool, pages: list[int]):
+        self.pool, self.page_ids = pool, pages
+        self.page_nbytes = pool.page_nbytes
+
+    def __len__(self) -> int:
+        return len(self.page_ids)
+
+    def read_page(self, i: int) -> memoryview:
+        return self.pool.page_buffer(self.page_ids[i])
+
+    def write_page(self, i: int, data: memoryview) -> None:
+        self.pool.page_buffer(self.page_ids[i])[:] = memoryview(data).cast("B")

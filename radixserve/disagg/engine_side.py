@@ -1,0 +1,103 @@
+"""What an engine in a disaggregation mode carries: the transfer endpoint of its role and the
+hooks the engine calls.
+
+- ``prefill``: a ``KVSender`` bound on ``kv_transfer_host:kv_transfer_port`` and a
+  ``PrefillService`` that turns transfer requests into prefill-only engine requests.
+- ``decode``: a ``KVReceiver`` and ``RemotePrefill``, the scheduler's ``KVSource``.
+
+The model identity in the handshake is the model's name plus a fingerprint of its
+architecture and of some of its weights, so two instances only pair when they run the same
+model in the same dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from radixserve.disagg.decode_side import RemotePrefill
+from radixserve.disagg.prefill_side import PrefillService
+from radixserve.disagg.transfer import KVLayout, TransferStats
+from radixserve.disagg.zmq_receiver import ZmqKVReceiver
+from radixserve.disagg.zmq_sender import ZmqKVSender
+from radixserve.engine.kv_source import KVSource
+from radixserve.engine.request import Request
+
+HEARTBEAT_TIMEOUT_PERIODS = 5  # a peer is dead after this many missed heartbeats
+
+
+def model_identity(engine) -> str:
+    model = engine.model
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(model.config).encode())
+    for t in (model.embed[:8], model.norm, model.layers[0]["qkv"][:8]):
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return f"{engine.model_name}:{h.hexdigest()}"
+
+
+@dataclass(frozen=True)
+class DisaggInfo:
+    mode: str
+    layout: KVLayout
+    endpoint: str | None  # prefill: where decode instances connect
+
+
+class Disaggregation:
+    def __init__(self, engine):
+        config = engine.config
+        self.mode = config.disaggregation_mode
+        self.layout = KVLayout.of_pool(engine.pool, model_identity(engine), config.page_size)
+        beat = dict(
+            heartbeat_interval=config.kv_transfer_heartbeat,
+            heartbeat_timeout=config.kv_transfer_heartbeat * HEARTBEAT_TIMEOUT_PERIODS,
+        )
+        self.source: KVSource | None = None
+        self.service: PrefillService | None = None
+        if self.mode == "prefill":
+            self.sender = ZmqKVSender(
+                engine.pool,
+                self.layout,
+                config.kv_transfer_host,
+                config.kv_transfer_port,
+                **beat,
+            )
+            self.endpoint: str | None = self.sender.endpoint
+            self.service = PrefillService(engine, self.sender)
+            self.link = self.sender
+        else:
+            self.receiver = ZmqKVReceiver(engine.pool, self.layout, **beat)
+            self.endpoint = None
+            self.source = RemotePrefill(
+                self.receiver,
+                config.remote_prefill_min_tokens,
+                config.kv_transfer_timeout,
+                config.prefill_endpoint,
+            )
+            self.link = self.receiver
+
+    def poll(self) -> None:
+        if self.service is not None:
+            self.service.poll()
+
+    def after_step(self, prefilled: list[Request]) -> None:
+        if self.service is not None:
+            self.service.after_step(prefilled)
+
+    def on_failed(self, req: Request, reason: str) -> None:
+        if self.service is not None:
+            self.service.on_failed(req, reason)
+
+    def has_pending(self) -> bool:
+        return self.source is not None and self.source.has_pending()
+
+    def fileno(self) -> int:
+        return self.link.fileno()
+
+    def info(self) -> DisaggInfo:
+        return DisaggInfo(self.mode, self.layout, self.endpoint)
+
+    def stats(self) -> TransferStats:
+        return self.link.stats.copy()
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,225 @@
+"""The prefill side of the ZeroMQ KV transfer (see ``transfer.py`` for the contract and
+``wire.py`` for the messages).
+
+A ROUTER socket, bound on a TCP port, serves every decode instance that connects. The
+handshake compares KV layouts and answers WELCOME or REJECT (naming what differs); requests
+from a peer that has not passed it are refused, which is also what a decode instance sees
+after this process restarted. A peer silent for ``heartbeat_timeout`` is dead: its transfers
+end FAILED (``finished``), so the engine can abort their prefills and free their slots.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.disagg import wire
+from radixserve.disagg.transfer import (
+    KVLayout,
+    KVSender,
+    TransferError,
+    TransferRequest,
+    TransferState,
+    TransferStats,
+    TransferStatus,
+)
+from radixserve.disagg.zmq_io import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    IOThread,
+    log,
+)
+
+DEFAULT_MESSAGE_BYTES = 4 << 20  # K (and V) frame size a DATA message aims at
+
+
+class _SenderIO(IOThread):
+    def __init__(self, layout: KVLayout, bind: str, heartbeat_interval, heartbeat_timeout):
+        super().__init__("radixserve-kv-sender", heartbeat_interval, heartbeat_timeout)
+        self.layout = layout
+        self.bind = bind
+        self.endpoint = ""
+        self.last_heard: dict[bytes, float] = {}  # welcomed peers
+
+    def setup(self) -> None:
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a DATA message to a slow peer
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(self.bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller.register(self.sock, zmq.POLLIN)
+
+    def on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        peer, kind, body = frames[0].bytes, frames[1].bytes, frames[2:]
+        if kind == wire.HELLO:
+            self._handshake(peer, body)
+            return
+        if peer not in self.last_heard:
+            self._send(peer, wire.REJECT, b"no handshake with this instance: connect again")
+            return
+        self.last_heard[peer] = time.monotonic()
+        try:
+            if kind == wire.PING:
+                self._send(peer, wire.PONG)
+            elif kind == wire.REQ:
+                tid, head, blob = body[0].bytes, wire.unpack_json(body[1].bytes), body[2].bytes
+                self.post("req", peer, tid, int(head["num_tokens"]), head.get("meta", {}), blob)
+            elif kind == wire.DONE:
+                self.post("ended", body[0].bytes, TransferState.DONE, None, None)
+            elif kind in (wire.CANCEL, wire.FAIL):
+                what = "cancelled" if kind == wire.CANCEL else "failed"
+                reason = f"the decode instance {what} it: {wire.text(body[1].bytes)}"
+                self.post("ended", body[0].bytes, TransferState.FAILED, reason, what)
+        except (IndexError, KeyError, ValueError, TransferError) as e:
+            log.warning("KV sender: a malformed %r message from a peer: %s", kind, e)
+
+    def _handshake(self, peer: bytes, body: list[zmq.Frame]) -> None:
+        try:
+            hello = wire.unpack_json(body[0].bytes)
+            theirs = KVLayout.from_dict(hello["layout"])
+            version = hello["version"]
+        except (IndexError, KeyError, TypeError, TransferError) as e:
+            self._send(peer, wire.REJECT, f"malformed handshake: {e}".encode())
+            return
+        if version != wire.PROTOCOL_VERSION:
+            reason = f"protocol version {version} there, {wire.PROTOCOL_VERSION} here"
+        elif diffs := theirs.mismatch(self.layout):
+            reason = "KV layouts differ (decode vs prefill): " + "; ".join(diffs)
+        else:
+            self.last_heard[peer] = time.monotonic()
+            self._send(peer, wire.WELCOME, wire.pack_json({"layout": self.layout.to_dict()}))
+            return
+        log.warning("KV sender: refused a decode instance: %s", reason)
+        self._send(peer, wire.REJECT, reason.encode())
+
+    def _send(self, peer: bytes, *frames) -> None:
+        self.sock.send_multipart([peer, *frames], copy=False)
+
+    def on_command(self, cmd: tuple) -> None:
+        if cmd[0] == "send":
+            _, peer, frames = cmd
+            if peer in self.last_heard:  # a dead peer's data goes nowhere
+                self._send(peer, *frames)
+
+    def on_tick(self, now: float) -> None:
+        for peer, heard in list(self.last_heard.items()):
+            if now - heard > self.heartbeat_timeout:
+                del self.last_heard[peer]
+                self.post("peer_lost", peer, now - heard)
+
+
+@dataclass
+class _Outbound:
+    peer: bytes
+    num_tokens: int
+    pushed: int = 0
+
+
+class ZmqKVSender(KVSender):
+    def __init__(
+        self,
+        pool: KVPool,
+        layout: KVLayout,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        message_bytes: int = DEFAULT_MESSAGE_BYTES,
+    ):
+        self.pool, self.layout = pool, layout
+        self.message_bytes = message_bytes
+        self.stats = TransferStats()
+        bind = f"tcp://{host}:{port if port else '*'}"
+        self._io = _SenderIO(layout, bind, heartbeat_interval, heartbeat_timeout)
+        self._io.start()
+        self.endpoint = self._io.endpoint
+        if advertise_host:
+            self.endpoint = f"tcp://{advertise_host}:{self.endpoint.rsplit(':', 1)[1]}"
+        self._outbound: dict[str, _Outbound] = {}
+        self._new: list[TransferRequest] = []
+        self._ended: list[tuple[str, TransferStatus]] = []
+
+    def _drain(self) -> None:
+        for event in self._io.drain():
+            kind = event[0]
+            if kind == "req":
+                _, peer, tid, num_tokens, meta, blob = event
+                key = uuid.UUID(bytes=tid).hex
+                if num_tokens < 1:
+                    self._io.command("send", peer, [wire.ABORT, tid, b"a transfer of no tokens"])
+                    continue
+                self._outbound[key] = _Outbound(peer, num_tokens)
+                self._new.append(TransferRequest(key, num_tokens, meta, blob, peer.hex()))
+            elif kind == "ended":
+                _, tid, state, reason, failure = event
+                self._end(uuid.UUID(bytes=tid).hex, state, reason, failure)
+            elif kind == "peer_lost":
+                _, peer, silent = event
+                reason = f"the decode instance went silent ({silent:.1f} s without a heartbeat)"
+                for key in [k for k, ob in self._outbound.items() if ob.peer == peer]:
+                    self._end(key, TransferState.FAILED, reason, "peer_lost")
+
+    def _end(self, key: str, state: TransferState, reason: str | None, failure: str | None):
+        ob = self._outbound.pop(key, None)
+        if ob is None:
+            return  # already aborted here
+        if state is TransferState.DONE:
+            self.stats.transfers_done += 1
+        else:
+            self.stats.count_failure(failure or "failed")
+        done = ob.pushed * self.layout.bytes_per_token()
+        self._ended.append((key, TransferStatus(state, reason, ob.pushed, done)))
+
+    def incoming(self) -> list[TransferRequest]:
+        self._drain()
+        new, self._new = self._new, []
+        return new
+
+    def finished(self) -> list[tuple[str, TransferStatus]]:
+        self._drain()
+        ended, self._ended = self._ended, []
+        return ended
+
+    def push(self, transfer_id: str, src_slots: torch.Tensor) -> None:
+        ob = self._outbound.get(transfer_id)
+        if ob is None:
+            raise TransferError(f"transfer {transfer_id} is unknown or has ended")
+        n = len(src_slots)
+        if ob.pushed + n > ob.num_tokens:
+            raise TransferError(
+                f"transfer {transfer_id}: pushing tokens {ob.pushed}..{ob.pushed + n} "
+                f"past its length {ob.num_tokens}"
+            )
+        tid = uuid.UUID(transfer_id).bytes
+        per_token = self.layout.bytes_per_token_layer()
+        piece = max(1, self.message_bytes // per_token)  # tokens per message, one layer each
+        for start in range(0, n, piece):
+            slots = src_slots[start : start + piece]
+            for lo, hi in wire.layer_groups(self.layout, len(slots), self.message_bytes):
+                k, v = wire.gather(self.pool, slots, lo, hi)
+                header = wire.DataHeader(tid, ob.pushed + start, len(slots), lo, hi)
+                self._io.command("send", ob.peer, [wire.DATA, header.pack(), k, v])
+        ob.pushed += n
+        self.stats.tokens += n
+        self.stats.bytes += n * self.layout.bytes_per_token()
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        ob = self._outbound.pop(transfer_id, None)
+        if ob is not None:
+            tid = uuid.UUID(transfer_id).bytes
+            self._io.command("send", ob.peer, [wire.ABORT, tid, reason.encode()])
+            self.stats.count_failure("aborted")
+
+    def fileno(self) -> int:
+        return self._io.fileno()
+
+    def close(self) -> None:
+        self._io.close()

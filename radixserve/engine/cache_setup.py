@@ -1,0 +1,95 @@
+"""Building the engine's prefix cache from its config: none, one tier, or the hierarchy.
+
+- ``enable_prefix_caching=False``: ``NullCache`` (the A/B baseline);
+- by default: ``RadixCache`` over the device pool;
+- ``host_kv_memory``: ``TieredRadixCache`` with a host pool of that size (which must hold more
+  than the device pool: the host tier keeps what the device evicts), and with ``kv_storage``
+  a storage tier below it, scoped by the model's identity so instances of the same weights
+  (and only those) share pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from radixserve.cache import (
+    KVEventQueue,
+    KVPool,
+    NullCache,
+    PagedAllocator,
+    PrefixCache,
+    RadixCache,
+)
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.config import EngineConfig
+
+log = logging.getLogger("radixserve")
+SAMPLE_BYTES = 1 << 20
+SMALL_STORAGE_PAGE = 8
+
+
+def build_cache(
+    config: EngineConfig,
+    allocator: PagedAllocator,
+    pool: KVPool,
+    events: KVEventQueue | None,
+    model_path: Path,
+    model_name: str,
+) -> PrefixCache:
+    if not config.enable_prefix_caching:
+        return NullCache(allocator)
+    if config.host_kv_memory is None:
+        return RadixCache(
+            allocator,
+            config.eviction_policy,
+            events,
+            config.kv_events_block_size,
+            config.cache_threshold,
+        )
+    host_slots = pool.shape.slots_for_memory(int(config.host_kv_memory), config.page_size)
+    if host_slots <= allocator.num_slots:
+        raise ValueError(
+            f"host_kv_memory ({config.host_kv_memory} bytes) holds {host_slots} tokens of KV, "
+            f"no more than the device pool ({allocator.num_slots} tokens); the host tier must "
+            "be larger than the device pool"
+        )
+    host = HostKVPool(pool, host_slots, config.page_size)
+    cache = TieredRadixCache(allocator, host, config.write_policy, config.eviction_policy,
+                             events, config.load_back_min_tokens,
+                             config.kv_events_block_size, config.cache_threshold)  # fmt: skip
+    log.info("host KV tier: %d tokens (%.2f GiB), write policy %s",
+             host.num_slots, host.nbytes() / 2**30, config.write_policy)  # fmt: skip
+    if config.kv_storage is not None:
+        from radixserve.cache.storage_tier import attach_storage
+
+        if config.page_size < SMALL_STORAGE_PAGE:
+            log.warning("--kv-storage stores one entry per page of %d token(s): use --page-size "
+                        "16 or more so the store is not millions of tiny pages",
+                        config.page_size)  # fmt: skip
+
+        attach_storage(
+            cache, config.kv_storage, model_identity(model_path, model_name),
+            config.kv_storage_size, config.storage_prefetch_min_tokens,
+            config.storage_prefetch_timeout,
+        )  # fmt: skip
+        log.info("KV storage tier: %s", config.kv_storage)
+    return cache
+
+
+def model_identity(path: Path, name: str) -> str:
+    """Names these weights: equal for the same model files, different for any other weights.
+    A digest of each file's name, size, and its first, middle and last MiB."""
+    h = hashlib.blake2b(digest_size=16)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2),
+                                  max(0, size - SAMPLE_BYTES)}):  # fmt: skip
+                fh.seek(offset)
+                h.update(fh.read(SAMPLE_BYTES))
+    return f"{name}-{h.hexdigest()}"

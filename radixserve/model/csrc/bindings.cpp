@@ -1,0 +1,282 @@
+// Python bindings of radixserve's native CPU kernels: the one translation unit that includes
+// torch/extension.h (the slow header), so the kernels build in parallel and fast. Every tensor
+// is checked here; the kernels get raw pointers.
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "kernels.h"
+
+namespace rs {
+namespace {
+
+KVType kv_type(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return KVType::F32;
+    case torch::kBFloat16: return KVType::BF16;
+    case torch::kHalf: return KVType::F16;
+    default: TORCH_CHECK(false, "the KV pool must be float32, bfloat16 or float16");
+  }
+}
+
+void check_pool_layer(const torch::Tensor& kv, const torch::Tensor& ctx, const torch::Tensor& lens) {
+  TORCH_CHECK(kv.device().is_cpu() && kv.is_contiguous() && kv.dim() == 3,
+              "the pool layer must be a contiguous CPU tensor [heads, slots, dim]");
+  TORCH_CHECK(kv.size(2) % 16 == 0 && kv.size(2) <= kAttnMaxDim,
+              "head_dim must be a multiple of 16 up to ", kAttnMaxDim);
+  TORCH_CHECK(ctx.scalar_type() == torch::kInt64 && ctx.is_contiguous() && ctx.dim() == 2,
+              "ctx must be a contiguous int64 [batch, max_len] tensor");
+  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.is_contiguous() &&
+                  lens.numel() == ctx.size(0),
+              "lens must be a contiguous int64 [batch] tensor");
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < ctx.size(0); ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= ctx.size(1), "context length out of range");
+    for (int64_t j = 0; j < lp[b]; ++j)
+      TORCH_CHECK(cp[b * ctx.size(1) + j] >= 0 && cp[b * ctx.size(1) + j] < kv.size(1),
+                  "context slot out of range");
+  }
+}
+
+template <typename F>
+void on_pool_type(const torch::Tensor& t, F&& f) {
+  switch (kv_type(t)) {
+    case KVType::F32: f(float{}); break;
+    case KVType::BF16: f(c10::BFloat16{}); break;
+    case KVType::F16: f(c10::Half{}); break;
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_scores(torch::Tensor q, torch::Tensor k, torch::Tensor ctx, torch::Tensor lens) {
+  check_pool_layer(k, ctx, lens);
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 3 && q.scalar_type() == k.scalar_type() &&
+                  q.size(0) == ctx.size(0) && q.size(2) == k.size(2),
+              "q must be contiguous [batch, heads, dim] in the pool's dtype");
+  TORCH_CHECK(q.size(1) % k.size(0) == 0 && q.size(1) / k.size(0) <= kAttnMaxGroup,
+              "at most ", kAttnMaxGroup, " query heads per KV head");
+  const int64_t G = q.size(1) / k.size(0);
+  auto scores = torch::empty({k.size(0), q.size(0), G, ctx.size(1)}, q.options().dtype(torch::kFloat32));
+  on_pool_type(k, [&](auto zero) {
+    using T = decltype(zero);
+    paged_scores_kernel<T>(static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+                           ctx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scores.data_ptr<float>(),
+                           q.size(0), q.size(1), q.size(2), k.size(0), k.size(1), ctx.size(1));
+  });
+  return scores;
+}
+
+torch::Tensor paged_values(torch::Tensor probs, torch::Tensor v, torch::Tensor ctx, torch::Tensor lens) {
+  check_pool_layer(v, ctx, lens);
+  TORCH_CHECK(probs.is_contiguous() && probs.scalar_type() == torch::kFloat32 && probs.dim() == 4 &&
+                  probs.size(0) == v.size(0) && probs.size(1) == ctx.size(0) &&
+                  probs.size(2) <= kAttnMaxGroup && probs.size(3) == ctx.size(1),
+              "probs must be contiguous float32 [kv_heads, batch, group, max_len]");
+  auto out = torch::empty({ctx.size(0), v.size(0) * probs.size(2), v.size(2)}, v.options());
+  on_pool_type(v, [&](auto zero) {
+    using T = decltype(zero);
+    paged_values_kernel<T>(probs.data_ptr<float>(), static_cast<const T*>(v.data_ptr()),
+                           ctx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), static_cast<T*>(out.data_ptr()),
+                           ctx.size(0), probs.size(2), v.size(2), v.size(0), v.size(1), ctx.size(1));
+  });
+  return out;
+}
+
+// A weight matrix in one of the formats of kernels.h; keeps its tensors alive.
+struct QWeight {
+  WeightView view;
+  torch::Tensor qs, d, m;
+
+  QWeight(int64_t fmt, int64_t n, int64_t k, torch::Tensor qs_, std::optional<torch::Tensor> d_,
+          std::optional<torch::Tensor> m_)
+      : qs(std::move(qs_)) {
+    TORCH_CHECK(fmt >= 0 && fmt <= 2, "unknown weight format ", fmt);
+    TORCH_CHECK(k % kBlock == 0 && n > 0, "weights need K a multiple of 32, got ", k);
+    view.fmt = static_cast<WFormat>(fmt);
+    view.n = n;
+    view.k = k;
+    TORCH_CHECK(qs.device().is_cpu() && qs.is_contiguous(), "weights must be contiguous on CPU");
+    const int64_t nb = n * (k / kBlock);
+    if (view.fmt == WFormat::F32) {
+      TORCH_CHECK(qs.scalar_type() == torch::kFloat32 && qs.numel() == n * k, "F32: float [N, K]");
+    } else {
+      const int64_t bytes = view.fmt == WFormat::Q8_0 ? n * k : n * k / 2;
+      TORCH_CHECK(qs.element_size() == 1 && qs.numel() == bytes, "quantized data has wrong size");
+      TORCH_CHECK(d_.has_value() && d_->scalar_type() == torch::kFloat32 && d_->is_contiguous() &&
+                      d_->numel() == nb,
+                  "scales: contiguous float [N, K/32]");
+      d = *d_;
+      view.d = d.data_ptr<float>();
+    }
+    if (view.fmt == WFormat::Q4_1) {
+      TORCH_CHECK(m_.has_value() && m_->scalar_type() == torch::kFloat32 && m_->is_contiguous() &&
+                      m_->numel() == nb,
+                  "minimums: contiguous float [N, K/32]");
+      m = *m_;
+      view.m = m.data_ptr<float>();
+    }
+    view.qs = qs.data_ptr();
+  }
+};
+
+torch::Tensor qgemm_op(torch::Tensor x, const QWeight& w, std::optional<torch::Tensor> out) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 &&
+                  x.size(1) == w.view.k,
+              "x must be contiguous float32 [M, K]");
+  const bool accumulate = out.has_value();
+  torch::Tensor y = accumulate ? *out : torch::empty({x.size(0), w.view.n}, x.options());
+  TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 &&
+                  y.size(0) == x.size(0) && y.size(1) == w.view.n,
+              "out must be contiguous float32 [M, N]");
+  qgemm(x.data_ptr<float>(), x.size(0), w.view, y.data_ptr<float>(), accumulate);
+  return y;
+}
+
+torch::Tensor dequantize_op(const QWeight& w, std::optional<torch::Tensor> rows) {
+  const int64_t K = w.view.k;
+  if (!rows.has_value()) {
+    auto out = torch::empty({w.view.n, K}, torch::kFloat32);
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, w.view.n, 64, [&](int64_t b, int64_t e) { dequant_rows(w.view, b, e - b, o + b * K); });
+    return out;
+  }
+  TORCH_CHECK(rows->scalar_type() == torch::kInt64 && rows->dim() == 1, "rows: int64 [R]");
+  auto idx = rows->contiguous();
+  auto out = torch::empty({idx.numel(), K}, torch::kFloat32);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < w.view.n, "row index out of range");
+    dequant_rows(w.view, ip[i], 1, out.data_ptr<float>() + i * K);
+  }
+  return out;
+}
+
+// The native decoder: holds the model's tensors, checks every step's inputs.
+class Decoder {
+ public:
+  Decoder(int64_t heads, int64_t kv_heads, int64_t dim, double eps, std::vector<QWeight> qkv,
+          std::vector<QWeight> o, std::vector<QWeight> gate_up, std::vector<QWeight> down,
+          std::vector<torch::Tensor> norms, std::vector<std::optional<torch::Tensor>> qkv_bias,
+          QWeight embed, QWeight lm_head, torch::Tensor cos, torch::Tensor sin)
+      : keep_{qkv, o, gate_up, down, {embed, lm_head}}, tensors_(norms), cos_(cos), sin_(sin) {
+    const int64_t L = static_cast<int64_t>(qkv.size());
+    w_.layers = L;
+    w_.heads = heads;
+    w_.kv_heads = kv_heads;
+    w_.dim = dim;
+    w_.eps = static_cast<float>(eps);
+    w_.hidden = embed.view.k;
+    w_.inter = down.at(0).view.k;
+    w_.embed = embed.view;
+    w_.lm_head = lm_head.view;
+    const int64_t qkv_n = (heads + 2 * kv_heads) * dim;
+    TORCH_CHECK(heads % kv_heads == 0 && dim % 16 == 0 && dim <= kAttnMaxDim && w_.hidden % 32 == 0,
+                "unsupported head shape");
+    TORCH_CHECK((int64_t)o.size() == L && (int64_t)gate_up.size() == L && (int64_t)down.size() == L &&
+                    (int64_t)qkv_bias.size() == L && (int64_t)norms.size() == 2 * L + 1,
+                "one of each weight per layer, two norms per layer and the final norm");
+    for (int64_t l = 0; l < L; ++l) {
+      TORCH_CHECK(qkv[l].view.n == qkv_n && qkv[l].view.k == w_.hidden && o[l].view.n == w_.hidden &&
+                      o[l].view.k == heads * dim && gate_up[l].view.n == 2 * w_.inter &&
+                      gate_up[l].view.k == w_.hidden && down[l].view.n == w_.hidden &&
+                      down[l].view.k == w_.inter,
+                  "layer ", l, ": weight shapes do not fit the model");
+      w_.qkv.push_back(qkv[l].view);
+      w_.o.push_back(o[l].view);
+      w_.gate_up.push_back(gate_up[l].view);
+      w_.down.push_back(down[l].view);
+      const float* bias = nullptr;
+      if (qkv_bias[l].has_value()) {
+        const auto& t = *qkv_bias[l];
+        TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == qkv_n,
+                    "qkv bias: contiguous float32 [", qkv_n, "]");
+        tensors_.push_back(t);
+        bias = t.data_ptr<float>();
+      }
+      w_.qkv_bias.push_back(bias);
+    }
+    for (const auto& n : norms) {
+      TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.is_contiguous() && n.numel() == w_.hidden,
+                  "norm weights: contiguous float32 [hidden]");
+      w_.norms.push_back(n.data_ptr<float>());
+    }
+    TORCH_CHECK(lm_head.view.k == w_.hidden, "LM head: [vocab, hidden]");
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() && cos.dim() == 2 &&
+                    cos.size(1) == dim && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
+                    sin.scalar_type() == torch::kFloat32,
+                "RoPE tables: contiguous float32 [positions, head_dim]");
+    w_.max_pos = cos.size(0);
+    w_.cos = cos.data_ptr<float>();
+    w_.sin = sin.data_ptr<float>();
+  }
+
+  torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
+                        torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool) {
+    const int64_t B = ids.numel();
+    for (const auto* t : {&ids, &positions, &out_slots, &lens})
+      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == B && t->device().is_cpu(),
+                  "ids, positions, out_slots, lens: contiguous int64 [batch] on CPU");
+    TORCH_CHECK(ctx.scalar_type() == torch::kInt64 && ctx.is_contiguous() && ctx.dim() == 2 && ctx.size(0) == B,
+                "ctx: contiguous int64 [batch, max_len]");
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == w_.layers && k_pool.size(1) == w_.kv_heads &&
+                    k_pool.size(3) == w_.dim && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                    v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type() &&
+                    k_pool.device().is_cpu(),
+                "pools: contiguous CPU [layers, kv_heads, slots, head_dim] of one dtype");
+    DecodeBatch batch;
+    batch.size = B;
+    batch.ids = ids.data_ptr<int64_t>();
+    batch.positions = positions.data_ptr<int64_t>();
+    batch.out_slots = out_slots.data_ptr<int64_t>();
+    batch.ctx = ctx.data_ptr<int64_t>();
+    batch.ctx_stride = ctx.size(1);
+    batch.lens = lens.data_ptr<int64_t>();
+    batch.k_pool = k_pool.data_ptr();
+    batch.v_pool = v_pool.data_ptr();
+    batch.slots = k_pool.size(2);
+    batch.kv_type = kv_type(k_pool);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(batch.ids[b] >= 0 && batch.ids[b] < w_.embed.n, "token id out of range");
+      TORCH_CHECK(batch.positions[b] >= 0 && batch.positions[b] < w_.max_pos, "position out of range");
+      TORCH_CHECK(batch.out_slots[b] >= 0 && batch.out_slots[b] < batch.slots, "output slot out of range");
+      TORCH_CHECK(batch.lens[b] >= 1 && batch.lens[b] <= ctx.size(1), "context length out of range");
+      for (int64_t j = 0; j < batch.lens[b]; ++j) {
+        const int64_t slot = batch.ctx[b * batch.ctx_stride + j];
+        TORCH_CHECK(slot >= 0 && slot < batch.slots, "context slot out of range");
+      }
+    }
+    auto logits = torch::empty({B, w_.lm_head.n}, torch::kFloat32);
+    decode_step(w_, batch, scratch_, logits.data_ptr<float>());
+    return logits;
+  }
+
+ private:
+  std::vector<std::vector<QWeight>> keep_;
+  std::vector<torch::Tensor> tensors_;
+  torch::Tensor cos_, sin_;
+  DecoderWeights w_;
+  DecoderScratch scratch_;
+};
+
+}  // namespace rs
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("paged_scores", &rs::paged_scores, "q . K over paged slots");
+  m.def("paged_values", &rs::paged_values, "probs . V over paged slots");
+  py::class_<rs::QWeight>(m, "QWeight")
+      .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>>());
+  m.def("qgemm", &rs::qgemm_op, "x @ W^T (added into out, when given)", py::arg("x"), py::arg("w"),
+        py::arg("out") = py::none());
+  m.def("dequantize", &rs::dequantize_op, "W (or some of its rows) as float32", py::arg("w"),
+        py::arg("rows") = py::none());
+  py::class_<rs::Decoder>(m, "Decoder")
+      .def(py::init<int64_t, int64_t, int64_t, double, std::vector<rs::QWeight>, std::vector<rs::QWeight>,
+                    std::vector<rs::QWeight>, std::vector<rs::QWeight>, std::vector<torch::Tensor>,
+                    std::vector<std::optional<torch::Tensor>>, rs::QWeight, rs::QWeight, torch::Tensor,
+                    torch::Tensor>())
+      .def("forward", &rs::Decoder::forward);
+}

@@ -1,0 +1,223 @@
+// The whole Llama layer stack for a batch of decode tokens, in one native call.
+//
+// A decode step of a small model is mostly per-op overhead when driven op by op from Python
+// (about 20 small ops per layer); here each layer is: RMSNorm -> QKV matmul (+bias) -> RoPE
+// -> K/V written to the pool -> attention over each sequence's slots -> output matmul added
+// to the residual -> RMSNorm -> gate/up matmul -> SiLU(gate) * up -> down matmul added to the
+// residual; then the final norm and the LM head. The arithmetic matches llama.py's forward:
+// float32 activations, rotate-half RoPE from float32 tables, softmax in float32. Weights are
+// QWeights (block-quantized or dense float); the pool keeps its dtype (float32, bfloat16,
+// float16), laid out [layers, kv_heads, slots, head_dim].
+//
+// Raw pointers only: bindings.cpp owns the tensors and checks every input first.
+#include <algorithm>
+
+#include "kernels.h"
+
+namespace rs {
+namespace {
+
+template <typename T>
+inline v8 load8_as_float(const T* p) {
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = to_float(p[i]);
+  return out;
+}
+template <>
+inline v8 load8_as_float<float>(const float* p) { return load8(p); }
+template <>
+inline v8 load8_as_float<c10::BFloat16>(const c10::BFloat16* p) {
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  typedef uint32_t v8u32 __attribute__((vector_size(32)));
+  return widen_bf16<v8, v8u16, v8u32>(p);
+}
+
+void rms_norm(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    v8 ss = {};
+    for (int64_t i = 0; i < dim; i += 8) ss += load8(xr + i) * load8(xr + i);
+    const v8 inv = splat8(1.f / std::sqrt(hsum8(ss) / dim + eps));
+    for (int64_t i = 0; i < dim; i += 8) store8(out + r * dim + i, load8(xr + i) * inv * load8(w + i));
+  }
+}
+
+// rotate-half RoPE of `heads` vectors of size dim at one position, in place
+void rope(float* v, int64_t heads, int64_t dim, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = v + h * dim;
+    for (int64_t i = 0; i < half; i += 8) {
+      const v8 a = load8(p + i), b = load8(p + half + i);
+      store8(p + i, a * load8(cos + i) - b * load8(sin + i));
+      store8(p + half + i, b * load8(cos + half + i) + a * load8(sin + half + i));
+    }
+  }
+}
+
+// in place: softmax of n scores
+void softmax(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  v8 total = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 e = exp8(load8(s + j) - splat8(mx));
+    store8(s + j, e);
+    total += e;
+  }
+  float sum = hsum8(total);
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  const float inv = 1.f / sum;
+  for (j = 0; j < n; ++j) s[j] *= inv;
+}
+
+
+// One (sequence, KV head) of decode attention with C = head_dim / 8 known at compile time,
+// so a K row and each query head's output stay in registers: scores of the G query heads
+// against each K row, softmax, then each head's weighted sum of V rows.
+template <int C, typename T>
+void attend(const float* q, const T* kbase, const T* vbase, const int64_t* slots, int64_t n,
+            int64_t G, float scale, float* scores, float* out) {
+  constexpr int64_t D = 8 * C;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = kbase + slots[j] * D;
+    v8 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load8_as_float(k + 8 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      v8 acc = load8(q + g * D) * kv[0];
+      for (int c = 1; c < C; ++c) acc += load8(q + g * D + 8 * c) * kv[c];
+      scores[g * n + j] = hsum8(acc) * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = scores + g * n;
+    softmax(p, n);
+    v8 acc[C] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vbase + slots[j] * D;
+      const v8 pj = splat8(p[j]);
+      for (int c = 0; c < C; ++c) acc[c] += pj * load8_as_float(v + 8 * c);
+    }
+    for (int c = 0; c < C; ++c) store8(out + g * D + 8 * c, acc[c]);
+  }
+}
+
+// The same for any head_dim (a multiple of 8), with the outputs accumulated in memory.
+template <typename T>
+void attend_any(const float* q, const T* kbase, const T* vbase, const int64_t* slots, int64_t n,
+                int64_t G, int64_t D, float scale, float* scores, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = kbase + slots[j] * D;
+    for (int64_t g = 0; g < G; ++g) {
+      v8 acc = {};
+      for (int64_t i = 0; i < D; i += 8) acc += load8(q + g * D + i) * load8_as_float(k + i);
+      scores[g * n + j] = hsum8(acc) * scale;
+    }
+  }
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = scores + g * n;
+    softmax(p, n);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = vbase + slots[j] * D;
+      for (int64_t i = 0; i < D; i += 8)
+        store8(out + g * D + i, load8(out + g * D + i) + splat8(p[j]) * load8_as_float(v + i));
+    }
+  }
+}
+
+// attn[b, head] = softmax(q . K / sqrt(dim)) V over the slots ctx[b, :lens[b]]; one task
+// per (sequence, KV head), sharing each K/V row read among that head's query heads.
+template <typename T>
+void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, const float* qkv,
+               float* attn) {
+  const int64_t G = w.heads / w.kv_heads, D = w.dim, B = batch.size, S = batch.slots;
+  const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const T* kp = static_cast<const T*>(batch.k_pool);
+  const T* vp = static_cast<const T*>(batch.v_pool);
+  at::parallel_for(0, B * w.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // a plain local: no TLS lookup in the loops below
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / w.kv_heads, h = task % w.kv_heads, n = batch.lens[b];
+      scores.resize(G * n);
+      const float* q = qkv + b * qkv_n + h * G * D;
+      const T* kbase = kp + (l * w.kv_heads + h) * S * D;
+      const T* vbase = vp + (l * w.kv_heads + h) * S * D;
+      const int64_t* sl = batch.ctx + b * batch.ctx_stride;
+      float* o = attn + b * w.heads * D + h * G * D;
+      switch (D) {  // head_dim is a multiple of 16 up to 256 (checked by the bindings)
+        case 64: attend<8>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        case 128: attend<16>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        case 32: attend<4>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        case 16: attend<2>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
+        default: attend_any(q, kbase, vbase, sl, n, G, D, scale, scores.data(), o);
+      }
+    }
+  });
+}
+
+template <typename T>
+void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s) {
+  const int64_t B = batch.size, D = w.dim, H = w.hidden, I = w.inter;
+  const int64_t q_size = w.heads * D, kv_size = w.kv_heads * D, qkv_n = q_size + 2 * kv_size;
+  T* kp = static_cast<T*>(batch.k_pool);
+  T* vp = static_cast<T*>(batch.v_pool);
+  for (int64_t l = 0; l < w.layers; ++l) {
+    rms_norm(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
+    qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = s.qkv.data() + b * qkv_n;
+      if (const float* bias = w.qkv_bias[l])
+        for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
+      const int64_t pos = batch.positions[b];
+      rope(row, w.heads + w.kv_heads, D, w.cos + pos * D, w.sin + pos * D);  // q, then k heads
+      for (int64_t h = 0; h < w.kv_heads; ++h) {
+        const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          kp[off + i] = from_float<T>(row[q_size + h * D + i]);
+          vp[off + i] = from_float<T>(row[q_size + kv_size + h * D + i]);
+        }
+      }
+    }
+    attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
+    qgemm(s.attn.data(), B, w.o[l], s.h.data(), true);
+    rms_norm(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
+    qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* g = s.gu.data() + b * 2 * I;
+      float* a = s.act.data() + b * I;
+      for (int64_t i = 0; i < I; i += 8) {  // silu(g) * up; exp of -|g| never overflows
+        const v8 gv = load8(g + i);
+        const v8 e = exp8(gv < splat8(0.f) ? gv : -gv);
+        const v8 sig = gv < splat8(0.f) ? e / (splat8(1.f) + e) : splat8(1.f) / (splat8(1.f) + e);
+        store8(a + i, gv * sig * load8(g + I + i));
+      }
+    }
+    qgemm(s.act.data(), B, w.down[l], s.h.data(), true);
+  }
+}
+
+}  // namespace
+
+void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s,
+                 float* logits) {
+  const int64_t B = batch.size, H = w.hidden;
+  s.h.resize(B * H);
+  s.x.resize(B * H);
+  s.qkv.resize(B * (w.heads + 2 * w.kv_heads) * w.dim);
+  s.attn.resize(B * w.heads * w.dim);
+  s.gu.resize(B * 2 * w.inter);
+  s.act.resize(B * w.inter);
+  for (int64_t b = 0; b < B; ++b) dequant_rows(w.embed, batch.ids[b], 1, s.h.data() + b * H);
+  switch (batch.kv_type) {
+    case KVType::F32: layers<float>(w, batch, s); break;
+    case KVType::BF16: layers<c10::BFloat16>(w, batch, s); break;
+    case KVType::F16: layers<c10::Half>(w, batch, s); break;
+  }
+  rms_norm(s.h.data(), w.norms.back(), B, H, w.eps, s.x.data());
+  qgemm(s.x.data(), B, w.lm_head, logits, false);
+}
+
+}  // namespace rs

@@ -1,0 +1,165 @@
+// Shared pieces of radixserve's native CPU kernels: weight formats, small vector helpers.
+//
+// Everything is compiled with -march=native. Code that uses x86 intrinsics sits behind
+// RS_AVX2 (AVX2 + FMA + F16C) and has a plain C++ twin for any other CPU; vector-extension
+// types (GCC/Clang) compile to whatever registers the CPU has.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RS_AVX2 1
+#endif
+
+namespace rs {
+
+// Block-quantized weights, one block of 32 consecutive inputs per scale:
+//   Q8_0: w = d * q, q int8                 (qs: int8 [N, K], d: [N, K/32])
+//   Q4_1: w = d * q + m, q in 0..15         (qs: uint8 [N, K/2], d, m: [N, K/32]); in each
+//         block's 16 bytes, byte j holds input j (low nibble) and input j + 16 (high nibble),
+//         GGUF's own layout
+//   F32:  dense float [N, K]
+enum class WFormat : int { F32 = 0, Q8_0 = 1, Q4_1 = 2 };
+constexpr int64_t kBlock = 32;
+
+struct WeightView {
+  WFormat fmt = WFormat::F32;
+  int64_t n = 0, k = 0;
+  const void* qs = nullptr;
+  const float* d = nullptr;
+  const float* m = nullptr;
+};
+
+// y[M, N] = x[M, K] @ W^T, or y += that when accumulate; x, y row-major and contiguous.
+void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
+// Rows [row0, row0 + rows) of W as floats, row-major into out.
+void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
+
+// Decode attention kernels over a paged pool layer [KVH, S, D] (paged_attention.cpp), for
+// T in float, c10::BFloat16, c10::Half; D a multiple of 16 up to kAttnMaxDim.
+constexpr int64_t kAttnMaxDim = 256, kAttnMaxGroup = 16;
+template <typename T>
+void paged_scores_kernel(const T* q, const T* k, const int64_t* ctx, const int64_t* lens,
+                         float* scores, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t S,
+                         int64_t L);
+template <typename T>
+void paged_values_kernel(const float* probs, const T* v, const int64_t* ctx, const int64_t* lens,
+                         T* out, int64_t B, int64_t G, int64_t D, int64_t KVH, int64_t S,
+                         int64_t L);
+
+// The layer stack of a Llama-family model for a batch of decode tokens (decoder.cpp).
+struct DecoderWeights {
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, dim = 0, inter = 0, max_pos = 0;
+  float eps = 1e-5f;
+  std::vector<WeightView> qkv, o, gate_up, down;  // per layer
+  std::vector<const float*> norms;                // input, post per layer; then the final
+  std::vector<const float*> qkv_bias;             // per layer, nullptr where none
+  WeightView embed, lm_head;
+  const float* cos = nullptr;  // [max_pos, dim]
+  const float* sin = nullptr;
+};
+
+enum class KVType : int { F32, BF16, F16 };
+
+struct DecodeBatch {
+  int64_t size = 0;                     // B
+  const int64_t* ids = nullptr;         // [B]
+  const int64_t* positions = nullptr;   // [B]
+  const int64_t* out_slots = nullptr;   // [B]
+  const int64_t* ctx = nullptr;         // [B, ctx_stride]: each sequence's slots
+  int64_t ctx_stride = 0;
+  const int64_t* lens = nullptr;        // [B]
+  void* k_pool = nullptr;               // [layers, kv_heads, slots, dim] of kv_type
+  void* v_pool = nullptr;
+  int64_t slots = 0;
+  KVType kv_type = KVType::F32;
+};
+
+// Scratch buffers of one decoder; one step at a time per scratch.
+struct DecoderScratch {
+  std::vector<float> h, x, qkv, attn, gu, act;
+};
+
+// logits [B, vocab] of one step; the batch's inputs must be valid (bindings.cpp checks).
+void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s,
+                 float* logits);
+
+// --- scalar conversions --------------------------------------------------------------
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+// bfloat16 is the top half of a float: widen a vector of them and shift, all in registers.
+// VF/VU16/VU32: vector types of as many floats, uint16s and uint32s.
+template <typename VF, typename VU16, typename VU32>
+inline VF widen_bf16(const c10::BFloat16* p) {
+  VU16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  VU32 wide = __builtin_convertvector(raw, VU32) << 16;
+  VF out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// --- 8-wide float vectors (one AVX register, or what the CPU has) ----------------------
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 out;
+  std::memcpy(&out, p, sizeof(out));
+  return out;
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline float hsum8(v8 a) {
+#ifdef RS_AVX2
+  __m256 v;
+  std::memcpy(&v, &a, sizeof(v));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += a[i];
+  return s;
+#endif
+}
+
+// exp(x) for x <= 0 (softmax, SiLU of any sign via exp(-|x|)): Cody-Waite range reduction
+// to 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial, ~1 ulp; below -87 gives 0.
+inline v8 exp8(v8 x) {
+  const v8 lo = splat8(-87.3f), hi = splat8(88.3f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v8 n = x * splat8(1.44269504088896341f);
+  // round to nearest
+  n = __builtin_convertvector(__builtin_convertvector(n + (n < splat8(0.f) ? splat8(-0.5f) : splat8(0.5f)), v8i), v8);
+  v8 r = x - n * splat8(0.693359375f);
+  r = r - n * splat8(-2.12194440e-4f);
+  v8 p = splat8(1.9875691500E-4f);
+  p = p * r + splat8(1.3981999507E-3f);
+  p = p * r + splat8(8.3334519073E-3f);
+  p = p * r + splat8(4.1665795894E-2f);
+  p = p * r + splat8(1.6666665459E-1f);
+  p = p * r + splat8(5.0000001201E-1f);
+  p = p * r * r + r + splat8(1.f);
+  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v8 out = p * scale;
+  return x <= lo ? splat8(0.f) : out;
+}
+
+}  // namespace rs

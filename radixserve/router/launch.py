@@ -1,0 +1,124 @@
+"""``radixserve serve --dp N``: N engine servers behind the router, on one port.
+
+Each instance is a ``radixserve serve`` child on a free loopback port with the parent's flags
+(minus the ones that place it), publishing KV events on free loopback ports. On CPU each gets
+``cores / N`` threads (``OMP_NUM_THREADS``); on GPUs (``--device cuda``) instance ``i`` gets
+``cuda:i``. KV pool options (``--max-total-tokens``, ``--kv-cache-memory``) apply per
+instance. The router runs in this process; the children die with it (PR_SET_PDEATHSIG) and
+are stopped when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from radixserve.cli import flag
+from radixserve.router.cli import policy_config_from_args, serve_router
+from radixserve.router.policy import PolicyConfig
+from radixserve.server.engine_process import _die_with_parent
+
+PLACEMENT_FLAGS = {"--dp", "--port", "--host", "--device", "--router-policy",
+                   "--kv-events-endpoint", "--kv-events-replay-endpoint"}  # fmt: skip
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """The parent's ``serve`` flags without those that place an instance or tune routing."""
+    drop = PLACEMENT_FLAGS | {flag(f.name) for f in dataclasses.fields(PolicyConfig)}
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_dp(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: socket.socket) -> int:
+    from radixserve.kvevents.hashing import default_block_size
+
+    n = args.dp
+    block = args.kv_events_block_size or default_block_size(args.page_size)
+    config = policy_config_from_args(parser, args, block_size=block)
+    flags = child_argv(args.argv[1:] if args.argv and args.argv[0] == "serve" else args.argv)
+    threads = max(1, (os.cpu_count() or 1) // n)
+    children: list[subprocess.Popen] = []
+    urls = []
+    try:
+        for i in range(n):
+            port = free_port()
+            device = f"cuda:{i}" if args.device.startswith("cuda") else args.device
+            argv = [sys.executable, "-m", "radixserve.cli", "serve", *flags, "--host",
+                    "127.0.0.1", "--port", str(port), "--device", device,
+                    "--kv-events-endpoint", "tcp://127.0.0.1:0",
+                    "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
+            urls.append(f"http://127.0.0.1:{port}")
+        _wait_healthy(children, urls, timeout=600.0)
+        print(f"radixserve: {n} instances ready ({threads} threads each)", flush=True)
+        return asyncio.run(
+            serve_router(sock, urls, args.policy, config, args.model, args.api_key,
+                         args.log_level)
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as e:
+        print(f"radixserve serve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _stop(children)
+
+
+def _wait_healthy(children: list[subprocess.Popen], urls: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(range(len(urls)))
+    while pending:
+        for i in list(pending):
+            if children[i].poll() is not None:
+                raise RuntimeError(f"instance {i} exited with code {children[i].returncode}")
+            try:
+                if httpx.get(f"{urls[i]}/health", timeout=2.0).status_code == 200:
+                    pending.discard(i)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"instances {sorted(pending)} did not start in {timeout:g} s")
+        time.sleep(0.25)
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+
+    def wait(child: subprocess.Popen) -> None:
+        try:
+            child.wait(20)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+    threads = [threading.Thread(target=wait, args=(c,)) for c in children]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

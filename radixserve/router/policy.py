@@ -1,0 +1,356 @@
+"""Routing policies: which worker serves a request. Pure code shared by ``radixserve router``,
+the Ray Serve request router and the simulator.
+
+No HTTP, no asyncio, no clock: callers pass ``now`` (seconds, any origin) and feed KV events
+in, so simulated workers and simulated time drive the same code. Every policy keeps the load
+counters through tickets: ``route`` returns a ``Route`` whose ``ticket`` the caller ends with
+``finish`` exactly once, on every path (success, client abort, worker error, retry), and a
+second ``finish`` of a ticket is a no-op, so no path can leave a counter up. ``first_token``
+marks the end of a request's prefill (its uncached tokens stop counting as pending work).
+
+Policies (``POLICIES``): ``cache-aware`` (default), ``round-robin``, ``least-load``,
+``power-of-two``, ``consistent-hash``. ``cache-aware`` scores a few candidates, never the
+fleet: the deepest holders of the prompt's prefix (``BlockIndex.candidates``) plus the
+least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
+
+    uncached prompt tokens on w (+ tier_cost x tokens held only on host/storage) + load(w)
+
+and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
+for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
+overloaded worker loses new work while every other conversation keeps its affinity.
+
+A request names its prompt by chained block hashes (``kvevents.hashing``) of ``block_size``
+tokens; ``prefill`` / ``decode`` sets (disaggregation) are separate policy objects.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from radixserve.kvevents.types import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+from radixserve.router.index import TIER_BITS, BlockIndex
+from radixserve.router.load import LoadBoard
+
+POLICIES = ("cache-aware", "round-robin", "least-load", "power-of-two", "consistent-hash")
+
+
+class NoWorkerError(RuntimeError):
+    """No worker can take the request (none registered, or all excluded)."""
+
+
+@dataclass
+class PolicyConfig:
+    block_size: int = 16  # tokens per hashed block (the workers' KV event block size)
+    decode_weight: float = 32.0  # load of one in-flight request, in prompt tokens
+    gate_ratio: float = 2.0
+    gate_tokens: float = 512.0
+    candidates: int = 8  # holders scored per request (deepest first)
+    approx_ttl: float = 30.0  # s an approximate entry waits for its confirming event
+    approx_ttl_no_events: float = 600.0  # s for workers that publish no events
+    host_cost: float = 0.1  # cost of a token held on host, relative to recomputing it
+    storage_cost: float = 0.3
+    hash_blocks: int = 8  # consistent-hash: the prefix (in blocks) that picks the worker
+    virtual_nodes: int = 64  # consistent-hash: ring points per worker
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "candidates", "hash_blocks", "virtual_nodes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("decode_weight", "gate_tokens", "host_cost", "storage_cost"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gate_ratio < 1:
+            raise ValueError(f"gate_ratio must be >= 1, got {self.gate_ratio}")
+        if self.approx_ttl <= 0 or self.approx_ttl_no_events <= 0:
+            raise ValueError("approximate-entry TTLs must be positive")
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    block_hashes: Sequence[int]  # chained hashes of the prompt's whole blocks
+    num_tokens: int  # prompt length
+    session_key: str | None = None  # consistent-hash: a conversation or user id
+
+
+@dataclass(frozen=True)
+class Route:
+    worker: str
+    ticket: int
+    cached_tokens: int  # predicted: the prefix the worker holds (0 for cache-blind policies)
+    source: str  # "exact" (events), "approx" (routing history), "none"
+
+
+@dataclass
+class PolicyStats:
+    routes: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    predicted_tokens: int = 0  # sum of predicted cached tokens
+    reported_tokens: int = 0  # sum of the cached tokens workers reported
+    confirmed_tokens: int = 0  # sum of min(predicted, reported): precision's numerator
+    by_source: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Ticket:
+    worker: str
+    epoch: int  # the worker's membership the ticket counts against
+    pending: float
+    predicted: int
+    prompt_tokens: int
+
+
+class Policy:
+    """Workers, load counters and tickets; subclasses implement ``choose``."""
+
+    name = "base"
+
+    def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
+        self.config = config or PolicyConfig()
+        self.board = LoadBoard(self.config.decode_weight)
+        self.workers: list[str] = []  # in registration order
+        self.stats = PolicyStats()
+        self._tickets: dict[int, _Ticket] = {}
+        self._next_ticket = 0
+        self._rng = random.Random(seed)
+
+    # ------------------------------------------------------------------ workers
+    def add_worker(self, worker: str, has_events: bool = False) -> None:
+        if worker not in self.board:
+            self.workers.append(worker)
+            self.board.add_worker(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        if worker in self.board:
+            self.workers.remove(worker)
+            self.board.remove_worker(worker)
+
+    def apply_events(self, worker: str, events: Sequence[KVEvent]) -> None:
+        """KV events published by ``worker`` (cache-blind policies ignore them)."""
+
+    def worker_lost_events(self, worker: str) -> None:
+        """The worker's event stream broke or restarted: forget what it said."""
+
+    # ------------------------------------------------------------------ requests
+    def choose(
+        self, request: RouteRequest, now: float, exclude: Collection[str]
+    ) -> tuple[str, int, str]:
+        """(worker, predicted cached tokens, source); a worker not in ``exclude``."""
+        raise NotImplementedError
+
+    def route(self, request: RouteRequest, now: float, exclude: Collection[str] = ()) -> Route:
+        if not self.workers:
+            raise NoWorkerError("no workers are registered")
+        worker, cached, source = self.choose(request, now, exclude)
+        cached = min(cached, request.num_tokens)
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        pending = float(request.num_tokens - cached)
+        epoch = self.board.epoch[worker]
+        self._tickets[ticket] = _Ticket(worker, epoch, pending, cached, request.num_tokens)
+        self.board.change(worker, running=1, pending=pending)
+        s = self.stats
+        s.routes += 1
+        s.prompt_tokens += request.num_tokens
+        s.predicted_tokens += cached
+        s.by_source[source] = s.by_source.get(source, 0) + 1
+        return Route(worker, ticket, cached, source)
+
+    def first_token(self, ticket: int) -> None:
+        t = self._tickets.get(ticket)
+        if t is not None and t.pending:
+            self.board.change(t.worker, pending=-t.pending, epoch=t.epoch)
+            t.pending = 0.0
+
+    def finish(self, ticket: int, cached_tokens: int | None = None) -> None:
+        """End a ticket (idempotent); ``cached_tokens`` is what the worker reported."""
+        t = self._tickets.pop(ticket, None)
+        if t is None:
+            return
+        self.board.change(t.worker, running=-1, pending=-t.pending, epoch=t.epoch)
+        self.stats.finished += 1
+        if cached_tokens is not None:
+            self.stats.reported_tokens += cached_tokens
+            self.stats.confirmed_tokens += min(cached_tokens, t.predicted)
+
+    def in_flight(self) -> int:
+        return len(self._tickets)
+
+    def _least_loaded(self, exclude: Collection[str]) -> str:
+        worker = self.board.least_loaded(exclude)
+        if worker is None:
+            raise NoWorkerError("no worker can take this request")
+        return worker
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+    _next = 0
+
+    def choose(self, request, now, exclude):
+        for _ in range(len(self.workers)):
+            worker = self.workers[self._next % len(self.workers)]
+            self._next += 1
+            if worker not in exclude:
+                return worker, 0, "none"
+        raise NoWorkerError("no worker can take this request")
+
+
+class LeastLoad(Policy):
+    name = "least-load"
+
+    def choose(self, request, now, exclude):
+        return self._least_loaded(exclude), 0, "none"
+
+
+class PowerOfTwo(Policy):
+    name = "power-of-two"
+
+    def choose(self, request, now, exclude):
+        pool = self.workers
+        picks = [w for w in self._rng.sample(pool, min(2, len(pool))) if w not in exclude]
+        if not picks:
+            return self._least_loaded(exclude), 0, "none"
+        return min(picks, key=self.board.load), 0, "none"
+
+
+class ConsistentHash(Policy):
+    """A ring of ``virtual_nodes`` points per worker; the key is the session key, else the
+    hash naming the prompt's first ``hash_blocks`` blocks (prompts shorter than one block go
+    to the least-loaded worker)."""
+
+    name = "consistent-hash"
+
+    def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
+        super().__init__(config, seed)
+        self._ring: list[tuple[int, str]] = []
+
+    @staticmethod
+    def _point(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+    def add_worker(self, worker, has_events=False):
+        super().add_worker(worker, has_events)
+        for i in range(self.config.virtual_nodes):
+            bisect.insort(self._ring, (self._point(f"{worker}#{i}"), worker))
+
+    def remove_worker(self, worker):
+        super().remove_worker(worker)
+        self._ring = [p for p in self._ring if p[1] != worker]
+
+    def choose(self, request, now, exclude):
+        if request.session_key is not None:
+            key = self._point(request.session_key)
+        elif request.block_hashes:
+            key = request.block_hashes[min(len(request.block_hashes), self.config.hash_blocks) - 1]
+        else:
+            return self._least_loaded(exclude), 0, "none"
+        i = bisect.bisect_left(self._ring, (key, ""))
+        for step in range(len(self._ring)):
+            worker = self._ring[(i + step) % len(self._ring)][1]
+            if worker not in exclude:
+                return worker, 0, "none"
+        raise NoWorkerError("no worker can take this request")
+
+
+class CacheAware(Policy):
+    name = "cache-aware"
+
+    def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
+        super().__init__(config, seed)
+        self.index = BlockIndex()
+        self._has_events: dict[str, bool] = {}
+
+    def add_worker(self, worker, has_events=False):
+        super().add_worker(worker, has_events)
+        self._has_events[worker] = has_events
+
+    def set_has_events(self, worker: str, has_events: bool) -> None:
+        if worker in self._has_events:
+            self._has_events[worker] = has_events
+
+    def remove_worker(self, worker):
+        super().remove_worker(worker)
+        self._has_events.pop(worker, None)
+        self.index.clear_worker(worker)
+
+    def apply_events(self, worker, events):
+        if worker not in self.board:
+            return
+        index = self.index
+        for e in events:
+            if isinstance(e, BlockStored):
+                index.store(worker, e.block_hashes, e.medium)
+            elif isinstance(e, BlockRemoved):
+                index.remove(worker, e.block_hashes, e.medium)
+            elif isinstance(e, AllBlocksCleared):
+                index.clear_worker(worker)
+
+    def worker_lost_events(self, worker):
+        self.index.clear_worker(worker)
+
+    def _tier_penalty(self, worker: str, hashes: Sequence[int], blocks: int) -> float:
+        """Tokens held by ``worker`` only on host or storage, weighted by their tier cost."""
+        index, cost = self.index, 0.0
+        for h in hashes[:blocks]:
+            mask = index.tier_mask(worker, h)
+            if mask and not mask & TIER_BITS[MEDIUM_DEVICE]:
+                tier = MEDIUM_HOST if mask & TIER_BITS[MEDIUM_HOST] else MEDIUM_STORAGE
+                cost += self.config.host_cost if tier == MEDIUM_HOST else self.config.storage_cost
+        return cost * self.config.block_size
+
+    def choose(self, request, now, exclude):
+        cfg, index, board = self.config, self.index, self.board
+        hashes = request.block_hashes
+        index.sweep(now)
+        lightest = self._least_loaded(exclude)
+        floor = board.load(lightest)
+        gate = cfg.gate_ratio * floor + cfg.gate_tokens
+        depth = index.deepest(hashes, now)
+        found = index.candidates(hashes, depth, now, cfg.candidates) if depth else {}
+        if lightest not in found:
+            found[lightest] = index.depth_of(lightest, hashes, depth, now) if depth else 0
+        best, best_cost = lightest, None
+        for worker, blocks in found.items():
+            if worker in exclude or worker not in board:
+                continue
+            load = board.load(worker)
+            if worker != lightest and load > gate:
+                continue  # overloaded for this request: its prefix is not worth the wait
+            uncached = max(request.num_tokens - blocks * cfg.block_size, 0)
+            cost = uncached + load
+            if index.lower_tier_entries:
+                cost += self._tier_penalty(worker, hashes, blocks)
+            if best_cost is None or cost < best_cost or (cost == best_cost and worker < best):
+                best, best_cost = worker, cost
+        blocks = found.get(best, 0)
+        source = "none"
+        if blocks:
+            exact = index.tier_mask(best, hashes[blocks - 1]) != 0
+            source = "exact" if exact else "approx"
+        ttl = cfg.approx_ttl if self._has_events.get(best) else cfg.approx_ttl_no_events
+        index.insert_approx(best, hashes, now + ttl)
+        return best, blocks * cfg.block_size, source
+
+
+POLICY_CLASSES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (CacheAware, RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash)
+}
+
+
+def make_policy(name: str, config: PolicyConfig | None = None, seed: int = 0) -> Policy:
+    if name not in POLICY_CLASSES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICY_CLASSES[name](config, seed)

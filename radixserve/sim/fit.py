@@ -1,0 +1,191 @@
+"""Fit the timing model to this engine: measure real steps, solve for the coefficients.
+
+Method (``measure_steps``): a real ``Engine`` (the model, the KV pool, the native kernels: what
+``radixserve serve`` runs) is driven through a plan that varies what steps compute:
+
+1. prefill: prompts of 32 to ``max_len`` tokens behind cached prefixes of 0 to ``max_len / 2``
+   tokens (chunked as the engine chunks them, so chunks start at many context positions);
+2. decode: batches of 1 to 32 requests at contexts of 64 to ``max_len / 2`` tokens (sharing
+   all but their last 16 prompt tokens, so the contexts are long but cheap to prefill);
+3. mixed: a long prompt prefilling while a batch decodes.
+
+With ``repeats`` > 1 the plan runs that often (same seed, so the same steps) and each step
+composition keeps the minimum of its timings (``statistic="min"``: interference from other
+processes only adds time) or the median.
+
+Each ``engine.step()`` is timed whole (scheduling, forward, sampling, bookkeeping) and its
+composition read from the ``Step`` the scheduler returned. The first steps (kernel builds,
+allocator warm-up) are discarded. ``fit_coefficients`` then solves a non-negative least-squares
+fit of relative error. ``request_overhead`` (time outside the engine's steps) is measured on a
+real server by ``measure_request_overhead``: sequential one-at-a-time requests of short
+prompts, whose TTFT minus the model's predicted engine time is the overhead.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any
+
+import numpy as np
+
+from radixserve.engine.engine import Engine
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.sim.timing import TimingModel, fit_coefficients, model_from_fit, step_features
+
+WARMUP_STEPS = 6
+# Prompt lengths, cached prefixes and decode contexts (fractions of ``max_len``), batches.
+PLANS = {
+    "full": dict(lengths=(32, 128, 512, 1024, 2048), cached=(0, 0.25, 0.5),
+                 batches=(1, 4, 16, 32), contexts=(64, 0.25, 0.5), mixed=(4, 16)),
+    "quick": dict(lengths=(32, 128, 512), cached=(0, 0.5), batches=(1, 4, 16),
+                  contexts=(64, 0.5), mixed=(4,)),
+}  # fmt: skip
+
+
+def _record(engine: Engine, features: list, seconds: list) -> None:
+    """Run ``engine`` to completion, timing every step and reading what it computed."""
+    captured: list[np.ndarray] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        captured.append(
+            step_features(
+                [(n, r.num_computed) for r, n in step.prefills],
+                [r.num_computed for r in step.decodes],
+            )
+        )
+        return step
+
+    engine.scheduler.schedule = recording_schedule
+    try:
+        while engine.has_unfinished():
+            captured.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            if captured and captured[0][1] + captured[0][4] > 0:
+                features.append(captured[0])
+                seconds.append(dt)
+    finally:
+        del engine.scheduler.schedule  # the bound method again
+
+
+def _add(engine: Engine, rng: np.random.Generator, prompt: np.ndarray, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(f"fit-{rng.integers(1 << 62)}", prompt.tolist(), params)
+
+
+def measure_steps(
+    engine: Engine, max_len: int = 2048, repeats: int = 1, seed: int = 0, plan: str = "full"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(features, seconds) of the steps of the plan above (``PLANS``)."""
+    p = PLANS[plan]
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.config.vocab_size
+    max_len = min(max_len, engine.max_model_len - 40, engine.allocator.num_slots // 40)
+    features: list[np.ndarray] = []
+    seconds: list[float] = []
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(3, vocab, n, dtype=np.int64)
+
+    def size(x: float) -> int:
+        return int(x * max_len) if x < 1 else int(x)
+
+    lengths = [n for n in p["lengths"] if n <= max_len]
+    for _ in range(repeats):
+        for cached in map(size, p["cached"]):  # prefill behind cached prefixes
+            base = tokens(cached)
+            if cached:  # computed once, then hit by every prompt below
+                _add(engine, rng, base, 1)
+                _record(engine, [], [])
+            for n in lengths:
+                _add(engine, rng, np.concatenate([base, tokens(n)])[: max(max_len, n)], 2)
+                _record(engine, features, seconds)
+        for ctx in map(size, p["contexts"]):  # decode batches at several contexts
+            shared = tokens(max(ctx - 16, 1))  # long contexts, little prefill: a shared prefix
+            _add(engine, rng, shared, 1)
+            _record(engine, [], [])
+            for batch in p["batches"]:
+                for _ in range(batch):
+                    _add(engine, rng, np.concatenate([shared, tokens(16)]), 10)
+                _record(engine, features, seconds)
+        for batch in p["mixed"]:  # a long prefill next to a decoding batch
+            for _ in range(batch):
+                _add(engine, rng, tokens(64), 24)
+            engine.step()
+            _add(engine, rng, tokens(max_len // 2), 2)
+            _record(engine, features, seconds)
+        engine.flush_cache()
+    return np.asarray(features[WARMUP_STEPS:]), np.asarray(seconds[WARMUP_STEPS:])
+
+
+def aggregate_repeats(
+    features: np.ndarray, seconds: np.ndarray, statistic: str = "min"
+) -> tuple[np.ndarray, np.ndarray]:
+    """One row per distinct step composition: the minimum (what the step costs with the
+    machine to itself: interference only ever adds time) or the median of its timings."""
+    groups: dict[tuple, list[float]] = {}
+    for f, t in zip(features, seconds, strict=True):
+        groups.setdefault(tuple(f), []).append(float(t))
+    reduce = min if statistic == "min" else (lambda ts: float(np.median(ts)))
+    keys = list(groups)
+    return np.array(keys), np.array([reduce(groups[k]) for k in keys])
+
+
+def fit_engine(
+    engine: Engine,
+    max_len: int = 2048,
+    repeats: int = 1,
+    seed: int = 0,
+    statistic: str = "min",
+    plan: str = "full",
+) -> TimingModel:
+    """Measure ``engine`` and fit a timing model (``request_overhead`` left at 0). With
+    ``repeats`` > 1 each step composition is timed that often and reduced by ``statistic``."""
+    t0 = time.perf_counter()
+    features, seconds = aggregate_repeats(
+        *measure_steps(engine, max_len, repeats, seed, plan), statistic
+    )
+    coef = fit_coefficients(features, seconds)
+    predicted = features @ coef
+    rel = np.abs(predicted - seconds) / seconds
+    meta: dict[str, Any] = {
+        "model": engine.model_name,
+        "device": engine.config.device,
+        "dtype": str(engine.pool.shape.dtype).removeprefix("torch."),
+        "chunked_prefill_size": engine.config.chunked_prefill_size,
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "threads": _threads(),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "steps": len(seconds),
+        "median_relative_error": float(np.median(rel)),
+        "p90_relative_error": float(np.percentile(rel, 90)),
+        "fit_seconds": time.perf_counter() - t0,
+        "repeats": repeats,
+        "plan": plan,
+        "statistic": statistic,
+        "load_average": os.getloadavg()[0],
+    }
+    return model_from_fit(coef, 0.0, meta)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

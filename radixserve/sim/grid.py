@@ -1,0 +1,108 @@
+"""The grid behind ``radixserve simulate``: validate every configuration, then run each.
+
+Every combination of the list options is validated before anything runs (a bad value is a
+CLI error naming its flag). One instance needs no router, so it runs once and is reported
+under every routing policy. ``--optimum`` adds, for each instance count N > 1, one instance
+holding the KV pool and running requests of N, N times as fast (``SimConfig.pooled``): the
+pooled optimum that routing is measured against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+
+from radixserve.config import EngineConfig
+from radixserve.sim.cli import _grid, _kv_pairs, _meta, _out_dir, _split, build_trace
+from radixserve.sim.loop import SimConfig, Simulation
+from radixserve.sim.metrics import summarize
+from radixserve.sim.report import write_report
+from radixserve.sim.routing import RoutingConfig
+from radixserve.sim.timing import TimingModel
+
+
+def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        instances = _split(args.instances, int)
+    except ValueError as e:
+        parser.error(f"--instances: {e}")
+    configs = []  # every configuration is validated before anything runs
+    for (kv, policy, threshold), n, routing in itertools.product(
+        _grid(parser, args), instances, _split(args.routing)
+    ):
+        try:
+            engine = EngineConfig(
+                max_total_tokens=kv, page_size=args.page_size, eviction_policy=policy,
+                cache_threshold=threshold, schedule_policy=args.schedule_policy,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_running_requests=args.max_running_requests, load_progress=False,
+            )  # fmt: skip
+            route = RoutingConfig(routing, args.event_delay, args.event_loss, args.seed,
+                                  _kv_pairs(args.router_args))  # fmt: skip
+            configs.append(SimConfig(engine, n, route, args.max_concurrency, args.session_rate,
+                                     args.seed))  # fmt: skip
+        except ValueError as e:
+            parser.error(flag_names(str(e)))
+    try:
+        timing = TimingModel.load(args.timing)
+    except ValueError as e:
+        parser.error(f"--timing: {e}")
+    trace = build_trace(parser, args)
+    if args.optimum:
+        configs += [pooled(c) for c in configs if c.instances > 1]
+        configs = list({_key(c): c for c in configs}.values())  # one pooled run per N
+    rows, done = [], {}
+    for config in configs:
+        # one instance needs no router: run it once, report it under every routing policy
+        key = _key(dataclasses.replace(config, routing=RoutingConfig(seed=config.seed))
+                   if config.instances == 1 else config)  # fmt: skip
+        if key not in done:
+            try:
+                sim = Simulation(trace, config, timing)
+            except ValueError as e:
+                parser.error(str(e).replace("max_concurrency", "--max-concurrency").replace(
+                    "session_rate", "--session-rate"))  # fmt: skip
+            done[key] = summarize(sim.run())
+        row = {**done[key]}
+        if config.pooled == 1:
+            row["routing"] = config.routing.policy
+        print(f"simulate: {row['instances']} x {row['kv_tokens_per_instance']} tokens, "
+              f"{row['eviction_policy']}, {row['routing']}: hit rate {row['hit_rate']:.3f}, "
+              f"TTFT p50 {row['ttft_p50_s']:.3f} s ({row['wall_s']:.1f} s)",
+              file=sys.stderr)  # fmt: skip
+        rows.append(row)
+    meta = _meta(trace, timing=timing.__dict__)
+    out = write_report(_out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
+    print(json.dumps({"ok": True, **out, "rows": len(rows)}))
+    return 0
+
+
+FLAGS = {"max_total_tokens": "--kv-tokens", "eviction_policy": "--eviction",
+         "cache_threshold": "--cache-threshold", "page_size": "--page-size",
+         "chunked_prefill_size": "--chunked-prefill-size", "event_delay": "--event-delay",
+         "max_running_requests": "--max-running-requests", "event_loss": "--event-loss",
+         "instances": "--instances", "unknown router option": "unknown --router-args option",
+         "routing policy": "--routing policy"}  # fmt: skip
+
+
+def flag_names(message: str) -> str:
+    """An error about a config field, naming the flag the user typed instead."""
+    for field, flag in FLAGS.items():
+        message = message.replace(field, flag)
+    return message
+
+
+def pooled(config: SimConfig) -> SimConfig:
+    """One instance holding what ``config``'s N instances hold, N times as fast."""
+    n, e = config.instances, config.engine
+    engine = dataclasses.replace(e, max_total_tokens=n * e.max_total_tokens,
+                                 max_running_requests=n * e.max_running_requests)  # fmt: skip
+    return dataclasses.replace(config, engine=engine, instances=1, pooled=n,
+                               routing=RoutingConfig(seed=config.seed))  # fmt: skip
+
+
+def _key(config: SimConfig) -> str:
+    return repr((config.instances, config.pooled, config.engine, config.routing))

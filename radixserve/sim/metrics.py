@@ -1,0 +1,98 @@
+"""What a simulation reports: hit rate, prefill saved, latency percentiles, load, evictions.
+
+``hit_rate`` is the bench's: prompt tokens served from the cache at a request's first
+admission over all prompt tokens. TTFT and latency include the timing model's
+``request_overhead``. Load imbalance is max / mean over instances, of busy time (what an
+instance computes) and of requests served.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from radixserve.sim.loop import SimResult
+
+
+def percentile(values: np.ndarray, q: float) -> float | None:
+    values = values[~np.isnan(values)]
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def imbalance(values: list[float]) -> float | None:
+    mean = sum(values) / len(values) if values else 0
+    return max(values) / mean if mean > 0 else None
+
+
+def summarize(result: SimResult) -> dict[str, Any]:
+    rec, cfg, timing = result.records, result.config, result.timing
+    done = ~np.isnan(rec.finish) if len(rec.arrival) else np.zeros(0, bool)
+    overhead = timing.request_overhead
+    ttft = rec.first_token[done] - rec.arrival[done] + overhead
+    latency = rec.finish[done] - rec.arrival[done] + overhead
+    prompt = int(rec.prompt_len[done].sum()) if len(rec.arrival) else 0
+    cached = int(rec.cached[done].sum()) if len(rec.arrival) else 0
+    busy = [inst.busy_time for inst in result.instances]
+    served = [inst.served for inst in result.instances]
+    stats = [inst.cache.stats for inst in result.instances]
+    makespan = result.end_time
+    engine = cfg.engine
+    return {
+        "trace": result.trace.name,
+        "instances": cfg.pooled if cfg.pooled > 1 else cfg.instances,
+        "kv_tokens_per_instance": engine.max_total_tokens // cfg.pooled,
+        "page_size": engine.page_size,
+        "eviction_policy": result.instances[0].cache.eviction_policy
+        if engine.enable_prefix_caching
+        else "none",
+        "schedule_policy": engine.schedule_policy,
+        "routing": "pooled optimum" if cfg.pooled > 1 else cfg.routing.policy,
+        "requests": int(done.sum()),
+        "requests_failed": result.failed,
+        "hit_rate": cached / prompt if prompt else None,
+        "prompt_tokens": prompt,
+        "prefill_tokens_saved": cached,
+        "prefill_tokens_computed": sum(inst.prefill_tokens for inst in result.instances),
+        "decode_tokens": sum(inst.decode_tokens for inst in result.instances),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "latency_p50_s": percentile(latency, 50),
+        "latency_p99_s": percentile(latency, 99),
+        "makespan_s": makespan,
+        "requests_per_s": int(done.sum()) / makespan if makespan > 0 else None,
+        "load_imbalance_busy": imbalance(busy),
+        "load_imbalance_requests": imbalance([float(s) for s in served]),
+        "busy_s_max": max(busy),
+        "busy_s_mean": sum(busy) / len(busy),
+        "evicted_tokens": sum(s.evicted_tokens for s in stats),
+        "evicted_nodes": sum(s.evictions for s in stats),
+        "retractions": sum(inst.scheduler.num_retractions for inst in result.instances),
+        "router": result.router.stats() if cfg.instances > 1 else None,
+        "wall_s": result.wall_seconds,
+        "cpu_s": result.cpu_seconds,
+    }
+
+
+def per_instance(result: SimResult) -> list[dict[str, Any]]:
+    return [
+        {
+            "instance": inst.index,
+            "requests": inst.served,
+            "busy_s": inst.busy_time,
+            "prefill_tokens": inst.prefill_tokens,
+            "decode_tokens": inst.decode_tokens,
+            "cached_tokens_at_end": inst.cache.total_size(),
+            "evicted_tokens": inst.cache.stats.evicted_tokens,
+        }
+        for inst in result.instances
+    ]
+
+
+def finite(x: Any) -> Any:
+    """JSON has no NaN or infinity: None instead."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

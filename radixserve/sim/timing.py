@@ -1,0 +1,150 @@
+"""The timing model: how long one engine step takes, from what the step computes.
+
+A step prefills chunks (``n`` prompt tokens of a request starting at context position ``s``)
+and decodes one token for each of ``B`` requests. Its duration is linear in six features::
+
+    t = overhead + prefill_token * P + prefill_attention * A + prefill_chunk * C
+                 + decode_request * B + decode_attention * S
+
+    P = prompt tokens computed          A = sum over those tokens of their context length
+    C = prefill chunks (requests)       B = decoding requests
+    S = sum of the decoding requests' context lengths
+
+``request_overhead`` is added to every request's time to first token and latency: what a
+request spends outside the engine's steps (HTTP, tokenizing, the engine process hop, streaming
+back), measured on a real server. Coefficients are fitted (``fit_coefficients``, non-negative
+least squares) to steps measured on the real engine by ``radixserve simulate fit`` and saved
+as JSON; ``profiles/`` holds the default model's profile for the CPU it was measured on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FEATURES = (
+    "overhead",
+    "prefill_token",
+    "prefill_attention",
+    "prefill_chunk",
+    "decode_request",
+    "decode_attention",
+)
+DEFAULT_PROFILE = "cpu-smollm2-135m"
+
+
+@dataclass
+class TimingModel:
+    overhead: float = 0.0
+    prefill_token: float = 0.0
+    prefill_attention: float = 0.0
+    prefill_chunk: float = 0.0
+    decode_request: float = 0.0
+    decode_attention: float = 0.0
+    request_overhead: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
+
+    def __post_init__(self) -> None:
+        for name in (*FEATURES, "request_overhead"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"timing model: {name} must be a number >= 0, got {value!r}")
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([getattr(self, f) for f in FEATURES])
+
+    def step_time(
+        self, prefills: list[tuple[int, int]], decode_contexts: list[int] | None = None
+    ) -> float:
+        """Seconds for one step: ``prefills`` is (tokens, start position) per chunk."""
+        return float(step_features(prefills, decode_contexts or []) @ self.coefficients())
+
+    def decode_run(self, batch: int, context_sum: int, steps: int) -> np.ndarray:
+        """End times (from the run's start) of ``steps`` pure-decode steps of ``batch``
+        requests whose contexts sum to ``context_sum`` at the first step (each step adds
+        ``batch`` to the sum)."""
+        j = np.arange(1, steps + 1, dtype=np.float64)
+        per_step = self.overhead + self.decode_request * batch
+        return j * per_step + self.decode_attention * (j * context_sum + batch * j * (j - 1) / 2)
+
+    def scaled(self, factor: float) -> TimingModel:
+        """Every step ``factor`` times as long (``request_overhead`` unchanged): e.g. one
+        instance as fast as ``N`` of these with ``factor = 1 / N``."""
+        steps = {f: getattr(self, f) * factor for f in FEATURES}
+        meta = {**self.meta, "scaled": factor}
+        return TimingModel(**steps, request_overhead=self.request_overhead, meta=meta)
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path_or_name: str | Path) -> TimingModel:
+        """A JSON file, or the name of a profile shipped in ``radixserve/sim/profiles``."""
+        path = Path(path_or_name).expanduser()
+        if path.is_file():
+            text = path.read_text()
+        else:
+            shipped = resources.files("radixserve.sim") / "profiles" / f"{path_or_name}.json"
+            if not shipped.is_file():
+                raise ValueError(
+                    f"timing model {str(path_or_name)!r} is neither a file nor a shipped "
+                    f"profile ({', '.join(shipped_profiles())})"
+                )
+            text = shipped.read_text()
+        try:
+            raw = json.loads(text)
+            return cls(**raw)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"timing model {str(path_or_name)!r} is not valid: {e}") from e
+
+
+def shipped_profiles() -> list[str]:
+    root = resources.files("radixserve.sim") / "profiles"
+    return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def step_features(prefills: list[tuple[int, int]], decode_contexts: list[int]) -> np.ndarray:
+    tokens = sum(n for n, _ in prefills)
+    attention = sum(n * s + n * (n + 1) / 2 for n, s in prefills)
+    return np.array(
+        [1.0, tokens, attention, len(prefills), len(decode_contexts), sum(decode_contexts)]
+    )
+
+
+def fit_coefficients(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Non-negative least squares over few columns: the best fit among all subsets of the
+    columns whose unconstrained solution is non-negative (exact for six columns). Rows are
+    weighted by 1/seconds, so the fit minimises relative error (short decode steps count as
+    much as long prefills)."""
+    w = 1.0 / np.maximum(seconds, 1e-6)
+    x, y = features * w[:, None], seconds * w
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y**2))
+    used = [c for c in range(x.shape[1]) if np.any(features[:, c])]
+    for k in range(1, len(used) + 1):
+        for cols in itertools.combinations(used, k):
+            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if np.any(sol < 0):
+                continue
+            err = float(np.sum((x[:, cols] @ sol - y) ** 2))
+            if err < best_err:
+                best = np.zeros(x.shape[1])
+                best[list(cols)] = sol
+                best_err = err
+    return best
+
+
+def model_from_fit(
+    coefficients: np.ndarray, request_overhead: float, meta: dict[str, Any]
+) -> TimingModel:
+    return TimingModel(
+        **{f: float(c) for f, c in zip(FEATURES, coefficients, strict=True)},
+        request_overhead=request_overhead,
+        meta=meta,
+    )

@@ -1,0 +1,244 @@
+"""KV events over ZeroMQ: vLLM's wire format, the publisher in front of a real engine, and a
+subscriber that rebuilds the tree's blocks from the stream, recovering lost messages by
+replay and by a dump."""
+
+import asyncio
+
+import msgspec
+import numpy as np
+import pytest
+
+from radixserve.cache.tree_check import walk
+from radixserve.engine import SamplingParams
+from radixserve.kvevents.hashing import prompt_block_hashes
+from radixserve.kvevents.publisher import KVEventPublisher
+from radixserve.kvevents.subscriber import EventSubscriber
+from radixserve.kvevents.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from radixserve.kvevents.wire import decode_batch, encode_batch
+from radixserve.server.event_bridge import EventBridge
+
+
+# vLLM v0.11.2's event types (vllm/distributed/kv_events.py), declared here as the reference
+# decoder: what a vLLM-reading router would do with our bytes.
+class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class VEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VBlockStored(VEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class VBlockRemoved(VEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class VAllBlocksCleared(VEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+
+
+def test_wire_format_is_vllms():
+    h = prompt_block_hashes(range(32), 16)
+    batch = EventBatch(
+        12.5,
+        [
+            BlockStored(h, None, list(range(32)), 16),
+            BlockRemoved(h[1:], medium="host"),
+            AllBlocksCleared(),
+            BlockStored(h[1:], h[0], list(range(16, 32)), 16, medium="storage"),
+        ],
+    )
+    payload = encode_batch(batch)
+    v = msgspec.msgpack.decode(payload, type=VKVEventBatch)
+    assert v.ts == 12.5 and v.data_parallel_rank is None
+    stored, removed, cleared, lower = v.events
+    assert stored == VBlockStored(h, None, list(range(32)), 16, None, "GPU")
+    assert removed == VBlockRemoved(h[1:], "CPU") and isinstance(cleared, VAllBlocksCleared)
+    assert lower.medium == "STORAGE" and lower.parent_block_hash == h[0]
+    assert all(0 <= x < 2**64 for x in h)
+    assert decode_batch(payload) == batch  # and we read it back
+
+
+def test_decoder_reads_newer_vllm_layouts():
+    """Newer vLLM sends extra trailing fields, or events as maps with a type tag."""
+    import msgpack
+
+    h = [1, 2]
+    arrays = [1.0, [["BlockStored", h, None, [5] * 32, 16, None, "GPU", "lora", None, 0]]]
+    maps = [1.0, [{"type": "BlockRemoved", "block_hashes": h, "medium": "CPU", "group_idx": 0}]]
+    assert decode_batch(msgpack.packb(arrays)).events == [BlockStored(h, None, [5] * 32, 16)]
+    assert decode_batch(msgpack.packb(maps)).events == [BlockRemoved(h, medium="host")]
+
+
+class Index:
+    """A subscriber's view: hash -> tokens, set semantics."""
+
+    def __init__(self):
+        self.blocks: dict[int, tuple] = {}
+        self.resets = 0
+
+    def apply(self, events):
+        for e in events:
+            if isinstance(e, BlockStored):
+                for i, h in enumerate(e.block_hashes):
+                    self.blocks[h] = tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    self.blocks.pop(h, None)
+            else:
+                self.blocks.clear()
+
+    def reset(self):
+        self.resets += 1
+        self.blocks.clear()
+
+
+def expected_blocks(cache):
+    out = set()
+    for node, _ in walk(cache):
+        path, n = [], node
+        while n.parent is not None:
+            path.append(n.key)
+            n = n.parent
+        out.update(prompt_block_hashes(np.concatenate(path[::-1]), cache.event_block_size))
+    return out
+
+
+class Harness:
+    """An engine with a publisher; ``run`` plays the engine thread between awaits."""
+
+    def __init__(self, engine, buffer_steps=10_000):
+        self.engine = engine
+        self.pub = KVEventPublisher(
+            "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=buffer_steps
+        )
+        self.endpoint, self.replay = self.pub.start()
+        self.bridge = EventBridge(engine, self.pub)
+        self.n = 0
+
+    async def settle(self, *subs, rounds=200):
+        for _ in range(rounds):
+            self.bridge.sync()
+            await asyncio.sleep(0.01)
+            last = self.pub._last_seq
+            if all(s.synced.is_set() and (s.next_seq or 0) > last for s in subs):
+                return
+        raise AssertionError("the subscribers did not catch up")
+
+    async def run(self, prompts, max_tokens=2):
+        for p in prompts:
+            self.n += 1
+            self.engine.add_request(f"r{self.n}", p, SamplingParams(max_tokens=max_tokens))
+        while self.engine.has_unfinished():
+            self.engine.step()
+            self.bridge.sync()
+            await asyncio.sleep(0)
+
+
+def prompts(rng, n, system):
+    return [system + rng.integers(5, 4000, int(rng.integers(5, 90))).tolist() for _ in range(n)]
+
+
+async def _follow(engine):
+    h = Harness(engine)
+    seen = Index()
+    sub = EventSubscriber(h.endpoint, h.replay, seen.apply, seen.reset)
+    task = asyncio.create_task(sub.run())
+    try:
+        rng = np.random.default_rng(0)
+        system = rng.integers(5, 4000, 40).tolist()
+        assert not h.pub.subscribed and engine.kv_events is None  # nobody listens: no events
+        await h.run(prompts(rng, 4, system))  # the tree has pages before anyone subscribes
+        await h.settle(sub)
+        assert engine.kv_events is not None
+        assert set(seen.blocks) == expected_blocks(engine.cache) != set()
+        for _ in range(3):  # more traffic: inserts, splits, evictions (a small pool)
+            await h.run(prompts(rng, 5, system))
+            await h.settle(sub)
+            assert set(seen.blocks) == expected_blocks(engine.cache)
+        assert engine.cache.stats.evicted_tokens > 0
+        engine.flush_cache()
+        await h.settle(sub)
+        assert seen.blocks == {} and expected_blocks(engine.cache) == set()
+    finally:
+        task.cancel()
+        h.pub.close()
+    await asyncio.sleep(0)
+
+
+def test_a_subscriber_rebuilds_the_tree_from_events(make_engine):
+    asyncio.run(_follow(make_engine(max_total_tokens=600, max_running_requests=4)))
+
+
+async def _recover(engine, buffer_steps):
+    h = Harness(engine, buffer_steps)
+    seen = Index()
+    sub = EventSubscriber(h.endpoint, h.replay, seen.apply, seen.reset)
+    original = sub._receive
+    dropped = []
+
+    async def lossy(seq, batch):  # the network loses every 5th batch on the way to us
+        if seq % 5 == 3:
+            dropped.append(seq)
+            return
+        await original(seq, batch)
+
+    sub._receive = lossy
+    task = asyncio.create_task(sub.run())
+    try:
+        rng = np.random.default_rng(1)
+        system = rng.integers(5, 4000, 40).tolist()
+        for _ in range(4):
+            await h.run(prompts(rng, 3, system))
+        await h.run(prompts(rng, 1, system))
+        await h.settle(sub)
+        assert dropped
+        assert set(seen.blocks) == expected_blocks(engine.cache)
+        late = Index()  # a second subscriber, joining while events are already on
+        sub2 = EventSubscriber(h.endpoint, h.replay, late.apply, late.reset)
+        task2 = asyncio.create_task(sub2.run())
+        await h.run(prompts(rng, 2, system))
+        await h.settle(sub, sub2)
+        assert set(late.blocks) == set(seen.blocks) == expected_blocks(engine.cache)
+        task2.cancel()
+        return sub
+    finally:
+        task.cancel()
+        h.pub.close()
+
+
+def test_replay_recovers_dropped_messages(make_engine):
+    sub = asyncio.run(_recover(make_engine(max_total_tokens=600), buffer_steps=10_000))
+    assert sub.replays > 0 and sub.dumps == 1  # the one dump at start
+
+
+def test_a_dump_recovers_what_replay_no_longer_holds(make_engine):
+    sub = asyncio.run(_recover(make_engine(max_total_tokens=600), buffer_steps=1))
+    assert sub.dumps > 1
+
+
+@pytest.mark.parametrize("flag", ["enable", "disable"])
+def test_no_subscriber_no_events(make_engine, flag):
+    engine = make_engine(max_total_tokens=600)
+    h = Harness(engine)
+    try:
+        asyncio.run(h.run([list(range(10, 90))]))
+        assert engine.kv_events is None and h.pub.published_batches == 0
+        assert all(not n.page_hashes for n, _ in walk(engine.cache))
+    finally:
+        h.pub.close()

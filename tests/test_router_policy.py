@@ -1,0 +1,221 @@
+"""The pure routing policies, driven with simulated workers and simulated time."""
+
+import random
+import time
+
+import pytest
+
+from radixserve.kvevents.hashing import prompt_block_hashes
+from radixserve.kvevents.types import AllBlocksCleared, BlockRemoved, BlockStored
+from radixserve.router.policy import (
+    POLICIES,
+    NoWorkerError,
+    PolicyConfig,
+    RouteRequest,
+    make_policy,
+)
+
+B = 16
+
+
+def request(tokens, session=None):
+    return RouteRequest(prompt_block_hashes(tokens, B), len(tokens), session)
+
+
+def conversation(seed, turns, turn_len=64):
+    """Token ids of each turn's prompt: every turn extends the previous one."""
+    rng = random.Random(seed)
+    history, prompts = [], []
+    for _ in range(turns):
+        history = history + [rng.randrange(50_000) for _ in range(turn_len)]
+        prompts.append(list(history))
+    return prompts
+
+
+def stored(tokens):
+    return [BlockStored(prompt_block_hashes(tokens, B), None, list(tokens), B)]
+
+
+def fleet(name, n=4, events=True, **config):
+    policy = make_policy(name, PolicyConfig(block_size=B, **config), seed=1)
+    for i in range(n):
+        policy.add_worker(f"w{i}", has_events=events)
+    return policy
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_turns_of_a_conversation_stick_to_one_worker(events):
+    policy = fleet("cache-aware", events=events)
+    homes = {}
+    for turn in range(4):
+        for c in range(8):
+            tokens = conversation(c, 4)[turn]
+            route = policy.route(request(tokens), now=turn)
+            if events:  # the worker computed the prompt and says so
+                policy.apply_events(route.worker, stored(tokens))
+            policy.first_token(route.ticket)
+            policy.finish(route.ticket, cached_tokens=route.cached_tokens)
+            assert homes.setdefault(c, route.worker) == route.worker, f"conversation {c}"
+            if turn:
+                assert route.source == ("exact" if events else "approx")
+                assert route.cached_tokens == len(conversation(c, 4)[turn - 1]) // B * B
+    assert len(set(homes.values())) == 4  # new conversations spread over the fleet
+    assert policy.board.total_running() == 0 and policy.in_flight() == 0
+
+
+def test_an_overloaded_worker_gets_no_new_conversations_and_others_keep_affinity():
+    policy = fleet("cache-aware", gate_tokens=256)
+    homes = {}
+    for c in range(8):  # one turn each, spread over the fleet
+        tokens = conversation(c, 2)[0]
+        route = policy.route(request(tokens), now=0)
+        policy.apply_events(route.worker, stored(tokens))
+        policy.finish(route.ticket)
+        homes[c] = route.worker
+    hot = homes[0]
+    others = [w for w in policy.workers if w != hot]
+    stuck = []
+    for _ in range(30):  # long requests pile up on one worker (e.g. another client's)
+        r = policy.route(RouteRequest([], 2000), now=1, exclude=others)
+        stuck.append(r)
+        policy.first_token(r.ticket)
+    assert {r.worker for r in stuck} == {hot}
+    for c in range(8):  # second turns
+        route = policy.route(request(conversation(c, 2)[1]), now=2)
+        if homes[c] == hot:
+            assert route.worker != hot  # the gate: its prefix is not worth the queue
+        else:
+            assert route.worker == homes[c] and route.source == "exact"
+        policy.finish(route.ticket)
+    for c in range(8, 16):  # new conversations avoid the hot worker
+        route = policy.route(request(conversation(c, 1)[0]), now=3)
+        assert route.worker != hot
+        policy.finish(route.ticket)
+    for r in stuck:
+        policy.finish(r.ticket)
+    assert policy.board.total_running() == 0
+
+
+def test_a_miss_goes_to_the_least_loaded_worker_not_the_busiest():
+    policy = fleet("cache-aware")
+    busy = [policy.route(RouteRequest([], 100), now=0) for _ in range(6)]
+    loads = {w: policy.board.load(w) for w in policy.workers}
+    route = policy.route(request(list(range(64))), now=0)
+    assert loads[route.worker] == min(loads.values())
+    for r in [*busy, route]:
+        policy.finish(r.ticket)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_load_counters_return_to_zero_on_every_path(name):
+    policy = fleet(name)
+    rng = random.Random(0)
+    tickets = []
+    for i in range(200):
+        r = policy.route(request(conversation(i % 10, 1)[0], session=str(i % 10)), now=i)
+        if rng.random() < 0.5:
+            policy.first_token(r.ticket)
+        tickets.append(r.ticket)
+        if rng.random() < 0.5:  # finished, aborted, or failed: all end the ticket
+            policy.finish(tickets.pop(rng.randrange(len(tickets))))
+    for t in tickets:
+        policy.finish(t)
+        policy.finish(t)  # a second finish changes nothing
+    assert policy.in_flight() == 0
+    assert all(policy.board.load(w) == 0 for w in policy.workers)
+
+
+def test_events_remove_and_clear_entries():
+    policy = fleet("cache-aware", n=2)
+    tokens = list(range(64))
+    policy.apply_events("w1", stored(tokens))
+    r = policy.route(request(tokens), now=0)
+    assert (r.worker, r.cached_tokens, r.source) == ("w1", 64, "exact")
+    policy.finish(r.ticket)
+    hashes = prompt_block_hashes(tokens, B)
+    policy.apply_events("w1", [BlockRemoved(hashes[2:])])
+    policy.index.clear_worker("w0")  # drop approximate entries the routes made
+    policy.index.clear_worker("w1")
+    policy.apply_events("w1", stored(tokens[:32]))
+    r = policy.route(request(tokens), now=1)
+    assert (r.worker, r.cached_tokens) == ("w1", 32)
+    policy.finish(r.ticket)
+    policy.apply_events("w1", [AllBlocksCleared()])
+    assert policy.index.size()[0] == 0
+
+
+def test_approximate_entries_expire():
+    policy = fleet("cache-aware", n=2, events=False, approx_ttl_no_events=10.0)
+    tokens = list(range(64))
+    first = policy.route(request(tokens), now=0)
+    policy.finish(first.ticket)
+    again = policy.route(request(tokens), now=5)
+    assert again.worker == first.worker and again.source == "approx"
+    policy.finish(again.ticket)
+    late = policy.route(request(tokens), now=100)
+    assert late.source == "none"
+    policy.finish(late.ticket)
+    assert policy.index.size() == (0, 4)  # the last route's entries, live until 110
+    assert policy.index.sweep(now=1000) == 4 and policy.index.size() == (0, 0)
+
+
+def test_tier_cost_prefers_a_device_copy():
+    policy = fleet("cache-aware", n=2)
+    tokens = list(range(64))
+    hashes = prompt_block_hashes(tokens, B)
+    policy.apply_events("w0", [BlockStored(hashes, None, tokens, B, medium="host")])
+    policy.apply_events("w1", [BlockStored(hashes, None, tokens, B)])
+    r = policy.route(request(tokens), now=0)
+    assert r.worker == "w1"
+    policy.finish(r.ticket)
+
+
+def test_consistent_hash_is_stable_and_moves_few_keys():
+    policy = fleet("consistent-hash", n=4)
+    keys = [str(i) for i in range(400)]
+    before = {k: policy.route(request([1], session=k), now=0).worker for k in keys}
+    policy.add_worker("w4")
+    after = {k: policy.route(request([1], session=k), now=0).worker for k in keys}
+    moved = sum(before[k] != after[k] for k in keys)
+    assert 0 < moved < len(keys) / 2
+    assert all(after[k] in (before[k], "w4") for k in keys)
+
+
+def test_exclusion_and_an_empty_fleet():
+    for name in POLICIES:
+        policy = fleet(name, n=2)
+        for _ in range(5):
+            assert policy.route(request(list(range(40))), now=0, exclude={"w0"}).worker == "w1"
+        with pytest.raises(NoWorkerError):
+            policy.route(request([1]), now=0, exclude={"w0", "w1"})
+        with pytest.raises(NoWorkerError):
+            make_policy(name).route(request([1]), now=0)
+
+
+def test_cache_aware_work_per_request_does_not_grow_with_the_fleet():
+    """O(fleet) per request is a known failure mode: time a request at N=8 and N=1000."""
+
+    def per_route(n):
+        policy = fleet("cache-aware", n=n)
+        system = list(range(256))  # a system prompt every worker holds
+        for w in policy.workers:
+            policy.apply_events(w, stored(system))
+        prompts = [system + conversation(c, 1, 128)[0] for c in range(300)]
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            r = policy.route(request(p), now=i)
+            policy.finish(r.ticket)
+        return (time.perf_counter() - t0) / len(prompts)
+
+    per_route(8)  # warm up
+    small, large = min(per_route(8) for _ in range(3)), min(per_route(1000) for _ in range(3))
+    assert large < 3 * small, (small, large)
+
+
+def test_a_worker_that_leaves_and_returns_starts_with_zero_load():
+    policy = fleet("cache-aware", n=2)
+    r = policy.route(request(list(range(64))), now=0, exclude={"w1"})
+    policy.remove_worker("w0")  # unreachable: out of the fleet with a request in flight
+    policy.add_worker("w0", has_events=True)
+    policy.finish(r.ticket)  # the old request ends after the worker came back
+    assert policy.board.running["w0"] == 0 and policy.board.load("w0") == 0

@@ -1,0 +1,253 @@
+"""The simulator: it runs the engine's own scheduler and tree, its shortcuts change nothing,
+traces load, Belady bounds every online policy, and the CLI writes its reports."""
+
+import json
+
+import numpy as np
+import pytest
+
+from radixserve.cli import main
+from radixserve.config import EngineConfig
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.kvevents.hashing import prompt_block_hashes
+from radixserve.sim.loop import SimConfig, Simulation
+from radixserve.sim.replay import replay, replay_order, slot_replay
+from radixserve.sim.routing import ROUTING_POLICIES, RoutingConfig, SimRouter
+from radixserve.sim.timing import TimingModel, fit_coefficients, step_features
+from radixserve.sim.trace import Session, Trace, TraceError, Turn, load_mooncake
+from radixserve.sim.workloads import ChatEncoder, SyntheticSpec, ThinkTime, synthetic_trace
+
+TIMING = TimingModel(
+    overhead=0.01, prefill_token=1e-4, prefill_attention=1e-8, prefill_chunk=1e-3,
+    decode_request=1e-3, decode_attention=1e-7, request_overhead=0.005,
+)  # fmt: skip
+MOONCAKE = "tests/sim_fixtures/mooncake_sample.jsonl"
+
+
+def small_trace(seed=0, sessions=40, rate=1.0):
+    spec = SyntheticSpec(num_sessions=sessions, num_system_prompts=4, system_prompt_len=120,
+                         mean_user_len=20, mean_output_len=12, session_rate=rate,
+                         think_time=ThinkTime(3.0))  # fmt: skip
+    return synthetic_trace(spec, seed)
+
+
+def run(trace, kv=4000, instances=1, routing="cache-aware", decode_runs=True, **engine):
+    config = SimConfig(
+        EngineConfig(max_total_tokens=kv, chunked_prefill_size=64, **engine), instances,
+        RoutingConfig(routing), max_concurrency=4, check_integrity=True,
+    )  # fmt: skip
+    return Simulation(trace, config, TIMING, decode_runs=decode_runs).run()
+
+
+def test_instance_runs_the_engine_scheduler_step_for_step(make_engine):
+    """Same requests, same config: the simulated instance schedules exactly the steps the real
+    engine runs (prefill chunks and decode batches) and gets the same cache hits."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 1000, 90).tolist()
+    prompts = [shared + rng.integers(3, 1000, n).tolist() for n in (30, 70, 10, 50)]
+    out_len = [6, 3, 9, 4]
+    engine = make_engine(max_total_tokens=400, chunked_prefill_size=64, max_running_requests=3)
+    steps_real = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        step = schedule()
+        steps_real.append(([(n, r.num_computed) for r, n in step.prefills], len(step.decodes)))
+        return step
+
+    engine.scheduler.schedule = recording
+    reqs = [
+        engine.add_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
+        for i, (p, m) in enumerate(zip(prompts, out_len, strict=True))
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    sessions = [
+        Session(str(i), [Turn(np.array(p, np.int32), r.token_ids[len(p) :].copy())])
+        for i, (p, r) in enumerate(zip(prompts, reqs, strict=True))
+    ]
+    config = SimConfig(engine.config, 1, max_concurrency=4, check_integrity=True)
+    sim = Simulation(Trace("t", sessions), config, TIMING, decode_runs=False)
+    steps_sim = []
+    inst = sim.instances[0]
+    sim_schedule = inst.scheduler.schedule
+
+    def sim_recording():
+        step = sim_schedule()
+        steps_sim.append(([(n, r.num_computed) for r, n in step.prefills], len(step.decodes)))
+        return step
+
+    inst.scheduler.schedule = sim_recording
+    result = sim.run()
+    assert [s for s in steps_sim if s != ([], 0)] == [s for s in steps_real if s != ([], 0)]
+    assert result.records.cached.tolist() == [r.cached_tokens for r in reqs]
+    assert sum(result.records.cached) > 0  # the shared prefix was reused
+
+
+def test_decode_runs_change_nothing_but_speed():
+    trace = small_trace(sessions=30)
+    fast, slow = run(trace, decode_runs=True), run(trace, decode_runs=False)
+    rf, rs = fast.records, slow.records
+    assert np.array_equal(rf.cached, rs.cached)
+    assert np.allclose(rf.first_token, rs.first_token) and np.allclose(rf.finish, rs.finish)
+    assert sum(i.steps for i in fast.instances) < sum(i.steps for i in slow.instances)
+
+
+def test_router_block_hashes_extend_per_session_and_equal_the_engines():
+    router = SimRouter(RoutingConfig("cache-aware"), 2, 16)
+    rng = np.random.default_rng(1)
+    buf = rng.integers(0, 500, 300).astype(np.int32)
+    for end in (40, 100, 100, 250, 33):  # growing chat, then a shorter, different prompt
+        prompt = buf[:end] if end != 33 else rng.integers(0, 500, 33).astype(np.int32)
+        assert router._block_hashes(prompt, "ns", "s1") == prompt_block_hashes(prompt, 16, "ns")
+
+
+def test_every_routing_policy_runs_and_cache_aware_beats_round_robin():
+    trace = small_trace(sessions=60, rate=4.0)
+    rates = {}
+    for policy in ROUTING_POLICIES:
+        result = run(trace, kv=3000, instances=4, routing=policy)
+        done = ~np.isnan(result.records.finish)
+        assert done.all() and result.router.policy.in_flight() == 0  # every ticket finished
+        rates[policy] = result.records.cached.sum() / result.records.prompt_len.sum()
+    assert rates["cache-aware"] > rates["round-robin"]
+    assert rates["consistent-hash"] > rates["round-robin"]  # a session sticks to its instance
+
+
+def test_lost_events_are_counted_and_delayed_events_arrive():
+    trace = small_trace(sessions=20, rate=4.0)
+    config = SimConfig(EngineConfig(max_total_tokens=3000), 3,
+                       RoutingConfig("cache-aware", event_delay=0.5, event_loss=0.5))  # fmt: skip
+    result = Simulation(trace, config, TIMING).run()
+    stats = result.router.stats()
+    assert stats["event_batches_lost"] > 0 and stats["event_batches_applied"] > 0
+
+
+def test_mooncake_trace_shares_blocks_and_rejects_bad_lines(tmp_path):
+    trace = load_mooncake(MOONCAKE)
+    assert trace.timed and trace.num_requests == 8
+    a, c = trace.sessions[0].turns[0].prompt, trace.sessions[2].turns[0].prompt
+    assert len(a) == 1200 and np.array_equal(a[:1024], c[:1024]) and a[1024] != c[1024]
+    assert [s.arrival for s in trace.sessions][:2] == [0.0, 0.35]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match="1 hash_ids for 600 tokens"):
+        load_mooncake(bad)
+    with pytest.raises(TraceError, match="not found"):
+        load_mooncake(tmp_path / "missing.jsonl")
+
+
+def test_chat_encoder_equals_encoding_the_rendered_chat(default_tokenizer):
+    turns = [("What is a radix tree?", "A compressed trie."), ("And eviction?", "Leaves go first.")]
+    tokens, spans = ChatEncoder(default_tokenizer).conversation("Be brief.", turns)
+    messages = [{"role": "system", "content": "Be brief."}]
+    for k, (user, answer) in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        assert tokens[: spans[k][0]].tolist() == default_tokenizer.encode_chat(messages)
+        messages.append({"role": "assistant", "content": answer})
+        assert default_tokenizer.decode(tokens[spans[k][1] : spans[k][2]].tolist()) == answer
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_belady_bounds_every_online_policy(seed):
+    order = replay_order(small_trace(seed=seed, sessions=35))
+    ceiling = replay(order, 0, "unbounded")
+    pool = ceiling.tree_tokens // 4
+    belady = replay(order, pool, "belady").hit_rate
+    assert ceiling.hit_rate >= belady
+    for policy in ("lru", "lfu", "slru", "cost-aware"):
+        for threshold in (None, 0.2):
+            assert replay(order, pool, policy, cache_threshold=threshold).hit_rate <= belady
+
+
+def test_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    true = np.array([0.004, 2e-4, 3e-8, 0.0, 1e-3, 5e-8])
+    rows = [
+        step_features([(int(rng.integers(1, 512)), int(rng.integers(0, 2048)))], [])
+        if i % 2 else step_features([], rng.integers(10, 2000, int(rng.integers(1, 32))).tolist())
+        for i in range(200)
+    ]  # fmt: skip
+    x = np.array(rows)
+    fitted = fit_coefficients(x, x @ true)
+    assert np.allclose(fitted, true, rtol=1e-6, atol=1e-12)
+
+
+def test_simulate_cli_writes_results_report_and_plots(tmp_path, capsys):
+    out = tmp_path / "sim"
+    timing = tmp_path / "t.json"
+    TIMING.save(timing)
+    code = main(["simulate", "--trace", "synthetic", "--sessions", "25", "--trace-args",
+                 "system_prompt_len=100,mean_user_len=20,mean_output_len=10,session_rate=2",
+                 "--kv-tokens", "1500,6000", "--eviction", "lru,slru", "--timing", str(timing),
+                 "--output-dir", str(out)])  # fmt: skip
+    assert code == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["ok"] and line["rows"] == 4
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {(r["kv_tokens_per_instance"], r["eviction_policy"]) for r in rows} == {
+        (1500, "lru"), (1500, "slru"), (6000, "lru"), (6000, "slru")}  # fmt: skip
+    assert all(0 <= r["hit_rate"] <= 1 and r["ttft_p50_s"] > 0 for r in rows)
+    assert (out / "hit_rate_vs_kv_tokens.png").stat().st_size > 0
+    assert "| synthetic |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--eviction", "mru"], "unknown --eviction 'mru'"),
+        (["--routing", "best"], "unknown --routing policy 'best'"),
+        (["--trace", "nope"], "--trace: unknown 'nope'"),
+        (["--cache-threshold", "2"], "--cache-threshold must be in"),
+        (["--router-args", "gate=1"], "unknown --router-args option"),
+        (["--trace-args", "bogus=1"], "bogus"),
+        (["--timing", "no-such-profile"], "neither a file nor a shipped profile"),
+    ],
+)
+def test_simulate_cli_rejects_bad_options(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--sessions", "3", "--output-dir", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_llamacpp_slots_keep_one_sequence_each():
+    a, b = np.arange(100, 160, dtype=np.int32), np.arange(500, 560, dtype=np.int32)
+    out = np.arange(7, dtype=np.int32)
+    sa, sb = Session("a", []), Session("b", [])
+    first_a, first_b = Turn(a[:40], out), Turn(b[:40], out)
+    again_a = Turn(np.concatenate([a[:40], out, a[40:50]]), out)  # turn 2 of chat a
+    order = [(sa, first_a), (sb, first_b), (sa, again_a)]
+    one, two = slot_replay(order, 1, 200), slot_replay(order, 2, 200)
+    assert one.cached_tokens == 0  # b's chat took the only slot
+    assert two.cached_tokens == 40 + 6  # a's prompt and answer (less its last token)
+    assert slot_replay(order, 2, 50).failed == 1  # turn 2 does not fit a 50-token slot
+
+
+def test_replay_cli_compares_designs_and_finds_memory_for_a_target(tmp_path, capsys):
+    out = tmp_path / "replay"
+    code = main(["simulate", "replay", "--trace", "synthetic", "--sessions", "30",
+                 "--trace-args", "system_prompt_len=100,mean_user_len=20,mean_output_len=10,"
+                 "session_rate=2,num_system_prompts=3", "--kv-fraction", "0.2,0.5",
+                 "--eviction", "lru,belady", "--design", "tree,blocks,slots",
+                 "--target-fraction", "0.9", "--output-dir", str(out)])  # fmt: skip
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    trees = [r for r in rows if r["design"] == "tree" and r["policy"] == "lru"]
+    assert len(trees) == 2 and all(0 < r["vs_belady"] <= 1 for r in trees)
+    memory = {r["design"]: r for r in rows if r["policy"] == "memory for target"}
+    assert set(memory) == {"tree", "blocks", "slots"}
+    trace = synthetic_trace(SyntheticSpec(num_sessions=30, system_prompt_len=100,
+                                          mean_user_len=20, mean_output_len=10, session_rate=2,
+                                          num_system_prompts=3))  # fmt: skip
+    order = replay_order(trace)
+    target = memory["tree"]["target_hit_rate"]
+    assert replay(order, memory["tree"]["kv_tokens"], "lru").hit_rate >= target
+    assert memory["tree"]["kv_tokens"] <= memory["blocks"]["kv_tokens"]  # blocks waste tails
+    assert (out / "hit_rate_vs_kv_tokens.png").exists()
+
+
+def test_untimed_trace_needs_a_load_shape():
+    trace = small_trace(sessions=3, rate=None)
+    config = SimConfig(EngineConfig(max_total_tokens=3000))
+    with pytest.raises(ValueError, match="give max_concurrency"):
+        Simulation(trace, config, TIMING)

@@ -1,0 +1,84 @@
+"""A prefill (or decode) peer for KV transfer tests, run in its own spawned process.
+
+The prefill peer holds a KV pool filled from a seed (``seeded_pool``, so the test process can
+rebuild the same content), serves transfers with ``ZmqKVSender`` and does what each request's
+``meta`` says: ``src`` (slots to send), ``mode`` (normal, silent, abort, die_after,
+late), ``pieces``. It reports through a queue: its endpoints first, then every transfer that
+ended, as ``(transfer_id, state value, reason)``. Spawning it costs a torch import, so one
+process serves both layouts the tests need.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+
+import torch
+
+from radixserve.cache.kv_pool import KVPool, KVShape
+from radixserve.disagg.transfer import KVLayout
+
+HEARTBEAT = dict(heartbeat_interval=0.1, heartbeat_timeout=0.8)
+
+
+def seeded_pool(num_slots: int, dtype: str, seed: int | None, layers: int = 3) -> KVPool:
+    pool = KVPool(KVShape(layers, 2, 8, getattr(torch, dtype)), num_slots)
+    if seed is None:
+        pool.k.zero_()
+        pool.v.zero_()
+    else:
+        g = torch.Generator().manual_seed(seed)
+        pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+        pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    return pool
+
+
+def layout_of(pool: KVPool, page_size: int = 1) -> KVLayout:
+    return KVLayout.of_pool(pool, "test-model", page_size)
+
+
+# The two senders one peer process runs: (dtype, page size, target message bytes). The
+# float32 one uses tiny messages, so a transfer goes out as several token pieces and layer
+# groups.
+PEER_LAYOUTS = {"f32": ("float32", 1, 200), "bf16": ("bfloat16", 4, 1 << 20)}
+
+
+def run_prefill_peer(reports, seed: int) -> None:
+    from radixserve.disagg.zmq_sender import ZmqKVSender
+
+    senders = {}
+    for name, (dtype, page_size, message_bytes) in PEER_LAYOUTS.items():
+        pool = seeded_pool(256, dtype, seed)
+        layout = layout_of(pool, page_size)
+        senders[name] = ZmqKVSender(pool, layout, message_bytes=message_bytes, **HEARTBEAT)
+    reports.put({name: s.endpoint for name, s in senders.items()})
+    late: list[tuple[float, str, torch.Tensor, ZmqKVSender]] = []
+    while True:
+        select.select([s.fileno() for s in senders.values()], [], [], 0.05)
+        for sender in senders.values():
+            for req in sender.incoming():
+                src = torch.tensor(req.meta["src"])
+                mode = req.meta.get("mode", "normal")
+                if mode == "normal":
+                    for piece in torch.tensor_split(src, req.meta.get("pieces", 1)):
+                        sender.push(req.transfer_id, piece)
+                elif mode == "abort":
+                    sender.abort(req.transfer_id, "prompt rejected by the test")
+                elif mode == "die_after":
+                    sender.push(req.transfer_id, src[: req.meta["n"]])
+                    time.sleep(0.2)  # let ZeroMQ put the first tokens on the wire
+                    os._exit(3)
+                elif mode == "late":
+                    when = time.monotonic() + req.meta["delay"]
+                    late.append((when, req.transfer_id, src, sender))
+            for tid, status in sender.finished():
+                reports.put((tid, status.state.value, status.reason))
+        for item in list(late):
+            when, tid, src, sender = item
+            if time.monotonic() >= when:
+                late.remove(item)
+                try:
+                    sender.push(tid, src)
+                except Exception as e:  # ended meanwhile (cancelled): report, go on
+                    reports.put((tid, "push_refused", str(e)))
