@@ -152,16 +152,18 @@ def create_app(
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
-        if (body.input_ids is None) == (body.text is None):
-            raise ApiError(400, "give exactly one of input_ids and text", "input_ids")
         params = body.to_sampling_params(defaults)
+        options: dict = {}
         if body.input_ids is not None:
             ids = body.input_ids
-        else:
+        elif body.text is not None:
             ids = await serving.off_loop(tokenizer.encode, body.text)
+        else:
+            ids, ranges = await serving.off_loop(encode_segments, tokenizer, body.segments)
+            options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER), **options
         )
         if body.stream:
             return StreamingResponse(
@@ -263,6 +265,19 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list
     return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
 
+def encode_segments(tokenizer: Tokenizer, segments: list) -> tuple[list[int], list]:
+    """The prompt of a segment list, each piece tokenized alone (so a passage gets the same
+    tokens wherever it sits), and the ``(start, end)`` token range of each reusable one."""
+    ids: list[int] = []
+    ranges = []
+    for seg in segments:
+        piece = seg.input_ids if seg.input_ids is not None else tokenizer.encode(seg.text, False)
+        if seg.reusable:
+            ranges.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+    return ids, ranges
+
+
 def token_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
@@ -281,6 +296,7 @@ def native_result(job: Job, full: bool, index: int = 0) -> dict:
             "prompt_tokens": len(job.prompts[index]),
             "cached_tokens": t.cached_tokens,
             "cached_tokens_by_tier": t.cached_by_tier(),
+            **t.segment_usage(),
             "completion_tokens": len(t.token_ids),
             "finish_reason": t.finish_reason,
         },

@@ -262,16 +262,47 @@ _SAMPLING_SCHEMA = {
 }
 
 
+class PromptSegment(BaseModel):
+    """One piece of a ``/generate`` prompt given as segments: text or token ids. A reusable
+    one (a retrieved passage) has its KV stored and reused wherever it appears later."""
+
+    model_config = STRICT
+    text: str | None = None
+    input_ids: list[int] | None = None
+    reusable: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptSegment:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("a segment needs exactly one of text and input_ids")
+        if not (self.text or self.input_ids):
+            raise ValueError("a segment may not be empty")
+        return self
+
+
 class GenerateRequest(_Body):
-    """The native endpoint: token ids (or text) in, token ids out. ``sampling_params`` are
-    ``SamplingParams`` fields, checked there (strictly typed, since JSON reaches it as is)."""
+    """The native endpoint: token ids (or text, or a list of segments) in, token ids out.
+    ``sampling_params`` are ``SamplingParams`` fields, checked there (strictly typed, since
+    JSON reaches it as is). ``recompute_ratio`` (with segments): share of the reused segment
+    tokens computed again; None: the server's default."""
 
     input_ids: list[int] | None = None
     text: str | None = None
+    segments: list[PromptSegment] | None = Field(default=None, min_length=1)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     sampling_params: dict[str, Any] = Field(
         default_factory=dict, json_schema_extra=_SAMPLING_SCHEMA
     )
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [f for f in ("input_ids", "text", "segments") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of input_ids, text and segments")
+        if self.recompute_ratio is not None and self.segments is None:
+            raise ValueError("recompute_ratio applies to segments only")
+        return self
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens
