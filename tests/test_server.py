@@ -324,3 +324,27 @@ def test_bad_segments_get_a_clear_error(server, body, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert_healthy(server)
+
+
+def test_chat_with_reusable_parts_reuses_them_in_any_order(server):
+    def ask(first: str, second: str, ratio: float) -> dict:
+        content = [
+            {"type": "text", "text": "Documents:\n"},
+            {"type": "text", "text": first, "reusable": True},
+            {"type": "text", "text": second, "reusable": True},
+            {"type": "text", "text": "\nWhat holds runs of tokens?"},
+        ]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4, "temperature": 0, "recompute_ratio": ratio}  # fmt: skip
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]
+
+    first = ask(DOC_A, DOC_B, 1.0)
+    assert first["segment_hits"] == 0 and first["recomputed_tokens"] > 0
+    again = ask(DOC_B, DOC_A, 0.0)
+    assert again["segment_hits"] == 2 and again["reused_tokens"] == first["recomputed_tokens"]
+    bad = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT,
+                                                "recompute_ratio": 0.5})  # fmt: skip
+    assert bad.status_code == 400 and "reusable content parts" in bad.json()["error"]["message"]
+    assert_healthy(server)

@@ -39,6 +39,7 @@ from radixserve.server.responses import (
     chat_response,
     completion_response,
 )
+from radixserve.server.segments import encode_chat_segments, encode_segments
 from radixserve.server.serving import Job, Serving
 from radixserve.server.tier_metrics import cache_tiers
 
@@ -110,11 +111,19 @@ def create_app(
         check_model(body.model)
         params = body.choice_params(defaults)
         serving.check_size(body.n)
-        ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
+        reusable = body.reusable_parts()
+        options: dict = {}
+        if reusable:  # RAG segments (server/segments.py)
+            marked = body.conversation(mark_reusable=True)
+            ids, ranges = await serving.off_loop(encode_chat_segments, tokenizer, marked, reusable)
+            options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
+        else:
+            ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
-        )
+            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER),
+            **options,
+        )  # fmt: skip
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -263,19 +272,6 @@ def create_app(
 
 def encode_prompts(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-
-
-def encode_segments(tokenizer: Tokenizer, segments: list) -> tuple[list[int], list]:
-    """The prompt of a segment list, each piece tokenized alone (so a passage gets the same
-    tokens wherever it sits), and the ``(start, end)`` token range of each reusable one."""
-    ids: list[int] = []
-    ranges = []
-    for seg in segments:
-        piece = seg.input_ids if seg.input_ids is not None else tokenizer.encode(seg.text, False)
-        if seg.reusable:
-            ranges.append((len(ids), len(ids) + len(piece)))
-        ids += piece
-    return ids, ranges
 
 
 def token_digest(token_ids: list[int]) -> str:
