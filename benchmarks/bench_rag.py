@@ -22,7 +22,9 @@ against the reference: first-token agreement, greedy answer agreement (all ``--m
 tokens), mean KL(reference || blended) of the first next-token distribution, median TTFT
 (add to first token, one request at a time) and its ratio to the reference's.
 
-Prints one JSON line; ``--out`` also writes it to a file and ``--plot`` draws the curves.
+Prints a JSON line per item, then the summary; ``--out`` also writes the summary to a file and
+``--plot`` draws the curves; ``--from-log LOG`` summarizes the item lines of a run's log
+(a run cut short included: the summary's ``items`` says how many it covers).
 Usage: ``python benchmarks/bench_rag.py --items 30 --ratios 0,0.05,0.1,0.15,0.25,0.5,1``.
 """
 
@@ -135,7 +137,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--from-log", type=Path, help="summarize the per-item lines of a run's log")
     args = ap.parse_args()
+    if args.from_log:
+        meta = {"passages": args.passages, "passage_tokens": args.passage_tokens,
+                "dtype": args.dtype, "from_log": str(args.from_log)}  # fmt: skip
+        report(summarize(*from_log(args.from_log), meta), args)
+        return
     ratios = [float(x) for x in args.ratios.split(",")]
     loaded = load_model(None, "cpu", args.dtype, progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
@@ -169,10 +177,19 @@ def main() -> None:
         done = {"item": n, "full_ttft_s": ref["ttft"], "by_ratio": {r: rows[r][-1] for r in ratios}}
         print(json.dumps(done), flush=True)  # per item, so a cut-short run still tells
     blend.engine.check_integrity()
+    meta = {
+        "passages": args.passages,
+        "passage_tokens": args.passage_tokens,
+        "dtype": args.dtype,
+        "prompt_tokens_median": statistics.median(len(i["prompt"]) for i in items),
+    }
+    report(summarize(rows, ref_ttft, meta), args)
+
+
+def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) -> dict:
     ref_med = statistics.median(ref_ttft)
     curve = []
-    for r in ratios:
-        rs = rows[r]
+    for r, rs in sorted(rows.items()):
         med = statistics.median(x["ttft"] for x in rs)
         curve.append({
             "ratio": r,
@@ -185,15 +202,23 @@ def main() -> None:
             "recomputed_tokens": sum(x["recomputed"] for x in rs),
             "reused_tokens": sum(x["reused"] for x in rs),
         })  # fmt: skip
-    result = {
-        "items": len(items),
-        "passages": args.passages,
-        "passage_tokens": args.passage_tokens,
-        "prompt_tokens_median": statistics.median(len(i["prompt"]) for i in items),
-        "dtype": args.dtype,
-        "full_prefill_median_ttft_s": ref_med,
-        "curve": curve,
-    }
+    return {"items": len(ref_ttft), **meta, "full_prefill_median_ttft_s": ref_med, "curve": curve}
+
+
+def from_log(path: Path) -> tuple[dict[float, list[dict]], list[float]]:
+    """The per-item lines a run printed (all of them, or as far as a cut-short run got)."""
+    rows: dict[float, list[dict]] = {}
+    ref_ttft = []
+    for line in path.read_text().splitlines():
+        if line.startswith('{"item"'):
+            done = json.loads(line)
+            ref_ttft.append(done["full_ttft_s"])
+            for r, x in done["by_ratio"].items():
+                rows.setdefault(float(r), []).append(x)
+    return rows, ref_ttft
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
     line = json.dumps(result)
     print(line)
     if args.out:
