@@ -340,9 +340,10 @@ def test_chat_with_reusable_parts_reuses_them_in_any_order(server):
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens_details"]
 
-    first = ask(DOC_A, DOC_B, 1.0)
+    doc_c, doc_d = DOC_A.upper(), DOC_B.upper()  # not stored by the /generate test
+    first = ask(doc_c, doc_d, 1.0)
     assert first["segment_hits"] == 0 and first["recomputed_tokens"] > 0
-    again = ask(DOC_B, DOC_A, 0.0)
+    again = ask(doc_d, doc_c, 0.0)
     assert again["segment_hits"] == 2 and again["reused_tokens"] == first["recomputed_tokens"]
     bad = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT,
                                                 "recompute_ratio": 0.5})  # fmt: skip
