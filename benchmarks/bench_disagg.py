@@ -8,8 +8,10 @@ Deployments, on this machine (2 cores), each started fresh on free loopback port
 - ``pd``: one prefill instance (core 0) and one decode instance (core 1) behind
   ``radixserve router --prefill ... --decode ...``;
 - ``pd-resend``: the same, but the decode instance keeps no prefix cache
-  (``--disable-prefix-caching``), so every request moves its whole prompt: the
-  history-resend design that decode-side reuse is measured against.
+  (``--disable-prefix-caching``) and no split is made (``--local-prefill-tokens 0``,
+  ``--remote-prefill-min-tokens 1``: the router's prediction of a cache would otherwise keep
+  later turns local), so every request moves its whole prompt: the history-resend design
+  that decode-side reuse is measured against.
 
 Each deployment runs each workload through ``radixserve bench --base-url`` (the same load
 generator, workload and seed for all), after which the decode instance's ``/disagg/info``
@@ -18,7 +20,8 @@ arriving while chats run; ITL of the chats is read from the report's ``by_group`
 one JSON line; ``--out DIR`` keeps every bench report.
 
 Usage: ``python benchmarks/bench_disagg.py [--deployments colocated,dp2,pd,pd-resend]
-[--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick]``
+[--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick]
+[--workload-args 'WORKLOAD=FLAGS']``
 """
 
 from __future__ import annotations
@@ -93,10 +96,15 @@ def router(model: list[str], *args: str) -> list[str]:
     return [PY, "-m", "radixserve.cli", "router", *model, "--log-level", "warning", *args]
 
 
+EVENTS = ["--kv-events-endpoint", "tcp://127.0.0.1:0",
+          "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
+
+
 def deploy(name: str, fleet: Fleet, model: list[str], engine: list[str]) -> tuple[str, str | None]:
     """Start deployment ``name``; return its front URL and the decode instance's (or None)."""
     if name == "colocated":
         return fleet.start("colocated", serve(model, *engine)), None
+    engine = [*engine, *EVENTS]  # behind a router: publish KV events for its index
     if name == "dp2":
         a = fleet.start("dp-a", serve(model, *engine), cores="0")
         b = fleet.start("dp-b", serve(model, *engine), cores="1")
@@ -105,14 +113,16 @@ def deploy(name: str, fleet: Fleet, model: list[str], engine: list[str]) -> tupl
         "prefill", serve(model, *engine, "--disaggregation-mode", "prefill"), cores="0"
     )
     endpoint = httpx.get(prefill + "/disagg/info").json()["endpoint"]
-    extra = ["--disable-prefix-caching"] if name == "pd-resend" else []
+    resend = name == "pd-resend"  # every prompt through the prefill instance, whole
+    extra = ["--disable-prefix-caching", "--remote-prefill-min-tokens", "1"] if resend else []
     decode = fleet.start(
         "decode",
         serve(model, *engine, *extra, "--disaggregation-mode", "decode",
               "--prefill-endpoint", endpoint),
         cores="1",
     )  # fmt: skip
-    front = fleet.start("router", router(model, "--prefill", prefill, "--decode", decode))
+    split = ["--local-prefill-tokens", "0"] if resend else []
+    front = fleet.start("router", router(model, "--prefill", prefill, "--decode", decode, *split))
     return front, decode
 
 
@@ -146,11 +156,23 @@ def main() -> None:
     ap.add_argument("--model", help="model file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--engine-args", default="", help="extra flags for every instance")
     ap.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
+    ap.add_argument(
+        "--workload-args",
+        action="append",
+        default=[],
+        metavar="WORKLOAD=ARGS",
+        help="replace a workload's radixserve bench flags, e.g. 'doc-mix=--num-docs 2 ...'",
+    )
     ap.add_argument("--out", help="keep reports and logs here (default: a temporary dir)")
     args = ap.parse_args()
     model = ["--model", args.model] if args.model else []
     engine = shlex.split(args.engine_args)
-    table = QUICK_ARGS if args.quick else WORKLOAD_ARGS
+    table = dict(QUICK_ARGS if args.quick else WORKLOAD_ARGS)
+    for item in args.workload_args:
+        workload, sep, flags = item.partition("=")
+        if not sep or workload not in table:
+            ap.error(f"--workload-args: give WORKLOAD=ARGS with WORKLOAD in {', '.join(table)}")
+        table[workload] = flags
     out_root = Path(args.out or tempfile.mkdtemp(prefix="bench-disagg-"))
     results: dict = {}
     for name in args.deployments.split(","):

@@ -15,8 +15,8 @@
    (the same five prompts, the answers replayed). Reports turns 2 and 5 and the speed-ups.
 
 Prints one JSON line. Usage: ``python benchmarks/bench_engine.py [--repeat 3] [--dtype float32]
-[--quantization auto]`` (the engine's ``--quantization``; transformers always runs the
-dequantized weights).
+[--quantization auto] [--prefill-only]`` (the engine's ``--quantization``; transformers
+always runs the dequantized weights; ``--prefill-only``: part 1 without transformers).
 """
 
 from __future__ import annotations
@@ -100,12 +100,17 @@ def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
         with torch.inference_mode():
             reference(x, logits_to_keep=1)
 
-    t_ours, t_full, t_last = (median_time(f, repeat) for f in (ours, hf_full, hf_last))
+    t_ours = median_time(ours, repeat)
     t_chunked = median_time(lambda: ours(chunked), repeat)
-    return {
+    result = {
         "prompt_tokens": n,
         "ours_tokens_per_s": round(n / t_ours, 1),
         "ours_chunks_of_256_tokens_per_s": round(n / t_chunked, 1),
+    }
+    if reference is None:
+        return result
+    t_full, t_last = (median_time(f, repeat) for f in (hf_full, hf_last))
+    return result | {
         "transformers_tokens_per_s": round(n / t_full, 1),
         "transformers_last_logits_tokens_per_s": round(n / t_last, 1),
         "speedup_vs_transformers": round(t_full / t_ours, 2),
@@ -192,14 +197,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
+    parser.add_argument(
+        "--prefill-only", action="store_true", help="our prefill and the roofline only"
+    )
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     loaded = load_model(None, dtype=args.dtype, progress=False, quantization=args.quantization)
     path = loaded.path
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, args.dtype)
-    ).eval()
+    reference = None
+    if not args.prefill_only:
+        reference = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, args.dtype)
+        ).eval()
     result = {
         "bench": "engine",
         "dtype": args.dtype,
@@ -210,6 +220,9 @@ def main() -> None:
     }
     ours = result["prefill"]["ours_tokens_per_s"]
     result["prefill"]["share_of_roofline"] = round(ours / result["roofline"]["tokens_per_s"], 3)
+    if args.prefill_only:
+        print(json.dumps(result))
+        return
     del reference
     decode = [bench_decode(loaded, b) for b in (1, 8, 16, 32)]
     result["decode"] = decode

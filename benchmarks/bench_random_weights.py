@@ -10,8 +10,12 @@ forward pass is driven directly (no scheduler, no sampling beyond argmax):
   prefilled, then ``--steps`` decode steps of the whole batch are timed (greedy).
 
 ``--quantization int8`` / ``int4`` quantizes the random weights (q8_0 / q4_1) as the engine
-would. Prints one JSON line. Usage:
-``python benchmarks/bench_random_weights.py --device cuda [--dtype bfloat16]``.
+would. ``--cuda-graphs``: each batch size's decode step is captured once in a CUDA graph and
+replayed (its inputs copied into the captured tensors, the context padded to the last step's
+length, so one graph serves every step); the greedy tokens are checked against the eager
+steps'. On CPU the same padded static step runs without capture (a check of the padding).
+Prints one JSON line. Usage:
+``python benchmarks/bench_random_weights.py --device cuda [--dtype bfloat16] [--cuda-graphs]``.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.cache import KVPool
 from radixserve.model import LlamaModel, ModelConfig, build_forward_batch
+from radixserve.model.attention import ForwardBatch
 from radixserve.model.loader import parse_dtype
 from radixserve.model.quant import quantize_dense
 
@@ -60,6 +66,42 @@ def random_weights(c: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def pad_decode(batch: ForwardBatch, length: int, pad_slot: int) -> ForwardBatch:
+    """A decode batch whose context table is padded to ``length`` (pad slots masked)."""
+    extra = length - batch.decode_context.shape[1]
+    batch.decode_context = F.pad(batch.decode_context, (0, extra), value=pad_slot)
+    batch.decode_bias = F.pad(batch.decode_bias, (0, extra), value=float("-inf"))
+    return batch
+
+
+class StaticStep:
+    """One decode step's tensors at fixed shapes, run eagerly or replayed from a CUDA graph."""
+
+    FIELDS = ("input_ids", "positions", "out_slots", "decode_context", "decode_bias",
+              "decode_lens")  # fmt: skip
+
+    def __init__(self, model: LlamaModel, pool: KVPool, first: ForwardBatch, capture: bool):
+        self.model, self.pool, self.batch = model, pool, first
+        self.graph = None
+        if capture:  # warm up on a side stream (lazy allocations), then capture
+            stream = torch.cuda.Stream(model.device)
+            stream.wait_stream(torch.cuda.current_stream(model.device))
+            with torch.cuda.stream(stream):
+                model.forward(first, pool)
+            torch.cuda.current_stream(model.device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model.forward(first, pool)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        for name in self.FIELDS:
+            getattr(self.batch, name).copy_(getattr(batch, name))
+        if self.graph is None:
+            return self.model.forward(self.batch, self.pool)
+        self.graph.replay()
+        return self.logits
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -74,6 +116,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = parse_dtype(args.dtype, args.device)
@@ -106,26 +149,45 @@ def main() -> None:
             (torch.randint(100, 40000, (128,), generator=g), 0, s[:128], True) for s in slots
         ]
         logits = model.forward(build_forward_batch([], prompts, device, pool.pad_slot), pool)
-        tokens = logits.argmax(-1).tolist()
-        times = []
-        for step in range(args.steps):
-            n = 128 + step
-            decode = [(t, n, s[: n + 1]) for t, s in zip(tokens, slots, strict=True)]
-            batch = build_forward_batch(decode, [], device, pool.pad_slot)
-            sync(device)
-            t0 = time.perf_counter()
-            tokens = model.forward(batch, pool).argmax(-1).tolist()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times[2:] or times)
-        results.append({"batch": b, "step_ms": round(step_s * 1e3, 3),
-                       "tokens_per_s": round(b / step_s, 1)})  # fmt: skip
+        first = logits.argmax(-1).tolist()
+
+        def decode_steps(static: StaticStep | None, first=first, slots=slots):
+            tokens, times, out = first, [], []
+            for step in range(args.steps):
+                n = 128 + step
+                decode = [(t, n, s[: n + 1]) for t, s in zip(tokens, slots, strict=True)]
+                batch = build_forward_batch(decode, [], device, pool.pad_slot)
+                if static is not None:
+                    batch = pad_decode(batch, 128 + args.steps, pool.pad_slot)
+                sync(device)
+                t0 = time.perf_counter()
+                logits = model.forward(batch, pool) if static is None else static.run(batch)
+                tokens = logits.argmax(-1).tolist()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+                out += tokens
+            return statistics.median(times[2:] or times), out
+
+        step_s, eager_tokens = decode_steps(None)
+        row = {"batch": b, "step_ms": round(step_s * 1e3, 3), "tokens_per_s": round(b / step_s, 1)}
+        if args.cuda_graphs:
+            decode = [(t, 128, s[:129]) for t, s in zip(first, slots, strict=True)]
+            batch = pad_decode(build_forward_batch(decode, [], device, pool.pad_slot),
+                               128 + args.steps, pool.pad_slot)  # fmt: skip
+            step_s, graph_tokens = decode_steps(
+                StaticStep(model, pool, batch, capture=device.type == "cuda")
+            )
+            row |= {"graph_step_ms": round(step_s * 1e3, 3),
+                    "graph_tokens_per_s": round(b / step_s, 1),
+                    "graph_tokens_equal_eager": graph_tokens == eager_tokens}  # fmt: skip
+        results.append(row)
     print(json.dumps({
         "bench": "random_weights",
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "quantization": args.quantization,
+        "cuda_graphs": args.cuda_graphs,
         "threads": torch.get_num_threads(),
         "prefill": {"tokens": args.prefill, "tokens_per_s": round(args.prefill / t_prefill, 1)},
         "decode": results,

@@ -8,10 +8,12 @@ them out, side by side on one machine, plus a warm restart and the per-page cost
    ``--concurrency`` requests in flight, so a conversation returns after all the others ran.
 2. Systems, each a fresh ``radixserve serve`` on a free port, page size 16. ``unbounded`` runs
    first with a pool that holds everything; its peak cached tokens are the working set W.
-   Then ``device-only`` (device pool W/4), ``+host`` (device W/4, host tier W/2), ``+file``
-   and ``+redis`` (the same, over a file store in a fresh directory / a valkey-server
-   started here). Hit rate = cached prompt tokens / prompt tokens, from each server's
-   ``/metrics`` (every tier counts); TTFT per request from the streamed answer.
+   Then ``device-only`` (device pool W/4), ``+host`` (device W/4, host tier
+   ``--host-fraction`` of W, 1/2 by default; the default write policy, then ``write_back``),
+   ``+file`` and ``+redis`` (the same, over a
+   file store in a fresh directory / a valkey-server started here). Hit rate = cached prompt
+   tokens / prompt tokens (every tier counts), split by tier from each server's ``/metrics``;
+   TTFT per request from the streamed answer.
 3. Warm restart: a server with a file store answers turns 1..k-1 of ``--restart-conversations``
    chats, is stopped and started again; the TTFT of turn k on it is compared with turn k on a
    cold server (same flags, an empty store).
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import signal
 import statistics
 import sys
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 from bench_tier_pages import page_costs  # the sibling script
 
 from radixserve.bench import client as api
@@ -80,12 +84,18 @@ async def drive(url: str, conversations, turns: range, args, histories: dict) ->
 
 
 def tier_hits(url: str) -> dict[str, float]:
-    """Cached prompt tokens by tier, from the server's ``/metrics``."""
+    """Cached prompt tokens by tier and storage prefetches (started, timed out), from the
+    server's ``/metrics``."""
     out = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("radix_cache_hit_tokens_by_tier_total{"):
             tier = line.split('tier="')[1].split('"')[0]
             out[f"hit_{tier}"] = float(line.rsplit(" ", 1)[1])
+        for name in ("kv_storage_prefetches_total", "kv_storage_prefetch_timeouts_total"):
+            if line.startswith(name + "{"):
+                out[name.removeprefix("kv_storage_").removesuffix("_total")] = float(
+                    line.rsplit(" ", 1)[1]
+                )
     return out
 
 
@@ -112,22 +122,31 @@ def run_system(name: str, flags: list[str], conversations, args, log_dir: Path) 
         "wall_s": elapsed,
         "cached_tokens_at_end": peak,
         "prompt_tokens": prompt,
+        "prefetches": m.get("prefetches", 0),
+        "prefetch_timeouts": m.get("prefetch_timeouts", 0),
     }
 
 
 def workload_systems(conversations, args, log_dir: Path) -> tuple[int, list[dict]]:
-    model = ["--max-model-len", "4096", "--chunked-prefill-size", "256"]
+    model = ["--max-model-len", str(args.max_model_len), "--chunked-prefill-size", "256"]
     unbounded = run_system("unbounded", [*model, "--max-total-tokens", "100000"],
                            conversations, args, log_dir)  # fmt: skip
     ws = unbounded["cached_tokens_at_end"]
-    device = max(4096, ws // 4 // PAGE * PAGE)  # a request of 4K tokens must still fit
-    host = f"{max(2 * device, ws // 2) * args.bytes_per_token}"
+    # the longest request must still fit in the device pool
+    device = max(args.max_model_len, ws // 4 // PAGE * PAGE)
+    host = f"{max(2 * device, int(ws * args.host_fraction)) * args.bytes_per_token}"
     rows = [unbounded]
-    runs = [("device-only", []), ("+host", ["--host-kv-memory", host])]
+    runs = [
+        ("device-only", []),
+        ("+host", ["--host-kv-memory", host]),
+        ("+host write_back", ["--host-kv-memory", host, "--write-policy", "write_back"]),
+    ]
     with tempfile.TemporaryDirectory() as store, RedisServer() as redis:
         runs += [("+file", ["--host-kv-memory", host, "--kv-storage", f"file://{store}"]),
                  ("+redis", ["--host-kv-memory", host, "--kv-storage", redis.url])]  # fmt: skip
         for name, flags in runs:
+            if args.systems and name not in args.systems.split(","):
+                continue
             flags = [*model, "--max-total-tokens", str(device), *flags]
             rows.append(run_system(name, flags, conversations, args, log_dir))
     return ws, rows
@@ -165,17 +184,43 @@ def main() -> None:
     p.add_argument("--max-user-chars", type=int, default=600)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="also the smallest device pool: the longest request must fit",
+    )
+    p.add_argument(
+        "--host-fraction",
+        type=float,
+        default=0.5,
+        help="host tier size as a fraction of the working set (at least 2x the device pool)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of every server and of the page-cost run (0: torch's default)",
+    )
     p.add_argument("--restart-conversations", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument(
         "--skip", default="", help="comma-separated parts to skip: systems,restart,pages"
     )
+    p.add_argument(
+        "--systems",
+        default="",
+        help="comma-separated systems to run after unbounded (default: all)",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     # SIGTERM unwinds like an exception, so the servers and Redis started here are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     skip = set(args.skip.split(","))
+    if args.threads:  # read by torch when each server (and this process's model) starts
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
     costs = page_costs(args.repeat) if "pages" not in skip else {}
     args.bytes_per_token = costs.get("bytes_per_token", 46080)
     workload = build_workload("sharegpt-multiturn", num_conversations=args.conversations,

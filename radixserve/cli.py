@@ -63,6 +63,23 @@ ENGINE_FLAGS = {
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
+    # RAG segments (README: "Reusing documents (RAG segments)")
+    "segment_recompute_ratio": dict(
+        type=float,
+        default=0.15,
+        help="share of the reused tokens of RAG segments computed again (0: pure reuse, "
+        "1: a full prefill); default %(default)s",
+    ),
+    "segment_first_tokens": dict(
+        type=int,
+        default=4,
+        help="leading tokens of each reused segment recomputed first; default %(default)s",
+    ),
+    "segment_deviation_layer": dict(
+        type=int,
+        default=1,
+        help="layer whose K/V deviation picks the other recomputed tokens; default %(default)s",
+    ),
     # the hierarchical cache (README: "Hierarchical cache")
     "host_kv_memory": dict(
         help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "

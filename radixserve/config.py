@@ -93,6 +93,12 @@ class EngineConfig:
     kv_transfer_timeout: float = 30.0  # decode: then the prompt is computed here instead
     # decode: prompts with fewer uncached tokens are prefilled here (see docs/BENCHMARKS.md)
     remote_prefill_min_tokens: int = 64
+    # RAG segments (engine/segments.py): share of reused segment tokens computed again, how
+    # many leading tokens of each segment go first, and the layer whose K/V deviation ranks
+    # the rest
+    segment_recompute_ratio: float = 0.15
+    segment_first_tokens: int = 4
+    segment_deviation_layer: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -126,6 +132,13 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
+        r = self.segment_recompute_ratio
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r <= 1:
+            raise ValueError(f"segment_recompute_ratio must be in [0, 1], got {r!r}")
+        for name, low in (("segment_first_tokens", 0), ("segment_deviation_layer", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         self._check_tiers()

@@ -207,3 +207,26 @@ def test_instances_of_different_layouts_do_not_pair(make_engine, pair):
 def test_a_prefill_peer_named_to_an_instance_not_in_decode_mode_is_an_error(make_engine):
     with pytest.raises(ValueError, match="not a decode instance"):
         make_engine().add_request("x", [5, 6, 7], GREEDY, prefill_peer="tcp://127.0.0.1:1")
+
+
+def test_a_malformed_prefill_peer_is_an_error_and_local_means_here(make_engine, pair):
+    prefill, decode = pair()
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        decode.add_request("x", [5, 6, 7], GREEDY, prefill_peer="http://nope")
+    colocated = make_engine()
+    batch = prompts(1, seed=11)
+    assert run(decode, batch, [prefill], peer="local") == run(colocated, batch)
+    assert transfer(decode).transfers_done == transfer(decode).transfers_failed == 0
+
+
+def test_a_quantized_and_a_dense_instance_of_one_model_do_not_pair(
+    tiny_model_dir, make_engine, pair
+):
+    from radixserve.model import load_model
+
+    int8 = load_model(str(tiny_model_dir), dtype="float32", progress=False, quantization="int8")
+    prefill, decode = pair({"loaded": int8})  # its KV differs from the dense model's
+    assert prefill.info().disaggregation.layout != decode.info().disaggregation.layout
+    batch = prompts(1, seed=12, length=(10, 30))
+    assert run(decode, batch, [prefill], peer=endpoint(prefill)) == run(make_engine(), batch)
+    assert transfer(decode).failures == {"layout": 1}

@@ -140,7 +140,12 @@ def test_gguf_tensor_types_match_transformers(qtype, tmp_path):
     logits = Runner(model).step(
         prefill=[(torch.tensor(PROMPT), 0, torch.arange(16), True)], all_logits=True
     )
-    assert_close(logits, reference_logits(ref, PROMPT), 5e-5)
+    expected = reference_logits(ref, PROMPT)
+    if qtype.startswith("Q"):  # 16 rows: the integer kernels (x rounded to int16 per block)
+        assert_close(logits, expected, 3e-3)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    else:
+        assert_close(logits, expected, 5e-5)
     if qtype == "F32":  # lossless: also equal to the model it was written from
         assert_close(logits, reference_logits(hf, PROMPT), 5e-5)
 
@@ -156,24 +161,25 @@ def real_reference(default_gguf):
 
 def test_real_default_model_matches_transformers(real_loaded, real_reference):
     """The file's Q4_1/Q8_0 blocks kept quantized (``--quantization auto``) against
-    transformers' float32 dequantization of the same file. Prompt chunks run dequantized
-    matmuls (float32 exact); decode steps round activations to int16 per block of 32 for the
-    integer kernels (so does the LM head for a few rows), ~1e-5 relative a matmul, hence their
-    looser bound."""
+    transformers' float32 dequantization of the same file. Matmuls of up to 64 rows (decode
+    steps, and this short prompt's chunks) round activations to int16 per block of 32 for
+    the integer kernels: ~1e-5 of a block's largest value, more for its small entries next
+    to an outlier, so logits (about +-30) move by up to ~0.02; the greedy choice must not."""
     tok = real_loaded.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Name three primary colors."}])
     ref = reference_logits(real_reference, ids + [504, 3418])
     run = Runner(real_loaded.model)
     n = len(ids)
     logits = run.step(prefill=[(torch.tensor(ids), 0, torch.arange(n), True)], all_logits=True)
-    assert_close(logits, ref[:n], 5e-4)
+    assert_close(logits, ref[:n], 5e-2)
+    assert torch.equal(logits.argmax(-1), ref[:n].argmax(-1))
     run2 = Runner(real_loaded.model)  # prefix from one step, the rest after it
     run2.step(prefill=[(torch.tensor(ids[:20]), 0, torch.arange(20), False)])
     logits = run2.step(prefill=[(torch.tensor(ids[20:]), 20, torch.arange(n), True)])
-    assert_close(logits[0], ref[n - 1], 5e-3)  # one row through the LM head: int16 rounding
+    assert_close(logits[0], ref[n - 1], 5e-2)
     for pos, token in ((n, 504), (n + 1, 3418)):
         logits = run2.step(decode=[(token, pos, torch.arange(pos + 1))])
-        assert_close(logits[0], ref[pos], 5e-3)  # logits span about +-30
+        assert_close(logits[0], ref[pos], 5e-2)
         assert logits[0].argmax() == ref[pos].argmax()
 
 

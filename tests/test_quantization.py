@@ -170,7 +170,14 @@ def test_int8_and_int4_quantize_a_dense_model(tiny_model_dir, quantization, fmt,
     assert (ours - ref).abs().max() > 0  # and it really is quantized
 
 
-def test_bad_quantization_is_an_error():
+def test_bad_quantization_is_an_error(capsys):
+    from radixserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--quantization", "int3"])
+    assert exit_info.value.code == 2
+    assert "argument --quantization: invalid choice: 'int3'" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve"]).quantization == "auto"  # the file's own types
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):

@@ -264,3 +264,88 @@ def test_stop_strings_and_n_through_the_api(client):
         model="tiny", messages=CHAT, n=3, max_tokens=6, temperature=1.0, seed=1
     )
     assert len(many.choices) == 3 and many.usage.completion_tokens <= 18
+
+
+DOC_A = "Radix trees store each shared prefix once; their edges hold runs of tokens. " * 3
+DOC_B = "A paged KV pool hands out fixed-size pages of slots to running requests. " * 3
+
+
+def rag_segments(first: str, second: str) -> list[dict]:
+    return [
+        {"text": "Use the documents to answer.\n"},
+        {"text": first, "reusable": True},
+        {"text": second, "reusable": True},
+        {"text": "\nQuestion: what holds runs of tokens?"},
+    ]
+
+
+def test_generate_with_segments_reuses_passages_in_any_order(server, default_tokenizer):
+    def gen(body):
+        params = {"max_tokens": 6, "temperature": 0}
+        r = post(server, "/generate", {"sampling_params": params, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = gen({"segments": rag_segments(DOC_A, DOC_B), "recompute_ratio": 1.0})
+    meta = first["meta_info"]
+    assert meta["segment_hits"] == 0 and meta["reused_tokens"] == 0
+    assert meta["recomputed_tokens"] > 0  # stored on first sight; with ratio 1 all recomputed
+    # ratio 1.0 is a plain prefill: the same output as the same tokens sent unmarked
+    pieces = rag_segments(DOC_A, DOC_B)
+    ids = [t for s in pieces for t in default_tokenizer.encode(s["text"], add_special_tokens=False)]
+    plain = gen({"input_ids": ids})
+    assert plain["output_ids"] == first["output_ids"]
+    assert plain["meta_info"]["segment_hits"] == 0
+    swapped = gen({"segments": rag_segments(DOC_B, DOC_A), "recompute_ratio": 0.0})
+    meta = swapped["meta_info"]
+    assert meta["segment_hits"] == 2 and meta["recomputed_tokens"] == 0
+    assert meta["reused_tokens"] == first["meta_info"]["recomputed_tokens"]
+    m = wait_idle(server)
+    assert m["radix_segment_hits_total"] >= 2 and m["radix_segment_reused_tokens_total"] > 0
+    assert m["radix_segment_recomputed_tokens_total"] > 0
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"segments": []}, "segments"),
+        ({"segments": [{"text": "a", "input_ids": [5]}]}, "exactly one of text and input_ids"),
+        ({"segments": [{"text": ""}]}, "may not be empty"),
+        ({"segments": [{"text": "a", "cache": True}]}, "segments.0.cache"),
+        ({"segments": [{"text": "a"}], "input_ids": [5]}, "exactly one of input_ids"),
+        ({"segments": [{"text": "a", "reusable": True}], "recompute_ratio": 2}, "recompute_ratio"),
+        ({"input_ids": [5, 6], "recompute_ratio": 0.5}, "segments only"),
+        ({"segments": [{"input_ids": [10**9], "reusable": True}]}, "token ids must be in"),
+    ],
+)
+def test_bad_segments_get_a_clear_error(server, body, needle):
+    r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    assert_healthy(server)
+
+
+def test_chat_with_reusable_parts_reuses_them_in_any_order(server):
+    def ask(first: str, second: str, ratio: float) -> dict:
+        content = [
+            {"type": "text", "text": "Documents:\n"},
+            {"type": "text", "text": first, "reusable": True},
+            {"type": "text", "text": second, "reusable": True},
+            {"type": "text", "text": "\nWhat holds runs of tokens?"},
+        ]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4, "temperature": 0, "recompute_ratio": ratio}  # fmt: skip
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]
+
+    doc_c, doc_d = DOC_A.upper(), DOC_B.upper()  # not stored by the /generate test
+    first = ask(doc_c, doc_d, 1.0)
+    assert first["segment_hits"] == 0 and first["recomputed_tokens"] > 0
+    again = ask(doc_d, doc_c, 0.0)
+    assert again["segment_hits"] == 2 and again["reused_tokens"] == first["recomputed_tokens"]
+    bad = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT,
+                                                "recompute_ratio": 0.5})  # fmt: skip
+    assert bad.status_code == 400 and "reusable content parts" in bad.json()["error"]["message"]
+    assert_healthy(server)

@@ -13,7 +13,13 @@ from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.replay import replay, replay_order, slot_replay
 from radixserve.sim.routing import ROUTING_POLICIES, RoutingConfig, SimRouter
-from radixserve.sim.timing import TimingModel, fit_coefficients, step_features
+from radixserve.sim.timing import (
+    DEFAULT_PROFILE,
+    TimingModel,
+    fit_coefficients,
+    shipped_profiles,
+    step_features,
+)
 from radixserve.sim.trace import Session, Trace, TraceError, Turn, load_mooncake
 from radixserve.sim.workloads import ChatEncoder, SyntheticSpec, ThinkTime, synthetic_trace
 
@@ -205,9 +211,24 @@ def test_simulate_cli_writes_results_report_and_plots(tmp_path, capsys):
     ],
 )
 def test_simulate_cli_rejects_bad_options(argv, message, capsys, tmp_path):
+    timing = tmp_path / "t.json"  # a valid model, so each case fails on its own option only
+    TIMING.save(timing)
     with pytest.raises(SystemExit):
-        main(["simulate", "--sessions", "3", "--output-dir", str(tmp_path), *argv])
+        main(["simulate", "--sessions", "3", "--output-dir", str(tmp_path), "--timing",
+              str(timing), *argv])  # fmt: skip
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the default profile is not fitted yet: on a quiet machine run `radixserve simulate "
+    "fit --server --output radixserve/sim/profiles/cpu-smollm2-135m.json`, then drop this mark",
+)
+def test_default_timing_profile_is_shipped_and_fitted():
+    model = TimingModel.load(DEFAULT_PROFILE)
+    assert DEFAULT_PROFILE in shipped_profiles()
+    assert model.prefill_token > 0 and model.overhead + model.decode_request > 0
+    assert model.meta["model"] and model.meta["steps"] > 20  # measured, not written by hand
 
 
 def test_llamacpp_slots_keep_one_sequence_each():

@@ -67,6 +67,7 @@ def fitted(tiny_model_dir):
     return config, timing
 
 
+@pytest.mark.slow  # a fit, a real server and two bench runs: minutes on 2 cores
 def test_simulator_predicts_a_real_bench_run(tiny_model_dir, default_tokenizer, fitted, tmp_path):
     engine_config, timing = fitted
     settings = baselines.ServerSettings(

@@ -8,6 +8,10 @@
 - What users see: the usage split in chat responses, per-tier counters in ``/metrics``, the
   tiers in ``/cache``.
 
+Both start several server processes (minutes on a loaded machine), so they are marked slow;
+CI covers the same paths one layer down (``test_tiered_engine.py``: a fresh engine served
+from a file store, a second engine from Redis).
+
 Turns are sent as token ids to ``/generate`` (the random tiny model's text need not
 re-tokenize to the same ids, which would end a text chat's match inside the answer).
 """
@@ -18,6 +22,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import running_server
 
@@ -56,6 +61,7 @@ def wait_written(url: str, pages: int, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_warm_restart_answers_the_next_turn_from_storage(tiny_model_dir, tmp_path):
     store = tmp_path / "kv"
     args = ["--model", str(tiny_model_dir), *ARGS, "--kv-storage", f"file://{store}"]
@@ -94,6 +100,7 @@ def test_warm_restart_answers_the_next_turn_from_storage(tiny_model_dir, tmp_pat
     assert not list(store.rglob("*.kv"))
 
 
+@pytest.mark.slow
 def test_a_second_server_hits_what_the_first_computed_in_redis(tiny_model_dir):
     prompt = RNG.integers(100, 40000, 130).tolist()
     with RedisServer() as redis:

@@ -8,8 +8,9 @@ logits, as in colocated serving). ``start`` sends the prefill instance the token
 ``[skip, len - 1)``, straight into the slots allocated for them. A turn-k chat request thus
 moves only the pages of what came after the decode side's cached history.
 
-When the uncached part is shorter than ``min_tokens`` the decode instance computes it itself
-(moving it would cost more than computing it). A failed or timed-out transfer is reported to
+When the uncached part is shorter than ``min_tokens``, or the request's peer is ``"local"``
+(the router decided so), the decode instance computes it itself (moving it would cost more
+than computing it). A failed or timed-out transfer is reported to
 the scheduler, which frees the slots and computes the prompt here instead.
 """
 
@@ -22,6 +23,7 @@ from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request
 
 log = logging.getLogger("radixserve.disagg")
+PREFILL_HERE = "local"  # a request's prefill peer that means: compute the prompt here
 
 
 class RemotePrefill(KVSource):
@@ -39,8 +41,14 @@ class RemotePrefill(KVSource):
         self._pending: dict[str, Request] = {}  # transfer id -> request
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
 
+    @staticmethod
+    def check_peer(peer: str) -> None:
+        """A request's prefill peer: ``tcp://HOST:PORT`` or ``PREFILL_HERE``; else ValueError."""
+        if peer != PREFILL_HERE and not peer.startswith("tcp://"):
+            raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {peer!r}")
+
     def plan(self, req: Request, cached: int) -> int:
-        if (req.prefill_peer or self.default_peer) is None:
+        if req.prefill_peer == PREFILL_HERE or (req.prefill_peer or self.default_peer) is None:
             return 0
         if req.extra_key is not None and not isinstance(req.extra_key, str):
             return 0  # the namespace must cross the wire as text

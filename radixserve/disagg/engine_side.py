@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import torch
+
 from radixserve.disagg.decode_side import RemotePrefill
 from radixserve.disagg.prefill_side import PrefillService
 from radixserve.disagg.transfer import KVLayout, TransferStats
@@ -22,16 +24,27 @@ from radixserve.disagg.zmq_receiver import ZmqKVReceiver
 from radixserve.disagg.zmq_sender import ZmqKVSender
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request
+from radixserve.model.quant import QuantizedWeight
 
 HEARTBEAT_TIMEOUT_PERIODS = 5  # a peer is dead after this many missed heartbeats
+
+
+def _weight_sample(w) -> list[torch.Tensor]:
+    """A few rows of a weight, plain or quantized (its format and scales included: two
+    quantizations of one model write different KV and must not pair)."""
+    if isinstance(w, QuantizedWeight):
+        parts = (w.qs, w.d) if w.m is None else (w.qs, w.d, w.m)
+        return [torch.tensor(list(w.fmt.encode()))] + [t[:8] for t in parts]
+    return [w[:8]]
 
 
 def model_identity(engine) -> str:
     model = engine.model
     h = hashlib.blake2b(digest_size=8)
     h.update(repr(model.config).encode())
-    for t in (model.embed[:8], model.norm, model.layers[0]["qkv"][:8]):
-        h.update(t.detach().float().cpu().numpy().tobytes())
+    for w in (model.embed, model.norm, model.layers[0]["qkv"]):
+        for t in _weight_sample(w):
+            h.update(t.detach().float().cpu().numpy().tobytes())
     return f"{engine.model_name}:{h.hexdigest()}"
 
 
@@ -74,6 +87,10 @@ class Disaggregation:
                 config.prefill_endpoint,
             )
             self.link = self.receiver
+
+    def check_peer(self, peer: str) -> None:
+        """Decode mode: ValueError unless ``peer`` names a prefill instance or ``local``."""
+        RemotePrefill.check_peer(peer)
 
     def poll(self) -> None:
         if self.service is not None:

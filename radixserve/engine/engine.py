@@ -22,6 +22,7 @@ transfer traffic needs a step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler, Step
+from radixserve.engine.segments import SegmentBlender, validate_ratio, validate_segments
 from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.model import LoadedModel, build_forward_batch, load_model, native
 from radixserve.utils import default_kv_cache_bytes
@@ -58,6 +60,9 @@ class StepOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": a short message for the client
     host_cached_tokens: int = 0  # loaded back from the host tier
+    segment_hits: int = 0  # RAG segments found in the segment store
+    reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
+    recomputed_tokens: int = 0  # reused segment tokens computed again (partial recompute)
     storage_cached_tokens: int = 0  # fetched from the storage tier
 
 
@@ -95,6 +100,15 @@ class Engine:
 
             self.disagg = Disaggregation(self)
         self.scheduler = Scheduler(config, self.kv, self.disagg and self.disagg.source)
+        self.segments = SegmentBlender(
+            self.model,
+            self.pool,
+            self.cache,
+            self.kv,
+            config.segment_recompute_ratio,
+            config.segment_first_tokens,
+            config.segment_deviation_layer,
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -111,9 +125,16 @@ class Engine:
         *,
         prefill_peer: str | None = None,
         prefill_only: bool = False,
+        segments: list[tuple[int, int]] | None = None,
+        recompute_ratio: float | None = None,
     ) -> Request:
-        if prefill_peer is not None and self.config.disaggregation_mode != "decode":
-            raise ValueError("a prefill instance was named but this is not a decode instance")
+        """Queue a request. ``segments``: sorted, disjoint ``(start, end)`` prompt ranges whose
+        KV may be reused wherever they appear (RAG passages; see ``segments.py``), with
+        ``recompute_ratio`` of their tokens computed again (None: the engine's default)."""
+        if prefill_peer is not None:
+            if self.config.disaggregation_mode != "decode":
+                raise ValueError("a prefill instance was named but this is not a decode instance")
+            self.disagg.check_peer(prefill_peer)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -147,6 +168,12 @@ class Engine:
                 f"max_tokens {max_tokens}) but the KV pool holds only {capacity}; lower "
                 "max_tokens or give the pool more memory (max_total_tokens / kv_cache_memory)"
             )
+        if segments:
+            validate_segments(segments, n)
+            if self.config.disaggregation_mode != "off":
+                raise ValueError("RAG segments are not supported with disaggregation")
+        if recompute_ratio is not None:
+            validate_ratio(recompute_ratio)
         seed = params.seed if params.seed is not None else self._next_seed()
         req = Request(
             request_id,
@@ -156,6 +183,8 @@ class Engine:
             seed,
             extra_key,
             arrival=next(self._arrivals),
+            segments=segments,
+            recompute_ratio=recompute_ratio,
         )
         req.prefill_peer, req.prefill_only = prefill_peer, prefill_only
         self.requests[request_id] = req
@@ -193,12 +222,13 @@ class Engine:
             if self.scheduler.waiting:  # maybe waiting for pages: wait for a transfer, not spin
                 self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
             return []
+        outputs, blended, blend_logits = self._blend(step)
         try:
-            logits = self._forward(step)
+            logits = self._forward(step) if not step.empty else None
         except Exception as e:
             log.exception("the forward pass failed; failing the requests of this step")
             failed = step.decodes + [r for r, _ in step.prefills]
-            return [self._fail(r, e) for r in failed]
+            return outputs + [self._fail(r, e) for r in failed]
         sampling = list(step.decodes)
         for r in step.decodes:
             self.kv.commit(r, 1)
@@ -207,9 +237,14 @@ class Engine:
             self.kv.publish(r)
             if r.num_computed == r.num_tokens and not r.prefill_only:
                 sampling.append(r)
+        for r in blended:
+            self.kv.commit(r, r.num_uncomputed)
+            self.kv.publish(r)
+            sampling.append(r)
         if self.disagg is not None:  # prefill: push the new KV, end fully pushed requests
             self.disagg.after_step([r for r, _ in step.prefills if r.prefill_only])
-        outputs = []
+        if blend_logits:
+            logits = torch.cat(([] if logits is None else [logits]) + blend_logits)
         drawn_all = self._sample(logits, sampling) if sampling else []
         for r, drawn in zip(sampling, drawn_all, strict=True):
             if isinstance(drawn, Exception):
@@ -225,6 +260,21 @@ class Engine:
                 self.requests.pop(r.request_id, None)
             outputs.append(self._output(r, [token], [logprob] if logprob else []))
         return outputs
+
+    def _blend(self, step: Step) -> tuple[list[StepOutput], list[Request], list[torch.Tensor]]:
+        """Take the prefills that reuse RAG segments out of ``step`` and run each alone (one
+        sparse forward over its whole context); return failures, the done ones, their logits."""
+        outputs, done, logits = [], [], []
+        blended = [r for r, n in step.prefills if self.segments.applies(r, n)]
+        step.prefills = [(r, n) for r, n in step.prefills if r not in blended]
+        for r in blended:
+            try:
+                logits.append(self.segments.prefill(r))
+                done.append(r)
+            except Exception as e:
+                log.exception("a segment prefill failed; failing its request")
+                outputs.append(self._fail(r, e))
+        return outputs, done, logits
 
     def _forward(self, step: Step) -> torch.Tensor:
         decode = [
@@ -288,6 +338,9 @@ class Engine:
             cached_tokens=req.cached_tokens,
             new_logprobs=logprobs,
             host_cached_tokens=req.host_cached_tokens,
+            segment_hits=req.segment_hits,
+            reused_tokens=req.segment_reused_tokens,
+            recomputed_tokens=req.segment_recomputed_tokens,
             storage_cached_tokens=req.storage_cached_tokens,
         )
 
@@ -321,6 +374,7 @@ class Engine:
             step_evicted_tokens=self.last_step_evicted_tokens,
             cache=self.cache.stats.copy(),
             tiers=self.cache.tier_stats(),
+            segments=dataclasses.replace(self.segments.stats),
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
         )

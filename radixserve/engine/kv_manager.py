@@ -20,6 +20,9 @@ keeps one ledger (``KVLedger``) and this module is the only code that writes it:
     release:   on finish, abort, failure or retraction: insert what was computed, free the
                duplicates and everything up to ``allocated``, unlock
 
+A request whose KV past some token is approximate (reused RAG segments) sets a publish limit:
+only the exact tokens before it ever enter the tree; the rest is freed on release.
+
 Because ``release`` frees up to ``allocated`` whatever happened in between, an exception, an
 abort or an interrupted load between ``schedule()`` and the end of a step cannot leak a slot.
 """
@@ -37,7 +40,7 @@ from radixserve.cache.base import CacheHandle
 class KVLedger:
     """One request's KV slots and how far they are cached, computed and allocated."""
 
-    __slots__ = ("slots", "cached", "computed", "allocated", "handle")
+    __slots__ = ("slots", "cached", "computed", "allocated", "handle", "publish_limit")
 
     def __init__(self, capacity: int):
         self.slots = torch.empty(capacity, dtype=torch.int64)
@@ -45,6 +48,12 @@ class KVLedger:
         self.computed = 0
         self.allocated = 0
         self.handle: CacheHandle = None
+        self.publish_limit: int | None = None  # tokens past it are approximate: never cached
+
+    def publishable(self, page_size: int) -> int:
+        """How many leading tokens may enter the tree (computed, exact, whole pages)."""
+        n = self.computed if self.publish_limit is None else min(self.computed, self.publish_limit)
+        return n - n % page_size
 
     def held(self) -> torch.Tensor:
         """Slots the request owns (the tree owns ``slots[:cached]``)."""
@@ -92,6 +101,14 @@ class RequestKV:
         kv.handle = match.handle
         kv.slots[: match.device_len] = match.device_indices
         kv.cached = kv.computed = kv.allocated = match.device_len
+        kv.publish_limit = None
+
+    def limit_publish(self, req, n: int) -> None:
+        """Tokens from ``n`` on are approximate: never insert them into the tree."""
+        kv: KVLedger = req.kv
+        if n < kv.cached:
+            raise RuntimeError(f"{req!r}: publish limit {n} below its cached prefix")
+        kv.publish_limit = n if kv.publish_limit is None else min(kv.publish_limit, n)
 
     def load(self, req, match: MatchResult) -> int:
         """Bring the host part of an admitted request's match onto the device (when the cache
@@ -152,6 +169,10 @@ class RequestKV:
             slots = alloc()
         return slots
 
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        """``n`` fresh slots for the caller to hand to the tree (evicting when short)."""
+        return self._alloc_with_eviction(lambda: self.allocator.alloc(n), n)
+
     def extend(self, req, n: int) -> bool:
         """Give ``req`` slots for its next ``n`` tokens; False (nothing taken) if impossible."""
         kv: KVLedger = req.kv
@@ -189,7 +210,7 @@ class RequestKV:
     def publish(self, req) -> None:
         """Insert the computed prefix of a still-running request and lock it in the tree."""
         kv: KVLedger = req.kv
-        aligned = kv.computed - kv.computed % self.page_size
+        aligned = kv.publishable(self.page_size)
         if not self.reuses_prefixes or aligned <= kv.cached:
             return
         ids, slots = req.token_ids[:aligned], kv.slots[:aligned]
@@ -208,7 +229,7 @@ class RequestKV:
         """Hand everything back: computed tokens to the tree (or the allocator), every other
         allocated slot to the allocator, the lock dropped. Safe at any point of a step."""
         kv: KVLedger = req.kv
-        aligned = kv.computed - kv.computed % self.page_size
+        aligned = kv.publishable(self.page_size)
         if aligned > kv.cached:
             already = self.cache.insert(req.token_ids[:aligned], kv.slots[:aligned], req.extra_key)
             self.allocator.free(kv.slots[kv.cached : max(already, kv.cached)])
@@ -218,6 +239,7 @@ class RequestKV:
         self.cache.dec_lock_ref(kv.handle)
         kv.handle = None
         kv.cached = kv.computed = kv.allocated = 0
+        kv.publish_limit = None
 
     def check_integrity(self, running: list) -> None:
         held = [r.kv.held() for r in running]

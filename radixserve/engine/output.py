@@ -52,6 +52,9 @@ class OutputTracker:
     cached_tokens: int = 0  # every tier; of which host_ and storage_cached_tokens
     host_cached_tokens: int = 0
     storage_cached_tokens: int = 0
+    segment_hits: int = 0  # RAG segments reused from the store
+    reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
+    recomputed_tokens: int = 0  # reused segment tokens computed again
     streamed_chars: int = 0
     streamed_tokens: int = 0
 
@@ -70,6 +73,8 @@ class OutputTracker:
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.host_cached_tokens = out.host_cached_tokens
         self.storage_cached_tokens = out.storage_cached_tokens
+        self.segment_hits = out.segment_hits
+        self.reused_tokens, self.recomputed_tokens = out.reused_tokens, out.recomputed_tokens
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
         start = max(0, len(self.text) - self.holdback)
@@ -86,6 +91,11 @@ class OutputTracker:
         lower = self.host_cached_tokens + self.storage_cached_tokens
         return {"device": self.cached_tokens - lower, "host": self.host_cached_tokens,
                 "storage": self.storage_cached_tokens}  # fmt: skip
+
+    def segment_usage(self) -> dict[str, int]:
+        """What reusing RAG segments did for this prompt (all 0 without segments)."""
+        return {"segment_hits": self.segment_hits, "reused_tokens": self.reused_tokens,
+                "recomputed_tokens": self.recomputed_tokens}  # fmt: skip
 
     def _cut_at_stop(self, start: int) -> bool:
         hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]

@@ -52,6 +52,8 @@ class Request:
         seed: int,
         extra_key: Any = None,
         arrival: int = 0,
+        segments: list[tuple[int, int]] | None = None,
+        recompute_ratio: float | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -77,6 +79,12 @@ class Request:
         self.prefill_peer: str | None = None
         self.prefill_only = False
         self.load_failed: str | None = None  # why loading its KV failed (then it computes it)
+        # reusable prompt ranges (RAG segments, see segments.py) and what reusing them did
+        self.segments = [tuple(x) for x in segments] if segments else []
+        self.recompute_ratio = recompute_ratio  # None: the engine's default
+        self.segment_hits = 0
+        self.segment_reused_tokens = 0
+        self.segment_recomputed_tokens = 0
 
     # ------------------------------------------------------------------ tokens
     @property

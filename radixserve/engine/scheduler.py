@@ -100,7 +100,7 @@ class Scheduler:
         for r in sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival):
             if budget == 0:
                 break
-            n = min(budget, r.num_uncomputed)
+            n = self._chunk(r, budget)
             if not self.kv.extend(r, n):
                 blocked = True
                 break
@@ -153,7 +153,10 @@ class Scheduler:
                 self.kv.release(req)
                 continue
             else:
-                n = min(budget, req.num_uncomputed)
+                n = self._chunk(req, budget)
+                if n > budget and step.prefills:  # a segment prefill goes whole, in its own step
+                    self.kv.release(req)
+                    continue
                 if not self.kv.extend(req, n):
                     self.kv.release(req)
                     break
@@ -162,13 +165,24 @@ class Scheduler:
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 step.prefills.append((req, n))
-                budget -= n
+                budget = max(budget - n, 0)
             reserved += self._future_need(req)
             inflight.append(req)
             newest_admitted = max(newest_admitted, req.arrival)
         for req in self.waiting:
             if req.arrival < newest_admitted:
                 req.times_overtaken += 1
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
+        it is copied, not computed); any other prefills at most ``budget`` tokens."""
+        if (
+            self.kv.reuses_prefixes
+            and req.segments
+            and any(s >= req.num_computed for s, _ in req.segments)
+        ):
+            return req.num_uncomputed
+        return min(budget, req.num_uncomputed)
 
     def _plan_load(self, req: Request, matched: int) -> int:
         if self.source is None or req.load_failed is not None:

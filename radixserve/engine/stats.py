@@ -8,11 +8,12 @@ the cache. Token counts are in KV slots (one slot holds one token's K and V in e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.base import CacheStats
 from radixserve.cache.tier_stats import TierStats
+from radixserve.engine.segments import SegmentStats
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class EngineStats:
     tiers: TierStats | None = None  # the host and storage tiers; None without them
     num_loading: int = 0  # admitted, waiting for their KV (from a prefill instance)
     kv_transfer: Any = None  # disagg.transfer.TransferStats in a disaggregation mode
+    segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

@@ -10,6 +10,10 @@ where each new token's K/V goes (``out_slots``) and which slots each sequence at
 - A prefill chunk with no cached prefix attends causally to its own fresh K/V, read from the
   projection output, not the pool. A chunk after a cached prefix (or an earlier chunk)
   gathers prefix + chunk K/V from the pool and uses a lower-right causal mask.
+- A sparse prefill (``SparsePrefill``) is the general case of that chunk: any sorted set of
+  rows of a context, each attending to the context up to its own index (the KV of the rows
+  not computed is whatever the pool holds there, e.g. KV reused from a segment store). RoPE
+  positions are ``pos_offset + row``. A plain chunk is the rows ``[prefix_len, len)``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,22 @@ class PrefillSpan:
 
 
 @dataclass
+class SparsePrefill:
+    """Compute the tokens at ``rows`` (sorted indices into ``context_slots``) of one context.
+
+    Row ``i`` attends to ``context_slots[: rows[i] + 1]``; its K/V goes to
+    ``context_slots[rows[i]]``; its RoPE position is ``pos_offset + rows[i]``. With
+    ``wants_logits`` the last row's next-token logits are returned.
+    """
+
+    token_ids: torch.Tensor  # [r] ids of the computed rows
+    rows: torch.Tensor  # [r] int64, strictly increasing
+    context_slots: torch.Tensor  # [c] int64, c > rows[-1]
+    pos_offset: int = 0
+    wants_logits: bool = False
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -51,7 +71,7 @@ class ForwardBatch:
 
 def build_forward_batch(
     decode: list[tuple[int, int, torch.Tensor]],
-    prefill: list[tuple[torch.Tensor, int, torch.Tensor, bool]],
+    prefill: list[tuple[torch.Tensor, int, torch.Tensor, bool] | SparsePrefill],
     device: torch.device,
     pad_slot: int,
 ) -> ForwardBatch:
@@ -59,7 +79,8 @@ def build_forward_batch(
 
     ``decode``: per sequence ``(token_id, position, context_slots)``, the context including the
     slot of the new token. ``prefill``: per chunk ``(token_ids, prefix_len, context_slots,
-    wants_logits)`` with ``context_slots`` covering prefix + chunk. Padding reads ``pad_slot``.
+    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``.
+    Padding reads ``pad_slot``.
     """
     ids, pos, out = [], [], []
     logits_rows: list[int] = []
@@ -80,17 +101,25 @@ def build_forward_batch(
         logits_rows.extend(range(len(decode)))
     spans = []
     row = len(decode)
-    for token_ids, prefix_len, context_slots, wants_logits in prefill:
-        n = len(token_ids)
-        span = PrefillSpan(start=row, num_new=n, prefix_len=prefix_len)
-        if prefix_len > 0:
-            span.context_slots = context_slots.to(device)
-            span.mask = torch.ones(n, prefix_len + n, dtype=torch.bool).tril(prefix_len).to(device)
+    for item in prefill:
+        if isinstance(item, SparsePrefill):
+            span, token_ids, positions, out_slots = _sparse_span(item, row, device)
+            wants_logits = item.wants_logits
+        else:
+            token_ids, prefix_len, context_slots, wants_logits = item
+            n = len(token_ids)
+            span = PrefillSpan(start=row, num_new=n, prefix_len=prefix_len)
+            if prefix_len > 0:
+                span.context_slots = context_slots.to(device)
+                mask = torch.ones(n, prefix_len + n, dtype=torch.bool).tril(prefix_len)
+                span.mask = mask.to(device)
+            positions = torch.arange(prefix_len, prefix_len + n)
+            out_slots = context_slots[prefix_len:]
         spans.append(span)
         ids.append(torch.as_tensor(token_ids))
-        pos.append(torch.arange(prefix_len, prefix_len + n))
-        out.append(context_slots[prefix_len:])
-        row += n
+        pos.append(positions)
+        out.append(out_slots)
+        row += span.num_new
         if wants_logits:
             logits_rows.append(row - 1)
     return ForwardBatch(
@@ -104,6 +133,22 @@ def build_forward_batch(
         decode_lens=decode_lens,
         prefill_spans=spans,
     )
+
+
+def _sparse_span(
+    item: SparsePrefill, row: int, device: torch.device
+) -> tuple[PrefillSpan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = item.rows.to(torch.int64)
+    n, ctx = rows.numel(), item.context_slots.numel()
+    if n == 0 or n != len(item.token_ids):
+        raise ValueError(f"a sparse prefill needs one token id per row ({len(item.token_ids)} "
+                         f"ids, {n} rows)")  # fmt: skip
+    if int(rows[-1]) >= ctx or (n > 1 and bool((rows[1:] <= rows[:-1]).any())):
+        raise ValueError("sparse prefill rows must be strictly increasing context indices")
+    span = PrefillSpan(start=row, num_new=n, prefix_len=ctx - n)
+    span.context_slots = item.context_slots.to(device)
+    span.mask = (torch.arange(ctx)[None, :] <= rows[:, None]).to(device)
+    return span, item.token_ids, rows + item.pos_offset, item.context_slots[rows]
 
 
 def paged_attention(
@@ -123,7 +168,7 @@ def paged_attention(
         out[:b] = _decode_attention(layer, q[:b], batch, pool, scale)
     for span in batch.prefill_spans:
         rows = slice(span.start, span.start + span.num_new)
-        if span.prefix_len == 0:
+        if span.context_slots is None:
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
             ks, vs = pool.gather(layer, span.context_slots)

@@ -8,6 +8,12 @@ frequency factors from GGUF ``rope_freqs``). ``forward`` computes logits only at
 ``batch.logits_indices``: the last token of each sequence that samples, never every prompt
 position. A step of decode tokens only runs in one native call where the kernels are built
 (``native_decode.py``); everything else runs op by op here.
+
+Two helpers serve KV reuse at a new position (RAG segments): ``reanchor`` copies stored K/V
+to other slots with the keys rotated by a position delta (RoPE at position ``p + d`` is the
+rotation by ``d`` of RoPE at ``p``, for every supported scaling, which only rescales the
+frequencies), and ``kv_deviation`` runs the first layers of a batch and says how far each
+row's fresh K/V at one layer is from what the pool holds for it.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ class LlamaModel:
         inv_freq = rope_inv_freq(c, weights.get("rope_freq_factors"))
         angles = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
+        self.rope_inv_freq = inv_freq.to(self.device)
         self.rope_cos = angles.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = angles.sin().to(device=self.device, dtype=dtype)
         # (kernels module, its decoder or None where the model does not fit it)
@@ -129,28 +136,69 @@ class LlamaModel:
             decoder = native_decode.for_model(self)
             if decoder is not None:
                 return decoder.forward(batch, pool)
-        c = self.config
-        if isinstance(self.embed, QuantizedWeight):
-            h = self.embed.embedding(batch.input_ids, self.dtype)
-        else:
-            h = F.embedding(batch.input_ids, self.embed)
-        cos = self.rope_cos[batch.positions].unsqueeze(1)
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        t = h.shape[0]
-        for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer["input_norm"])
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(t, c.num_heads, c.head_dim)
-            k = k.view(t, c.num_kv_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            v = v.reshape(t, c.num_kv_heads, c.head_dim)
-            attn = paged_attention(i, q, k, v, batch, pool, self.scale)
-            h = h + linear(attn.reshape(t, q_size), layer["o"])
-            x = self._rms_norm(h, layer["post_norm"])
-            gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer["down"])
+        h = self._embed(batch.input_ids)
+        cos, sin = self._rope(batch.positions)
+        for i in range(len(self.layers)):
+            h = self._layer(i, h, cos, sin, batch, pool)
         last = self._rms_norm(h[batch.logits_indices], self.norm)
         return linear(last, self.lm_head).float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.embedding(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def _qkv(self, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        c, t = self.config, h.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        x = self._rms_norm(h, layer["input_norm"])
+        qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
+
+    def _layer(self, i: int, h: torch.Tensor, cos, sin, batch: ForwardBatch, pool: KVPool):
+        layer = self.layers[i]
+        q, k, v = self._qkv(layer, h, cos, sin)
+        attn = paged_attention(i, q, k, v, batch, pool, self.scale)
+        h = h + linear(attn.reshape(h.shape[0], -1), layer["o"])
+        x = self._rms_norm(h, layer["post_norm"])
+        gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, layer["down"])
+
+    @torch.inference_mode()
+    def kv_deviation(self, batch: ForwardBatch, pool: KVPool, layer: int) -> torch.Tensor:
+        """Run layers ``[0, layer)`` of ``batch`` (writing their K/V), then return, per row, the
+        distance between the row's fresh K/V at ``layer`` and what the pool holds for it."""
+        if not 0 < layer < len(self.layers):
+            raise ValueError(f"the deviation layer must be in [1, {len(self.layers)})")
+        h = self._embed(batch.input_ids)
+        cos, sin = self._rope(batch.positions)
+        for i in range(layer):
+            h = self._layer(i, h, cos, sin, batch, pool)
+        _, k, v = self._qkv(self.layers[layer], h, cos, sin)
+        old_k = pool.k[layer][:, batch.out_slots].transpose(0, 1)
+        old_v = pool.v[layer][:, batch.out_slots].transpose(0, 1)
+        dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
+        dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
+        return (dk + dv).sqrt()
+
+    @torch.inference_mode()
+    def reanchor(self, pool: KVPool, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+        """Copy the K/V of slots ``src`` to ``dst`` in every layer, keys moved ``delta``
+        positions on (rotated by ``delta`` times each RoPE frequency); values are unchanged."""
+        angle = float(delta) * self.rope_inv_freq.to(torch.float64)
+        angle = torch.cat([angle, angle])
+        cos = angle.cos().to(torch.float32)
+        sin = angle.sin().to(torch.float32)
+        for i in range(len(self.layers)):
+            k = pool.k[i][:, src].float()  # [kv_heads, n, head_dim]
+            k = k * cos + rotate_half(k) * sin
+            pool.k[i][:, dst] = k.to(pool.k.dtype)
+            pool.v[i][:, dst] = pool.v[i][:, src]

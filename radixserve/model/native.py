@@ -12,9 +12,10 @@ One extension module built from ``csrc/``:
 The build (a minute or two, once) goes to radixserve's cache directory under a name that
 includes the sources' hash and the CPU's features, since it is tuned for them
 (``-march=native``; AVX2 code paths are chosen at compile time, with plain C++ twins for
-other CPUs). Anything that fails (no compiler, no ninja, an unusual CPU) leaves
-``paged_ops()`` returning None and every caller on its pure-PyTorch path, which computes the
-same function. ``RADIXSERVE_NATIVE=0`` turns the kernels off.
+other CPUs); a module of that name already built is imported directly. Anything that fails
+(no compiler, no ninja, an unusual CPU) leaves ``paged_ops()`` returning None and every
+caller on its pure-PyTorch path, which computes the same function. ``RADIXSERVE_NATIVE=0``
+turns the kernels off.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "decoder.cpp")
 HEADERS = ("kernels.h",)
+STALE_LOCK_S = 900.0
 _loaded: dict[str, Any] = {}
 
 
@@ -41,6 +44,28 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """A build killed midway leaves torch's lock file, and every later build would wait for it
+    forever; no build takes anywhere near STALE_LOCK_S, so an older lock is dead."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing the lock of an abandoned native build: %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _import_built(name: str, path: Path) -> Any:
+    import importlib.util
+
+    import torch  # noqa: F401  (libtorch's symbols, before the extension needs them)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def paged_ops() -> Any | None:
@@ -59,10 +84,14 @@ def paged_ops() -> Any | None:
         name = f"radixserve_native_{digest.hexdigest()[:12]}"
         build_dir = cache_dir() / "native" / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build_dir / "lock")
         # the venv's ninja, when the venv is not on PATH (e.g. `.venv/bin/python -m ...`)
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-        if not (build_dir / f"{name}.so").exists():
-            log.info("building native CPU kernels (first run only, a minute or two)")
+        built = build_dir / f"{name}.so"
+        if built.exists():  # the name pins sources and CPU: no ninja run (file times differ
+            _loaded["ops"] = _import_built(name, built)  # after a checkout) nor build lock
+            return _loaded["ops"]
+        log.info("building native CPU kernels (first run only, a minute or two)")
         sources = [str(CSRC / file) for file in SOURCES]
         _loaded["ops"] = load(name=name, sources=sources, build_directory=str(build_dir),
                               extra_cflags=["-O3", "-march=native"], verbose=False)  # fmt: skip

@@ -16,6 +16,7 @@ router itself. With an API key, every endpoint but ``/health`` needs it (workers
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 import time
@@ -50,9 +51,12 @@ def create_router_app(
     pool: WorkerPool,
     tokenizer: Tokenizer,
     api_keys: list[str] | None = None,
+    prefill_pool: WorkerPool | None = None,
     salt_from_api_key: bool = False,
 ) -> FastAPI:
-    """``api_keys``: the keys the router accepts (the workers check them too);
+    """``pool``: the workers requests go to (the decode instances in prefill/decode mode,
+    where ``prefill_pool`` holds the prefill instances and the policy is a ``PDPolicy``);
+    ``api_keys``: the keys the router accepts (the workers check them too);
     ``salt_from_api_key``: the workers give every key its own cache namespace."""
     app = FastAPI(title="radixserve router")
     policy, client = pool.policy, pool.client
@@ -88,13 +92,20 @@ def create_router_app(
 
     @app.get("/workers")
     async def list_workers() -> dict:
-        return {
+        listing = {
             "policy": policy.name,
             "workers": [w.describe(policy) for w in pool.workers.values()],
         }
+        if prefill_pool is not None:  # prefill/decode mode: "workers" are the decode ones
+            p = prefill_pool.policy
+            listing["prefill"] = [w.describe(p) for w in prefill_pool.workers.values()]
+            listing["split"] = dataclasses.asdict(policy.pd_stats)
+        return listing
 
     @app.post("/workers")
     async def add_worker(request: Request) -> JSONResponse:
+        if prefill_pool is not None:
+            return _error(400, "workers are fixed in prefill/decode mode (--prefill, --decode)")
         body = parse_body(await request.body())
         if not body or not isinstance(body.get("url"), str):
             return _error(400, 'give the worker as {"url": "http://HOST:PORT"}', param="url")
@@ -114,12 +125,13 @@ def create_router_app(
     async def flush_cache(request: Request) -> JSONResponse:
         headers = _forward_headers(request)
         total = 0
-        for worker in pool.workers.values():
-            r = await client.post(f"{worker.url}/flush_cache", headers=headers, timeout=60)
-            if r.status_code != 200:
-                return Response(r.content, r.status_code, media_type="application/json")
-            total += int(r.json().get("flushed_tokens", 0))
-            policy.worker_lost_events(worker.url)  # events will tell what is left
+        for each in (pool, prefill_pool) if prefill_pool is not None else (pool,):
+            for worker in each.workers.values():
+                r = await client.post(f"{worker.url}/flush_cache", headers=headers, timeout=60)
+                if r.status_code != 200:
+                    return Response(r.content, r.status_code, media_type="application/json")
+                total += int(r.json().get("flushed_tokens", 0))
+                each.policy.worker_lost_events(worker.url)  # events will tell what is left
         return JSONResponse({"flushed_tokens": total})
 
     async def proxy(request: Request, path: str) -> Response:
@@ -144,7 +156,7 @@ def create_router_app(
                 metrics.failures.inc()
                 return _error(503, "no worker could serve the request", "server_error")
             metrics.routing.observe(time.perf_counter() - t0)
-            upstream, chunks, first = await _open(route, path, raw, headers)
+            upstream, chunks, first = await _open(route, path, raw, {**headers, **route.headers})
             if upstream is None:
                 policy.finish(route.ticket)
                 pool.mark_failed(route.worker)

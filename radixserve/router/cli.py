@@ -81,6 +81,27 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
     )
     p.add_argument("--worker", action="append", default=[], help="a worker's base URL")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        help="prefill/decode mode: a prefill instance's base URL (serve --disaggregation-mode "
+        "prefill); needs --decode",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        help="prefill/decode mode: a decode instance's base URL (serve --disaggregation-mode "
+        "decode)",
+    )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=64,
+        help="prefill/decode mode: a request whose uncached part on its decode instance is "
+        "shorter is prefilled there, without a prefill instance; default %(default)s",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind; default %(default)s")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free); default %(default)s")
     p.add_argument(
@@ -123,14 +144,20 @@ def bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket
 
 
 def cmd_router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.worker and (args.prefill or args.decode):
+        parser.error("give --worker, or --prefill and --decode (prefill/decode mode), not both")
+    if bool(args.prefill) != bool(args.decode):
+        parser.error("prefill/decode mode needs at least one --prefill and one --decode")
+    if args.local_prefill_tokens < 0:
+        parser.error(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
     config = policy_config_from_args(parser, args)
     sock = bind(parser, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return asyncio.run(
-            serve_router(sock, args.worker, args.policy, config, args.model,
-                         api_keys_from_args(args), args.log_level, args.seed,
-                         args.salt_from_api_key)
+            serve_router(sock, args.worker or args.decode, args.policy, config, args.model,
+                         api_keys_from_args(args), args.log_level, args.seed, args.prefill,
+                         args.local_prefill_tokens, args.salt_from_api_key)
         )  # fmt: skip
     except KeyboardInterrupt:
         return 0
@@ -145,14 +172,19 @@ async def serve_router(
     api_keys: list[str],
     log_level: str = "info",
     seed: int = 0,
+    prefill_urls: list[str] | None = None,
+    local_prefill_tokens: int = 64,
     salt_from_api_key: bool = False,
 ) -> int:
+    """Serve the router over ``worker_urls``; with ``prefill_urls``, in prefill/decode mode
+    (``worker_urls`` are then the decode instances)."""
     import httpx
     import uvicorn
 
     from radixserve.model.loader import ModelNotFoundError, resolve_model_path
     from radixserve.model.tokenizer import Tokenizer
     from radixserve.router.app import create_router_app
+    from radixserve.router.pd_pools import PDPools
     from radixserve.router.policy import make_policy
     from radixserve.router.workers import WorkerError, WorkerPool
 
@@ -168,25 +200,35 @@ async def serve_router(
     # the router's own calls to the workers (/v1/models, /kv_events, /health) carry a key
     auth = {"authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=auth) as client:
-        pool = WorkerPool(make_policy(policy_name, config, seed), client)
+        if prefill_urls:
+            fleet = PDPools(client, policy_name, config, seed, local_prefill_tokens)
+            pool, prefill_pool = fleet.decode, fleet.prefill
+        else:
+            fleet = pool = WorkerPool(make_policy(policy_name, config, seed), client)
+            prefill_pool = None
         try:
+            for url in prefill_urls or ():
+                await fleet.add_prefill(url)
             for url in worker_urls:
-                await pool.add(url)
+                await (fleet.add_decode(url) if prefill_urls else pool.add(url))
         except WorkerError as e:
             print(f"radixserve router: error: {e}", file=sys.stderr)
-            await pool.close()
+            await fleet.close()
             return 2
-        app = create_router_app(pool, tokenizer, api_keys, salt_from_api_key)
-        pool.start()
+        app = create_router_app(pool, tokenizer, api_keys, prefill_pool, salt_from_api_key)
+        fleet.start()
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
         signal.signal(signal.SIGTERM, _raise_system_exit)
         host, port = sock.getsockname()[:2]
+        workers = f"{len(pool.workers)} workers"
+        if prefill_pool is not None:
+            workers = f"{len(prefill_pool.workers)} prefill, {len(pool.workers)} decode"
         print(f"radixserve router listening on http://{host}:{port} "
-              f"({policy_name}, {len(pool.workers)} workers)", flush=True)  # fmt: skip
+              f"({policy_name}, {workers})", flush=True)  # fmt: skip
         try:
             await server.serve(sockets=[sock])
         finally:
-            await pool.close()
+            await fleet.close()
     return 0
 
 

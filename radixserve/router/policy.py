@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.kvevents.types import (
@@ -90,6 +90,7 @@ class Route:
     ticket: int
     cached_tokens: int  # predicted: the prefix the worker holds (0 for cache-blind policies)
     source: str  # "exact" (events), "approx" (routing history), "none"
+    headers: Mapping[str, str] = field(default_factory=dict)  # for the worker (router/pd.py)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from radixserve.server.responses import (
     chat_response,
     completion_response,
 )
+from radixserve.server.segments import encode_chat_segments, encode_segments
 from radixserve.server.serving import Job, Serving
 from radixserve.server.tier_metrics import cache_tiers
 
@@ -110,11 +111,19 @@ def create_app(
         check_model(body.model)
         params = body.choice_params(defaults)
         serving.check_size(body.n)
-        ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
+        reusable = body.reusable_parts()
+        options: dict = {}
+        if reusable:  # RAG segments (server/segments.py)
+            marked = body.conversation(mark_reusable=True)
+            ids, ranges = await serving.off_loop(encode_chat_segments, tokenizer, marked, reusable)
+            options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
+        else:
+            ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
-        )
+            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER),
+            **options,
+        )  # fmt: skip
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -152,16 +161,18 @@ def create_app(
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
-        if (body.input_ids is None) == (body.text is None):
-            raise ApiError(400, "give exactly one of input_ids and text", "input_ids")
         params = body.to_sampling_params(defaults)
+        options: dict = {}
         if body.input_ids is not None:
             ids = body.input_ids
-        else:
+        elif body.text is not None:
             ids = await serving.off_loop(tokenizer.encode, body.text)
+        else:
+            ids, ranges = await serving.off_loop(encode_segments, tokenizer, body.segments)
+            options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER), **options
         )
         if body.stream:
             return StreamingResponse(
@@ -281,6 +292,7 @@ def native_result(job: Job, full: bool, index: int = 0) -> dict:
             "prompt_tokens": len(job.prompts[index]),
             "cached_tokens": t.cached_tokens,
             "cached_tokens_by_tier": t.cached_by_tier(),
+            **t.segment_usage(),
             "completion_tokens": len(t.token_ids),
             "finish_reason": t.finish_reason,
         },

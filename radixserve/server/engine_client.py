@@ -268,6 +268,8 @@ class EngineClient:
         tag: Any = None,
         extra_key: Any = None,
         prefill_peer: str | None = None,
+        segments: list[tuple[int, int]] | None = None,
+        recompute_ratio: float | None = None,
     ) -> None:
         """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
         Raises ``ValueError`` with the engine's message if the engine rejects it, and
@@ -277,7 +279,9 @@ class EngineClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[("add", request_id)] = fut
         self._queues[request_id] = (queue, tag)
-        options = {"prefill_peer": prefill_peer} if prefill_peer else {}
+        options: dict[str, Any] = {"prefill_peer": prefill_peer} if prefill_peer else {}
+        if segments:  # RAG segments: reusable prompt ranges (engine/segments.py)
+            options.update(segments=segments, recompute_ratio=recompute_ratio)
         if not self._send(("add", request_id, prompt_ids, params, extra_key, options)):
             self._pending.pop(("add", request_id), None)
             self._queues.pop(request_id, None)

@@ -169,6 +169,18 @@ class Metrics:
         )
         yield gauge("num_running_reqs", "Requests in the running batch", s.num_running)
         yield gauge("num_queue_reqs", "Requests waiting for admission", s.num_waiting)
+        seg = s.segments
+        yield counter("radix_segment_lookups", "RAG segments looked up", seg.lookups)
+        yield counter("radix_segment_hits", "RAG segments reused from the store", seg.hits)
+        yield counter("radix_segment_fills", "RAG segments computed and stored", seg.fills)
+        yield counter(
+            "radix_segment_reused_tokens", "Prompt tokens whose KV came from stored segments",
+            seg.reused_tokens,
+        )  # fmt: skip
+        yield counter(
+            "radix_segment_recomputed_tokens", "Reused segment tokens computed again",
+            seg.recomputed_tokens,
+        )  # fmt: skip
         yield from tier_families(s, m)
 
     def render(self) -> bytes:

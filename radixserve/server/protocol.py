@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
 from radixserve.server.errors import ApiError
+from radixserve.server.segments import PLACEHOLDER
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_SALT_CHARS = 256
@@ -168,7 +169,9 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, mark_reusable: bool = False) -> str:
+        """The content as text; with ``mark_reusable``, each reusable part (the extension
+        ``"reusable": true``, a RAG segment) replaced by ``segments.PLACEHOLDER``."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -177,8 +180,16 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, "only text content parts are supported", "messages")
-            parts.append(part["text"])
+            if not isinstance(part.get("reusable", False), bool):
+                raise ApiError(400, "a content part's reusable must be true or false", "messages")
+            reusable = part.get("reusable", False) and part["text"]
+            parts.append(PLACEHOLDER if mark_reusable and reusable else part["text"])
         return "".join(parts)
+
+    def reusable_parts(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p["text"] for p in self.content if p.get("reusable") is True and p.get("text")]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -192,6 +203,8 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # extension, with reusable content parts (RAG segments): share of their tokens recomputed
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
 
     def _unsupported(self) -> dict[str, Any]:
         fmt = self.response_format
@@ -216,12 +229,21 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
         return self.sampling_params(defaults, max_tokens, logprobs, seed_offset)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self, mark_reusable: bool = False) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            {"role": "system" if m.role == "developer" else m.role,
+             "content": m.text(mark_reusable)}
             for m in self.messages
-        ]
+        ]  # fmt: skip
+
+    def reusable_parts(self) -> list[str]:
+        """The texts of the reusable content parts, in order (empty: no RAG segments)."""
+        parts = [text for m in self.messages for text in m.reusable_parts()]
+        if self.recompute_ratio is not None and not parts:
+            raise ApiError(400, "recompute_ratio applies to reusable content parts only",
+                           "recompute_ratio")  # fmt: skip
+        return parts
 
 
 class CompletionRequest(_Sampling):
@@ -262,16 +284,47 @@ _SAMPLING_SCHEMA = {
 }
 
 
+class PromptSegment(BaseModel):
+    """One piece of a ``/generate`` prompt given as segments: text or token ids. A reusable
+    one (a retrieved passage) has its KV stored and reused wherever it appears later."""
+
+    model_config = STRICT
+    text: str | None = None
+    input_ids: list[int] | None = None
+    reusable: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptSegment:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("a segment needs exactly one of text and input_ids")
+        if not (self.text or self.input_ids):
+            raise ValueError("a segment may not be empty")
+        return self
+
+
 class GenerateRequest(_Body):
-    """The native endpoint: token ids (or text) in, token ids out. ``sampling_params`` are
-    ``SamplingParams`` fields, checked there (strictly typed, since JSON reaches it as is)."""
+    """The native endpoint: token ids (or text, or a list of segments) in, token ids out.
+    ``sampling_params`` are ``SamplingParams`` fields, checked there (strictly typed, since
+    JSON reaches it as is). ``recompute_ratio`` (with segments): share of the reused segment
+    tokens computed again; None: the server's default."""
 
     input_ids: list[int] | None = None
     text: str | None = None
+    segments: list[PromptSegment] | None = Field(default=None, min_length=1)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     sampling_params: dict[str, Any] = Field(
         default_factory=dict, json_schema_extra=_SAMPLING_SCHEMA
     )
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [f for f in ("input_ids", "text", "segments") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of input_ids, text and segments")
+        if self.recompute_ratio is not None and self.segments is None:
+            raise ValueError("recompute_ratio applies to segments only")
+        return self
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens

@@ -3,7 +3,8 @@
 Usage counts the prompt once per prompt (not once per choice); ``cached_tokens`` is what the
 first choice of each prompt got from the cache, over every tier, and the extension
 ``cached_tokens_by_tier`` splits it: ``device``, ``host`` (loaded back from the host tier),
-``storage`` (fetched from the storage tier).
+``storage`` (fetched from the storage tier). With RAG segments (reusable content parts),
+``segment_hits``, ``reused_tokens`` and ``recomputed_tokens`` say what reusing them did.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def usage(job: Job, num_prompts: int) -> dict[str, Any]:
         "prompt_tokens_details": {
             "cached_tokens": sum(t.cached_tokens for t in firsts),
             "cached_tokens_by_tier": tier_sum(t.cached_by_tier() for t in firsts),
+            **{k: sum(t.segment_usage()[k] for t in firsts) for k in SEGMENT_USAGE},
         },
     }
+
+
+SEGMENT_USAGE = ("segment_hits", "reused_tokens", "recomputed_tokens")  # RAG segments
 
 
 def tier_sum(splits) -> dict[str, int]:

@@ -112,6 +112,8 @@ class Serving:
         params: list[SamplingParams],
         extra_key: str | None = None,
         prefill_peer: str | None = None,
+        segments: list[tuple[int, int]] | None = None,
+        recompute_ratio: float | None = None,
     ) -> tuple[Job, asyncio.Queue]:
         self.check_size(len(prompts))
         limit = self.client.info.max_model_len
@@ -133,8 +135,9 @@ class Serving:
                 job.trackers.append(OutputTracker(rid, self.tokenizer, p))
                 job.request_ids.append(rid)
                 await self.client.add(
-                    rid, ids, p, queue, tag=i, extra_key=extra_key, prefill_peer=prefill_peer
-                )
+                    rid, ids, p, queue, tag=i, extra_key=extra_key, prefill_peer=prefill_peer,
+                    segments=segments, recompute_ratio=recompute_ratio,
+                )  # fmt: skip
         except ValueError as e:
             await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e

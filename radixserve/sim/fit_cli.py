@@ -31,6 +31,10 @@ def add_fit_args(p: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=3,
         help="passes over the measurement plan; each step keeps its fastest time",
     )  # fmt: skip
+    p.add_argument(
+        "--plan", default="full", choices=("full", "quick"),
+        help="full: prompts to --max-len, batches to 32; quick: fewer, shorter steps",
+    )  # fmt: skip
     p.add_argument("--server", action="store_true", help="also measure the request overhead")
     p.add_argument("--output", default="timing.json", help="where the model goes (JSON)")
     p.set_defaults(func=cmd_fit, parser=p)
@@ -84,7 +88,7 @@ def cmd_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as e:
         parser.error(str(e))
     engine = Engine(config)
-    timing = fit_engine(engine, args.max_len, args.repeats)
+    timing = fit_engine(engine, args.max_len, args.repeats, plan=args.plan)
     del engine
     if args.server:
         timing.request_overhead = measure_request_overhead(

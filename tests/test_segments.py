@@ -1,0 +1,170 @@
+"""RAG segments on the tiny model: re-anchoring, partial recomputation, the segment store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve import SamplingParams
+from radixserve.cache import KVPool
+from radixserve.engine.segments import segment_namespace
+from radixserve.model import build_forward_batch
+from radixserve.model.attention import SparsePrefill
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def rag_prompt(order: list[int], docs: list[list[int]], head: list[int], question: list[int]):
+    """``head + docs in order + question`` and the (start, end) range of each document."""
+    prompt, segments = list(head), []
+    for i in order:
+        segments.append((len(prompt), len(prompt) + len(docs[i])))
+        prompt += docs[i]
+    return prompt + question, segments
+
+
+def drive(engine, requests: list[tuple]) -> dict:
+    """Run ``(request_id, prompt, kwargs)`` to the end; per request its tokens, the logprobs of
+    its first token and its last output (which carries the segment counters)."""
+    for rid, prompt, kwargs in requests:
+        engine.add_request(rid, prompt, GREEDY, **kwargs)
+    result: dict = {rid: {"tokens": [], "first": None, "last": None} for rid, _, _ in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            r = result[out.request_id]
+            r["tokens"] += out.new_token_ids
+            if r["first"] is None and out.new_logprobs:
+                r["first"] = out.new_logprobs[0]
+            r["last"] = out
+        engine.check_integrity()
+    return result
+
+
+DOCS = [ids(40, 1), ids(37, 2), ids(45, 3)]
+HEAD, QUESTION = ids(6, 4), ids(9, 5)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64}])  # fmt: skip
+def test_reanchoring_a_single_segment_is_exact(tmp_path, default_tokenizer, scaling):
+    """KV computed at position 0 and rotated to position 300 gives the same K and the same
+    next-token logits as computing the segment at 300 (no other context either way)."""
+    from radixserve.model import load_model
+    from tests.conftest import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, rope_scaling=scaling)
+    default_tokenizer.hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype="float32", progress=False).model
+    pool = KVPool(model.kv_shape(), 256)
+    seg, delta = torch.tensor(ids(40, 7)), 300
+    m = len(seg)
+    stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
+    prefill = [(seg, 0, stored, False)]
+    model.forward(build_forward_batch([], prefill, model.device, pool.pad_slot), pool)
+    model.reanchor(pool, stored, moved, delta)
+    at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
+    model.forward(build_forward_batch([], [at_300], model.device, pool.pad_slot), pool)
+    for layer in range(len(model.layers)):
+        torch.testing.assert_close(pool.k[layer][:, moved], pool.k[layer][:, direct],
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+        assert torch.equal(pool.v[layer][:, moved], pool.v[layer][:, stored])
+    query = torch.tensor(ids(3, 8))
+    logits = []
+    for ctx in (moved, direct):
+        slots = torch.cat([ctx, torch.arange(200, 203)])
+        item = SparsePrefill(query, torch.arange(m, m + 3), slots, delta, wants_logits=True)
+        logits.append(model.forward(build_forward_batch([], [item], model.device, 0), pool))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    # moving without rotating keys is not the same: the test can tell
+    pool.k[:, :, moved] = pool.k[:, :, stored]
+    slots = torch.cat([moved, torch.arange(200, 203)])
+    item = SparsePrefill(query, torch.arange(m, m + 3), slots, delta, wants_logits=True)
+    wrong = model.forward(build_forward_batch([], [item], model.device, 0), pool)
+    assert not torch.allclose(wrong, logits[1], atol=1e-3)
+
+
+def test_ratio_one_equals_plain_prefill(make_engine):
+    prompt, segments = rag_prompt([2, 0, 1], DOCS, HEAD, QUESTION)
+    warm, warm_segments = rag_prompt([1, 2, 0], DOCS, ids(11, 9), QUESTION)
+    plain = drive(make_engine(), [("p", prompt, {})])["p"]
+    engine = make_engine()
+    drive(engine, [("w", warm, {"segments": warm_segments})])
+    blended = drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 1.0})])["b"]
+    out = blended["last"]
+    assert out.segment_hits == 3 and out.reused_tokens == 0
+    assert out.recomputed_tokens == sum(e - s for s, e in segments)
+    assert blended["tokens"] == plain["tokens"]
+    assert blended["first"].token_id == plain["first"].token_id
+    assert blended["first"].logprob == pytest.approx(plain["first"].logprob, abs=1e-4)
+    for (t1, lp1), (t2, lp2) in zip(blended["first"].top, plain["first"].top, strict=True):
+        assert t1 == t2 and lp1 == pytest.approx(lp2, abs=1e-4)
+
+
+def test_partial_reuse_counts_and_keeps_the_prefix_tree_exact(make_engine):
+    prompt, segments = rag_prompt([0, 1, 2], DOCS, HEAD, QUESTION)
+    engine = make_engine()
+    first = drive(engine, [("a", prompt, {"segments": segments, "recompute_ratio": 0.25})])["a"]
+    out = first["last"]
+    total = sum(e - s for s, e in segments)
+    assert out.segment_hits == 0 and engine.segments.stats.fills == 3  # stored on first sight
+    assert out.recomputed_tokens == int(np.ceil(0.25 * total))
+    assert out.reused_tokens + out.recomputed_tokens == total
+    assert len(first["tokens"]) == GREEDY.max_tokens
+    # only the exact part before the first reused token entered the prefix tree
+    assert engine.cache.peek_prefix(prompt).length == segments[0][0]
+    # the segments are stored in their own namespace, keyed by content, from position 0
+    for s, e in segments:
+        assert engine.cache.peek_prefix(prompt[s:e], segment_namespace(None)).length == e - s
+    assert engine.cache.peek_prefix(DOCS[0]).length == 0
+    again = drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 0.0})])["b"]
+    assert again["last"].segment_hits == 3 and again["last"].recomputed_tokens == 0
+    assert again["last"].cached_tokens == segments[0][0]
+    stats = engine.stats().segments
+    assert (stats.lookups, stats.hits, stats.fills) == (6, 3, 3)
+
+
+def test_segments_respect_namespaces(make_engine):
+    prompt, segments = rag_prompt([0, 1], DOCS, HEAD, QUESTION)
+    engine = make_engine()
+    drive(engine, [("a", prompt, {"segments": segments, "extra_key": "tenant-a"})])
+    other = drive(engine, [("b", prompt, {"segments": segments, "extra_key": "tenant-b"})])["b"]
+    assert other["last"].segment_hits == 0 and other["last"].cached_tokens == 0
+    same = drive(engine, [("c", prompt, {"segments": segments, "extra_key": "tenant-a"})])["c"]
+    assert same["last"].segment_hits == 2
+
+
+def test_segments_are_locked_while_used_and_evicted_like_the_tree(make_engine):
+    """A pool too small for every segment: storing new ones evicts old unlocked ones, never
+    one a running request reads, and nothing leaks (integrity after every step)."""
+    docs = [ids(60, 20 + i) for i in range(8)]
+    engine = make_engine(max_total_tokens=448)
+    for round_ in range(2):
+        reqs = []
+        for i in range(4):
+            order = [(i + round_) % 8, (i + 3) % 8]
+            prompt, segments = rag_prompt(order, docs, ids(5, 40 + i), QUESTION)
+            reqs.append((f"r{round_}-{i}", prompt, {"segments": segments}))
+        result = drive(engine, reqs)
+        assert all(len(r["tokens"]) == GREEDY.max_tokens for r in result.values())
+    assert engine.cache.stats.evictions > 0
+    assert engine.cache.protected_size() == 0  # every lock dropped
+    engine.flush_cache()
+    assert engine.allocator.free_size() == engine.allocator.num_slots
+
+
+def test_bad_segments_are_clear_errors(make_engine):
+    engine = make_engine()
+    prompt = ids(30, 1)
+    for bad in ([(5, 3)], [(0, 10), (5, 12)], [(0, 31)], [(-1, 4)], [("a", 3)], [(1, 2, 3)]):
+        with pytest.raises(ValueError, match="segment"):
+            engine.add_request("x", prompt, GREEDY, segments=bad)
+    for ratio in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="recompute ratio"):
+            engine.add_request("x", prompt, GREEDY, segments=[(0, 10)], recompute_ratio=ratio)
+    assert not engine.has_unfinished()
