@@ -219,11 +219,6 @@ def test_simulate_cli_rejects_bad_options(argv, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the default profile is not fitted yet: on a quiet machine run `radixserve simulate "
-    "fit --server --output radixserve/sim/profiles/cpu-smollm2-135m.json`, then drop this mark",
-)
 def test_default_timing_profile_is_shipped_and_fitted():
     model = TimingModel.load(DEFAULT_PROFILE)
     assert DEFAULT_PROFILE in shipped_profiles()
