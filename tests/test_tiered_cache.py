@@ -252,12 +252,17 @@ def test_tier_moves_emit_events_with_their_medium():
     events = KVEventQueue()
     cache, pool = make_cache(4, 16, 32, "write_through", events)
     cache_tokens(cache, pool, list(range(8)))
-    stored = [(type(e).__name__, e.medium) for e in events.drain()]
+    first = events.drain()
+    stored = [(type(e).__name__, e.medium) for e in first]
     assert stored == [("BlockStored", "device"), ("BlockStored", "host")]
+    same_blocks = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in first]
+    assert same_blocks[0] == same_blocks[1] and len(same_blocks[0][0]) == 2  # moved, not renamed
     cache.evict(16)  # off the device, kept on the host
     assert [(type(e).__name__, e.medium) for e in events.drain()] == [("BlockRemoved", "device")]
     cache.load_back(cache.match_prefix(list(range(8)) + [0]))
-    assert [(type(e).__name__, e.medium) for e in events.drain()] == [("BlockStored", "device")]
+    back = events.drain()
+    assert [(type(e).__name__, e.medium) for e in back] == [("BlockStored", "device")]
+    assert (back[0].block_hashes, back[0].parent_block_hash, back[0].token_ids) == same_blocks[0]
     cache.reset()
     drained = events.drain()
     assert [(type(e).__name__, getattr(e, "medium", None)) for e in drained] == [

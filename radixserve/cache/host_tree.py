@@ -12,7 +12,6 @@ medium it concerns.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -74,16 +73,16 @@ class HostTree(RadixCache):
 
     def _event(self, kind: type, node: TreeNode, medium: str) -> None:
         """Announce that ``node``'s blocks moved onto (BlockStored) or off (BlockRemoved)
-        ``medium``; hashes come from the tree's block hasher, like every other event."""
+        ``medium``, under the block hashes the node already holds (nothing is hashed again)."""
         if self.events is None:
             return
         if kind is BlockRemoved:
             if node.page_hashes:
                 self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
             return
-        event = self._hasher.hash_node(node)
+        event = self._hasher.stored(node, medium)
         if event is not None:
-            self.events.append(dataclasses.replace(event, medium=medium))
+            self.events.append(event)
 
     def _mark_host_leaf(self, node: TieredNode) -> None:
         self._host_leaves.add(node)
@@ -141,6 +140,8 @@ class HostTree(RadixCache):
         leaf.storage_keys = keys[(pos - start) // self.page_size :]
         leaf.last_access = self._clock
         parent.children[self._child_key(leaf.key)] = leaf
+        if self.events is not None:
+            self._hasher.hash_node(leaf)  # a new node: its blocks are named here
         self._event(BlockStored, leaf, MEDIUM_HOST)
         self._host_size += len(leaf.key)
         self._host_leaves.discard(parent)

@@ -166,7 +166,7 @@ class TieredRadixCache(HostTree):
         """A callback that reports the node's first pages written to storage (KV events)."""
         if self.events is None:
             return None
-        whole = self._hasher.hash_node(node)
+        whole = self._hasher.stored(node, MEDIUM_STORAGE)
         if whole is None:
             return None
         offset, block = node.offset, self._hasher.block_size
@@ -177,7 +177,7 @@ class TieredRadixCache(HostTree):
             if count > 0:
                 self.events.append(dataclasses.replace(
                     whole, block_hashes=whole.block_hashes[:count],
-                    token_ids=whole.token_ids[: count * block], medium=MEDIUM_STORAGE,
+                    token_ids=whole.token_ids[: count * block],
                 ))  # fmt: skip
 
         return emit

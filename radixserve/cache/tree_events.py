@@ -67,21 +67,33 @@ class TreeEvents:
         if count == 0:
             node.page_hashes = []
             return None
+        tokens, parent_hash = self._block_tokens(node, count), self._parent_hash(node)
+        salt = namespace_salt(node.namespace)
+        node.page_hashes = chain_block_hashes(parent_hash, tokens, self.block_size, salt=salt)
+        return self._stored_event(node, tokens, parent_hash, self.cache.node_medium(node))
+
+    def stored(self, node: TreeNode, medium: str) -> BlockStored | None:
+        """The event storing ``node``'s blocks on ``medium`` from the hashes it holds (current
+        while events are on): a tier move announces them again without hashing."""
+        if not node.page_hashes:
+            return None
+        tokens = self._block_tokens(node, len(node.page_hashes))
+        return self._stored_event(node, tokens, self._parent_hash(node), medium)
+
+    def _block_tokens(self, node: TreeNode, count: int) -> np.ndarray:
+        """The tokens of the ``count`` blocks ``node`` owns (a straddling first block starts
+        above its edge)."""
         head = node.offset % self.block_size  # tokens of the first block above this edge
         tokens = node.key[: count * self.block_size - head]
         if head:
             tokens = np.concatenate([self._tokens_above(node, head), tokens])
-        parent_hash = self._parent_hash(node)
-        salt = namespace_salt(node.namespace)
-        node.page_hashes = chain_block_hashes(parent_hash, tokens, self.block_size, salt=salt)
-        return BlockStored(
-            node.page_hashes,
-            parent_hash,
-            tokens.tolist(),
-            self.block_size,
-            node.namespace,
-            self.cache.node_medium(node),
-        )
+        return tokens
+
+    def _stored_event(
+        self, node: TreeNode, tokens: np.ndarray, parent_hash: int | None, medium: str
+    ) -> BlockStored:
+        return BlockStored(node.page_hashes, parent_hash, tokens.tolist(), self.block_size,
+                           node.namespace, medium)  # fmt: skip
 
     def removed(self, node: TreeNode) -> BlockRemoved | None:
         if not node.page_hashes:
