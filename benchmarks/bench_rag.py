@@ -23,8 +23,10 @@ tokens), mean KL(reference || blended) of the first next-token distribution, med
 (add to first token, one request at a time) and its ratio to the reference's.
 
 Prints a JSON line per item, then the summary; ``--out`` also writes the summary to a file and
-``--plot`` draws the curves; ``--from-log LOG`` summarizes the item lines of a run's log
-(a run cut short included: the summary's ``items`` says how many it covers).
+``--plot`` draws the curves; ``--from-log LOG [LOG ...]`` summarizes the item lines of runs'
+logs (a run cut short included: the summary's ``items`` says how many it covers).
+``--slice A:B`` runs items ``A..B-1`` of the ``--items`` set only (the same prompts as the whole
+run), so a long run can be split into pieces, or run in parallel, and summarized together.
 Usage: ``python benchmarks/bench_rag.py --items 30 --ratios 0,0.05,0.1,0.15,0.25,0.5,1``.
 """
 
@@ -137,17 +139,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
-    ap.add_argument("--from-log", type=Path, help="summarize the per-item lines of a run's log")
+    ap.add_argument("--slice", default=None, help="A:B, run only items A..B-1 of the set")
+    ap.add_argument("--from-log", type=Path, nargs="+", help="summarize runs' per-item lines")
     args = ap.parse_args()
     if args.from_log:
         meta = {"passages": args.passages, "passage_tokens": args.passage_tokens,
-                "dtype": args.dtype, "from_log": str(args.from_log)}  # fmt: skip
+                "dtype": args.dtype, "from_log": [str(p) for p in args.from_log]}  # fmt: skip
         report(summarize(*from_log(args.from_log), meta), args)
         return
     ratios = [float(x) for x in args.ratios.split(",")]
     loaded = load_model(None, "cpu", args.dtype, progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed)  # fmt: skip
+    first = 0
+    if args.slice:
+        a, b = (int(x) for x in args.slice.split(":"))
+        if not 0 <= a < b <= len(items):
+            ap.error(f"--slice {args.slice}: need 0 <= A < B <= --items")
+        items, first = items[a:b], a
     stored = args.items * (args.passage_tokens + 8)
     opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
     blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded))
@@ -174,7 +183,11 @@ def main() -> None:
                 "recomputed": got["out"].recomputed_tokens,
                 "reused": got["out"].reused_tokens,
             })  # fmt: skip
-        done = {"item": n, "full_ttft_s": ref["ttft"], "by_ratio": {r: rows[r][-1] for r in ratios}}
+        done = {
+            "item": first + n,
+            "full_ttft_s": ref["ttft"],
+            "by_ratio": {r: rows[r][-1] for r in ratios},
+        }
         print(json.dumps(done), flush=True)  # per item, so a cut-short run still tells
     blend.engine.check_integrity()
     meta = {
@@ -205,13 +218,19 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
     return {"items": len(ref_ttft), **meta, "full_prefill_median_ttft_s": ref_med, "curve": curve}
 
 
-def from_log(path: Path) -> tuple[dict[float, list[dict]], list[float]]:
-    """The per-item lines a run printed (all of them, or as far as a cut-short run got)."""
+def from_log(paths: list[Path]) -> tuple[dict[float, list[dict]], list[float]]:
+    """The per-item lines runs printed (all of them, or as far as a cut-short run got); an
+    item printed by more than one log counts once (the first)."""
     rows: dict[float, list[dict]] = {}
-    ref_ttft = []
-    for line in path.read_text().splitlines():
-        if line.startswith('{"item"'):
+    ref_ttft, seen = [], set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.startswith('{"item"'):
+                continue
             done = json.loads(line)
+            if done["item"] in seen:
+                continue
+            seen.add(done["item"])
             ref_ttft.append(done["full_ttft_s"])
             for r, x in done["by_ratio"].items():
                 rows.setdefault(float(r), []).append(x)

@@ -14,6 +14,9 @@ where each new token's K/V goes (``out_slots``) and which slots each sequence at
   rows of a context, each attending to the context up to its own index (the KV of the rows
   not computed is whatever the pool holds there, e.g. KV reused from a segment store). RoPE
   positions are ``pos_offset + row``. A plain chunk is the rows ``[prefix_len, len)``.
+  Its rows are attended in groups of ``SPARSE_GROUP`` (``SparseGroup``), each against the
+  context only up to its own last row: one masked call over the whole context would pay for
+  every masked-out pair, which for rows spread through a long context is most of them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,20 @@ import torch.nn.functional as F
 from radixserve.cache.kv_pool import KVPool
 from radixserve.model import native
 
+# Rows of a sparse prefill attended per call: small enough that a group's masked-out pairs
+# are few, large enough that the attention kernel still works on full query blocks.
+SPARSE_GROUP = 64
+
+
+@dataclass
+class SparseGroup:
+    """Rows ``[lo, hi)`` of a sparse span, attending to the first ``context_len`` slots."""
+
+    lo: int
+    hi: int
+    context_len: int
+    mask: torch.Tensor  # [hi - lo, context_len]: bool, made additive once per step
+
 
 @dataclass
 class PrefillSpan:
@@ -34,6 +51,7 @@ class PrefillSpan:
     prefix_len: int  # tokens before this chunk whose K/V is already in the pool
     context_slots: torch.Tensor | None = None  # [prefix_len + num_new] when prefix_len > 0
     mask: torch.Tensor | None = None  # [num_new, prefix_len + num_new] bool
+    groups: list[SparseGroup] | None = None  # a sparse prefill's rows, attended per group
 
 
 @dataclass
@@ -147,7 +165,12 @@ def _sparse_span(
         raise ValueError("sparse prefill rows must be strictly increasing context indices")
     span = PrefillSpan(start=row, num_new=n, prefix_len=ctx - n)
     span.context_slots = item.context_slots.to(device)
-    span.mask = (torch.arange(ctx)[None, :] <= rows[:, None]).to(device)
+    span.groups = []
+    for lo in range(0, n, SPARSE_GROUP):
+        hi = min(lo + SPARSE_GROUP, n)
+        length = int(rows[hi - 1]) + 1
+        mask = torch.arange(length)[None, :] <= rows[lo:hi, None]
+        span.groups.append(SparseGroup(lo, hi, length, mask.to(device)))
     return span, item.token_ids, rows + item.pos_offset, item.context_slots[rows]
 
 
@@ -172,14 +195,43 @@ def paged_attention(
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
             ks, vs = pool.gather(layer, span.context_slots)
-        # [1, heads, n, D]: the CPU flash kernel wants a batch axis (3-D inputs fall back to
-        # the slow reference path) and handles grouped KV heads itself.
-        o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], ks[None], vs[None],
-            attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
-        )  # fmt: skip
-        out[rows] = o[0].transpose(0, 1)
+        if span.groups is not None:
+            _sparse_attention(q[rows], ks, vs, span.groups, out[rows], scale)
+            continue
+        out[rows] = _attend(q[rows], ks, vs, span.mask, scale)
     return out
+
+
+def _attend(
+    q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``q`` [n, H, D] against ``ks``/``vs`` [KVH, c, D]; no mask: causal. Returns [n, H, D]."""
+    # [1, heads, n, D]: the CPU flash kernel wants a batch axis (3-D inputs fall back to
+    # the slow reference path) and handles grouped KV heads itself.
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], ks[None], vs[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return o[0].transpose(0, 1)
+
+
+def _sparse_attention(
+    q: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    groups: list[SparseGroup],
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """A sparse span's rows, group by group, each against the context it can see; into ``out``
+    (a view of the step's output)."""
+    for g in groups:
+        if g.mask.dtype == torch.bool:  # additive once, not converted again by every layer
+            g.mask = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~g.mask, float("-inf")
+            )
+        c = g.context_len
+        out[g.lo : g.hi] = _attend(q[g.lo : g.hi], ks[:, :c], vs[:, :c], g.mask, scale)
 
 
 def _decode_attention(layer: int, q: torch.Tensor, batch: ForwardBatch, pool: KVPool,
