@@ -89,6 +89,32 @@ def test_reanchoring_a_single_segment_is_exact(tmp_path, default_tokenizer, scal
     assert not torch.allclose(wrong, logits[1], atol=1e-3)
 
 
+def test_sparse_rows_over_exact_kv_give_the_plain_prefill(tiny_loaded):
+    """Rows spread through a 300-token context (several attention groups, each cut at its
+    last row) computed over exact K/V of the other rows: the same K/V and logits as a plain
+    prefill of the whole context. A group that saw too little context, or a row that saw
+    past itself, would change them."""
+    from radixserve.model.attention import SPARSE_GROUP
+
+    model = tiny_loaded.model
+    pool = KVPool(model.kv_shape(), 1024)
+    tokens, n = torch.tensor(ids(300, 11)), 300
+    plain, sparse = torch.arange(0, n), torch.arange(400, 400 + n)
+    batch = build_forward_batch([], [(tokens, 0, plain, True)], model.device, pool.pad_slot)
+    want = model.forward(batch, pool)
+    rows = torch.tensor(sorted({*range(0, n, 3), *range(250, n)}))
+    assert len(rows) > 2 * SPARSE_GROUP
+    pool.k[:, :, sparse] = pool.k[:, :, plain]  # exact K/V everywhere ...
+    pool.v[:, :, sparse] = pool.v[:, :, plain]
+    pool.k[:, :, sparse[rows]] = 0.0  # ... but the rows, which the sparse pass must compute
+    pool.v[:, :, sparse[rows]] = 0.0
+    item = SparsePrefill(tokens[rows], rows, sparse, wants_logits=True)
+    got = model.forward(build_forward_batch([], [item], model.device, pool.pad_slot), pool)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool.k[:, :, sparse], pool.k[:, :, plain], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pool.v[:, :, sparse], pool.v[:, :, plain], atol=1e-5, rtol=1e-4)
+
+
 def test_ratio_one_equals_plain_prefill(make_engine):
     prompt, segments = rag_prompt([2, 0, 1], DOCS, HEAD, QUESTION)
     warm, warm_segments = rag_prompt([1, 2, 0], DOCS, ids(11, 9), QUESTION)

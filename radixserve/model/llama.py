@@ -197,8 +197,9 @@ class LlamaModel:
         angle = torch.cat([angle, angle])
         cos = angle.cos().to(torch.float32)
         sin = angle.sin().to(torch.float32)
-        for i in range(len(self.layers)):
-            k = pool.k[i][:, src].float()  # [kv_heads, n, head_dim]
-            k = k * cos + rotate_half(k) * sin
-            pool.k[i][:, dst] = k.to(pool.k.dtype)
-            pool.v[i][:, dst] = pool.v[i][:, src]
+        # all layers in one gather and one scatter: a loop over layers costs ~8 small ops
+        # each, which dominate when the machine is busy (each op waits for its threads)
+        k = pool.k.index_select(2, src).float()  # [layers, kv_heads, n, head_dim]
+        k = k * cos + rotate_half(k) * sin
+        pool.k.index_copy_(2, dst, k.to(pool.k.dtype))
+        pool.v.index_copy_(2, dst, pool.v.index_select(2, src))
