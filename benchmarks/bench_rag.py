@@ -27,6 +27,10 @@ Prints a JSON line per item, then the summary; ``--out`` also writes the summary
 logs (a run cut short included: the summary's ``items`` says how many it covers).
 ``--slice A:B`` runs items ``A..B-1`` of the ``--items`` set only (the same prompts as the whole
 run), so a long run can be split into pieces, or run in parallel, and summarized together.
+``--ttft-log LOG [LOG ...]`` (with ``--from-log``) takes the TTFT columns from other runs (e.g.
+fewer items timed on a quiet machine, while the quality runs shared it); a ratio those runs
+did not time gets no TTFT. ``--cpu-clock`` (with ``--threads 1``) times TTFT in the process's
+CPU seconds instead of wall seconds: the work done, nearly independent of a busy machine.
 Usage: ``python benchmarks/bench_rag.py --items 30 --ratios 0,0.05,0.1,0.15,0.25,0.5,1``.
 """
 
@@ -94,8 +98,9 @@ def build_items(tok, n_items: int, n_passages: int, passage_tokens: int, seed: i
 class Runner:
     """One request at a time on an engine: TTFT, first-token logits, greedy tokens."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, clock=time.perf_counter):
         self.engine = engine
+        self.clock = clock
         self.first_logits: dict[str, torch.Tensor] = {}
         sample = engine._sample  # a measurement hook: keep each request's first logits
 
@@ -111,13 +116,13 @@ class Runner:
     def run(self, prompt, params, **kwargs) -> dict:
         self.count += 1
         rid = f"q{self.count}"
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.engine.add_request(rid, prompt, params, **kwargs)
         ttft, tokens, last = None, [], None
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if ttft is None and out.new_token_ids:
-                    ttft = time.perf_counter() - t0
+                    ttft = self.clock() - t0
                 tokens += out.new_token_ids
                 last = out
         return {"ttft": ttft, "tokens": tokens, "logits": self.first_logits.pop(rid), "out": last}
@@ -139,15 +144,27 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--cpu-clock", action="store_true", help="TTFT in CPU s (needs --threads 1)")
     ap.add_argument("--slice", default=None, help="A:B, run only items A..B-1 of the set")
     ap.add_argument("--from-log", type=Path, nargs="+", help="summarize runs' per-item lines")
+    ap.add_argument("--ttft-log", type=Path, nargs="+", help="with --from-log: TTFT from these")
     args = ap.parse_args()
     if args.from_log:
         meta = {"passages": args.passages, "passage_tokens": args.passage_tokens,
                 "dtype": args.dtype, "from_log": [str(p) for p in args.from_log]}  # fmt: skip
-        report(summarize(*from_log(args.from_log), meta), args)
+        result = summarize(*from_log(args.from_log), meta)
+        if args.ttft_log:
+            result = with_ttft_from(result, summarize(*from_log(args.ttft_log), {}))
+            result["ttft_log"] = [str(p) for p in args.ttft_log]
+        report(result, args)
         return
     ratios = [float(x) for x in args.ratios.split(",")]
+    if args.cpu_clock and args.threads != 1:
+        ap.error("--cpu-clock needs --threads 1 (it counts this process's CPU time)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_clock else time.perf_counter
     loaded = load_model(None, "cpu", args.dtype, progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed)  # fmt: skip
@@ -159,9 +176,9 @@ def main() -> None:
         items, first = items[a:b], a
     stored = args.items * (args.passage_tokens + 8)
     opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
-    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded))
+    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded), clock)
     full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
-                                      **opts), loaded))  # fmt: skip
+                                      **opts), loaded), clock)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1)
     for d in {tuple(d) for item in items for d in item["docs"]}:  # stored once, as earlier
@@ -218,6 +235,17 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
     return {"items": len(ref_ttft), **meta, "full_prefill_median_ttft_s": ref_med, "curve": curve}
 
 
+def with_ttft_from(result: dict, timed: dict) -> dict:
+    """``result`` with its TTFT columns replaced by ``timed``'s (None where it has none)."""
+    by_ratio = {p["ratio"]: p for p in timed["curve"]}
+    for p in result["curve"]:
+        t = by_ratio.get(p["ratio"], {})
+        p["median_ttft_s"], p["ttft_over_full"] = t.get("median_ttft_s"), t.get("ttft_over_full")
+    result["full_prefill_median_ttft_s"] = timed["full_prefill_median_ttft_s"]
+    result["ttft_items"] = timed["items"]
+    return result
+
+
 def from_log(paths: list[Path]) -> tuple[dict[float, list[dict]], list[float]]:
     """The per-item lines runs printed (all of them, or as far as a cut-short run got); an
     item printed by more than one log counts once (the first)."""
@@ -261,10 +289,12 @@ def plot(result: dict, path: Path) -> None:
     kl_ax = ax1.twinx()
     kl_ax.plot(x, [p["mean_kl"] for p in c], "^--", color="gray")
     kl_ax.set_ylabel("mean KL (dashed)")
-    ax2.plot(x, [p["ttft_over_full"] for p in c], "o-")
+    timed = [p for p in c if p["ttft_over_full"] is not None]
+    ax2.plot([p["ratio"] for p in timed], [p["ttft_over_full"] for p in timed], "o-")
     ax2.axhline(1.0, color="gray", lw=0.8)
     ax2.set_xlabel("recompute ratio")
     ax2.set_ylabel("TTFT / full prefill (median)")
+    ax2.set_title(f"TTFT: {result.get('ttft_items', result['items'])} questions", fontsize=9)
     fig.suptitle(f"RAG segments, SmolLM2-135M, {result['items']} questions x "
                  f"{result['passages']} passages x {result['passage_tokens']} tokens")  # fmt: skip
     fig.tight_layout()
