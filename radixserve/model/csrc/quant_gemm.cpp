@@ -44,42 +44,49 @@ void dequant_block(const WeightView& w, int64_t row, int64_t b, float* out) {
   }
 }
 
-template <int MR, int NR>
-inline void micro_tile(const float* x, int64_t K, const float* wb, int64_t ldw, float* y,
-                       int64_t ldy, bool accumulate) {
-  v8 acc[MR][NR] = {};
-  for (int64_t k = 0; k < K; k += 8) {
-    v8 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load8(wb + j * ldw + k);
-    for (int i = 0; i < MR; ++i) {
-      const v8 xv = load8(x + i * K + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+// The batched path: x is transposed once (xt [K, Mp], Mp = M rounded up to 8, zero-padded) so
+// that a vector's lanes run over 8 rows of x; each weight is then broadcast from the buffer and
+// multiplied into 16 rows at once (acc[j] += W[n0 + j, k] * xt[k, i0 .. i0 + 16]). No
+// horizontal sums, and no transpose of W: its rows are dequantized as they lie.
+template <int NR, int MV>
+inline void lane_tile(const float* xt, int64_t Mp, int64_t i0, const float* wb, int64_t ldw,
+                      int64_t K, float* y, int64_t N, int64_t n0, int64_t M, bool accumulate) {
+  v8 acc[NR][MV] = {};
+  const float* xp = xt + i0;
+  for (int64_t k = 0; k < K; ++k, xp += Mp) {
+    v8 xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = load8(xp + 8 * v);
+    for (int j = 0; j < NR; ++j) {
+      const v8 wv = splat8(wb[j * ldw + k]);
+      for (int v = 0; v < MV; ++v) acc[j][v] += wv * xv[v];
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      const float s = hsum8(acc[i][j]);
-      y[i * ldy + j] = accumulate ? y[i * ldy + j] + s : s;
+  const int64_t rows = std::min<int64_t>(8 * MV, M - i0);
+  for (int j = 0; j < NR; ++j) {
+    float lanes[8 * MV];
+    for (int v = 0; v < MV; ++v) store8(lanes + 8 * v, acc[j][v]);
+    for (int64_t l = 0; l < rows; ++l) {
+      float& out = y[(i0 + l) * N + n0 + j];
+      out = accumulate ? out + lanes[l] : lanes[l];
     }
+  }
 }
 
 template <int NR>
-void tile_rows(const float* x, int64_t M, int64_t K, const float* wb, int64_t ldw, float* y,
-               int64_t ldy, bool accumulate) {
-  int64_t i = 0;
-  for (; i + 4 <= M; i += 4) micro_tile<4, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate);
-  switch (M - i) {
-    case 3: micro_tile<3, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate); break;
-    case 2: micro_tile<2, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate); break;
-    case 1: micro_tile<1, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate); break;
-    default: break;
-  }
+void lane_tiles(const float* xt, int64_t Mp, const float* wb, int64_t ldw, int64_t K, float* y,
+                int64_t N, int64_t n0, int64_t M, bool accumulate) {
+  int64_t i0 = 0;
+  for (; i0 + 16 <= Mp; i0 += 16) lane_tile<NR, 2>(xt, Mp, i0, wb, ldw, K, y, N, n0, M, accumulate);
+  if (i0 < Mp) lane_tile<NR, 1>(xt, Mp, i0, wb, ldw, K, y, N, n0, M, accumulate);
 }
 
-void gemm_buffered(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
-  constexpr int64_t NR = 3;
-  const int64_t N = w.n, K = w.k, tiles = (N + NR - 1) / NR;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
+  constexpr int64_t NR = 6;
+  const int64_t N = w.n, K = w.k, Mp = (M + 7) / 8 * 8, tiles = (N + NR - 1) / NR;
+  std::vector<float> xt(K * Mp, 0.f);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) xt[k * Mp + i] = x[i * K + k];
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(w.fmt == WFormat::F32 ? 0 : NR * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR, nr = std::min(NR, N - n0);
@@ -90,10 +97,14 @@ void gemm_buffered(const float* x, int64_t M, const WeightView& w, float* y, boo
         dequant_rows(w, n0, nr, buf.data());
         wb = buf.data();
       }
-      float* yt = y + n0;
-      if (nr == 3) tile_rows<3>(x, M, K, wb, K, yt, N, accumulate);
-      else if (nr == 2) tile_rows<2>(x, M, K, wb, K, yt, N, accumulate);
-      else tile_rows<1>(x, M, K, wb, K, yt, N, accumulate);
+      switch (nr) {
+        case 6: lane_tiles<6>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
+        case 5: lane_tiles<5>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
+        case 4: lane_tiles<4>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
+        case 3: lane_tiles<3>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
+        case 2: lane_tiles<2>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
+        default: lane_tiles<1>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
+      }
     }
   });
 }
@@ -294,7 +305,7 @@ void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumu
 #ifdef RS_AVX2
   if (M <= kSmallRows && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
 #endif
-  gemm_buffered(x, M, w, y, accumulate);
+  gemm_lanes(x, M, w, y, accumulate);
 }
 
 }  // namespace rs
