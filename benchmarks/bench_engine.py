@@ -7,7 +7,8 @@
    the matmul roofline: the model's four matmul shapes at 2048 rows timed with
    ``torch.matmul`` in float32 and (on CPUs that compute it natively) bfloat16 on dense
    weights (median of ``--repeat``), the faster dtype's FLOP/s divided by 2 x the layers'
-   parameters gives the tokens/s a prefill could reach if it were nothing but those matmuls; ``share_of_roofline`` is ours / that.
+   parameters gives the tokens/s a prefill could reach if it were nothing but those matmuls;
+   ``share_of_roofline`` is ours / that.
 2. Decode throughput at batch 1, 8 and 32: each request a 128-token prompt, 64 greedy tokens
    (``ignore_eos``); tokens/s over the decode steps only (prefill excluded).
 3. A 5-turn chat whose history reaches ~1.5K tokens: time to the first token of each turn,
