@@ -1,8 +1,8 @@
 // y = x @ W^T with W kept block-quantized (Q8_0, Q4_1) or dense float, for the small row
 // counts of decode steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
 //
-// Two paths, both splitting W's rows over threads (at::parallel_for):
-//   M <= 64 (AVX2, quantized W): integer dot products, x's rows 4 at a time against each row
+// Three paths, all splitting W's rows over threads (at::parallel_for):
+//   few rows (AVX2, quantized W; see qgemm for the thresholds): integer dot products, x's rows 4 at a time against each row
 //     of W while it is in L1. Each 32-input block of x is rounded to
 //     int16 with its own scale, and each weight block, widened to int16, meets it in madd
 //     instructions (16 multiply-adds each), scaled by both blocks' scales; Q4_1's minimum adds
@@ -10,10 +10,11 @@
 //     here. llama.cpp rounds x to int8 instead (another 1.3x): that moved the default model's
 //     matmuls by 0.5-2.6% (its activations have outliers 10-18x their RMS, which take a
 //     block's whole int8 range), and its logits by several percent; int16 moves them by ~1e-5.
-//   otherwise (or without AVX2): three rows of W are dequantized into a small buffer that stays in L1, then a
-//     4x3 register tile of float dot products runs over the inputs, so each weight is widened
-//     once per call however many rows x has. This equals x @ dequantize(W)^T up to float
-//     summation order.
+//   fewer than 8 rows otherwise (dense W, or no AVX2): three rows of W are dequantized into a
+//     small buffer that stays in L1, then a 4x3 register tile of float dot products runs over
+//     the inputs. This equals x @ dequantize(W)^T up to float summation order.
+//   8 rows or more otherwise: gemm_lanes (lane_gemm.cpp), float FMAs with the vector lanes
+//     over x's rows, the same function up to summation order.
 #include "kernels.h"
 
 #ifndef RS_SMALL_ROWS  // a build flag only for timing experiments
@@ -27,6 +28,7 @@ namespace rs {
 namespace {
 
 constexpr int64_t kSmallRows = RS_SMALL_ROWS;
+constexpr int64_t kLaneRows = 8;  // a vector of rows: fewer would leave lanes idle
 
 void dequant_block(const WeightView& w, int64_t row, int64_t b, float* out) {
   const int64_t nb = w.k / kBlock;
@@ -44,49 +46,42 @@ void dequant_block(const WeightView& w, int64_t row, int64_t b, float* out) {
   }
 }
 
-// The batched path: x is transposed once (xt [K, Mp], Mp = M rounded up to 8, zero-padded) so
-// that a vector's lanes run over 8 rows of x; each weight is then broadcast from the buffer and
-// multiplied into 16 rows at once (acc[j] += W[n0 + j, k] * xt[k, i0 .. i0 + 16]). No
-// horizontal sums, and no transpose of W: its rows are dequantized as they lie.
-template <int NR, int MV>
-inline void lane_tile(const float* xt, int64_t Mp, int64_t i0, const float* wb, int64_t ldw,
-                      int64_t K, float* y, int64_t N, int64_t n0, int64_t M, bool accumulate) {
-  v8 acc[NR][MV] = {};
-  const float* xp = xt + i0;
-  for (int64_t k = 0; k < K; ++k, xp += Mp) {
-    v8 xv[MV];
-    for (int v = 0; v < MV; ++v) xv[v] = load8(xp + 8 * v);
+template <int MR, int NR>
+inline void micro_tile(const float* x, int64_t K, const float* wb, int64_t ldw, float* y,
+                       int64_t ldy, bool accumulate) {
+  v8 acc[MR][NR] = {};
+  for (int64_t k = 0; k < K; k += 8) {
+    v8 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load8(wb + j * ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const v8 xv = load8(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      const v8 wv = splat8(wb[j * ldw + k]);
-      for (int v = 0; v < MV; ++v) acc[j][v] += wv * xv[v];
+      const float s = hsum8(acc[i][j]);
+      y[i * ldy + j] = accumulate ? y[i * ldy + j] + s : s;
     }
-  }
-  const int64_t rows = std::min<int64_t>(8 * MV, M - i0);
-  for (int j = 0; j < NR; ++j) {
-    float lanes[8 * MV];
-    for (int v = 0; v < MV; ++v) store8(lanes + 8 * v, acc[j][v]);
-    for (int64_t l = 0; l < rows; ++l) {
-      float& out = y[(i0 + l) * N + n0 + j];
-      out = accumulate ? out + lanes[l] : lanes[l];
-    }
-  }
 }
 
 template <int NR>
-void lane_tiles(const float* xt, int64_t Mp, const float* wb, int64_t ldw, int64_t K, float* y,
-                int64_t N, int64_t n0, int64_t M, bool accumulate) {
-  int64_t i0 = 0;
-  for (; i0 + 16 <= Mp; i0 += 16) lane_tile<NR, 2>(xt, Mp, i0, wb, ldw, K, y, N, n0, M, accumulate);
-  if (i0 < Mp) lane_tile<NR, 1>(xt, Mp, i0, wb, ldw, K, y, N, n0, M, accumulate);
+void tile_rows(const float* x, int64_t M, int64_t K, const float* wb, int64_t ldw, float* y,
+               int64_t ldy, bool accumulate) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4) micro_tile<4, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate);
+  switch (M - i) {
+    case 3: micro_tile<3, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate); break;
+    case 2: micro_tile<2, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate); break;
+    case 1: micro_tile<1, NR>(x + i * K, K, wb, ldw, y + i * ldy, ldy, accumulate); break;
+    default: break;
+  }
 }
 
-void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
-  constexpr int64_t NR = 6;
-  const int64_t N = w.n, K = w.k, Mp = (M + 7) / 8 * 8, tiles = (N + NR - 1) / NR;
-  std::vector<float> xt(K * Mp, 0.f);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t k = 0; k < K; ++k) xt[k * Mp + i] = x[i * K + k];
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+void gemm_buffered(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
+  constexpr int64_t NR = 3;
+  const int64_t N = w.n, K = w.k, tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(w.fmt == WFormat::F32 ? 0 : NR * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR, nr = std::min(NR, N - n0);
@@ -97,14 +92,10 @@ void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool a
         dequant_rows(w, n0, nr, buf.data());
         wb = buf.data();
       }
-      switch (nr) {
-        case 6: lane_tiles<6>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
-        case 5: lane_tiles<5>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
-        case 4: lane_tiles<4>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
-        case 3: lane_tiles<3>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
-        case 2: lane_tiles<2>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
-        default: lane_tiles<1>(xt.data(), Mp, wb, K, K, y, N, n0, M, accumulate); break;
-      }
+      float* yt = y + n0;
+      if (nr == 3) tile_rows<3>(x, M, K, wb, K, yt, N, accumulate);
+      else if (nr == 2) tile_rows<2>(x, M, K, wb, K, yt, N, accumulate);
+      else tile_rows<1>(x, M, K, wb, K, yt, N, accumulate);
     }
   });
 }
@@ -303,8 +294,13 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
   if (M <= 0) return;
 #ifdef RS_AVX2
-  if (M <= kSmallRows && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
+  // measured on the default model's matrices (Zen 3, one core): from 8 rows on, the float
+  // lanes beat the integer dot products on Q4_1 by 1.1-1.7x; on Q8_0 (the LM head) the
+  // integer path stays ahead up to 64 rows
+  const int64_t small = w.fmt == WFormat::Q8_0 ? kSmallRows : kLaneRows - 1;
+  if (M <= small && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
 #endif
+  if (M < kLaneRows) return gemm_buffered(x, M, w, y, accumulate);
   gemm_lanes(x, M, w, y, accumulate);
 }
 
