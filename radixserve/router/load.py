@@ -5,6 +5,9 @@ a worker that have not produced their first token yet (their prefill is still ah
 ``decode_weight`` per request in flight (each slows every step while it decodes). Only the
 router's own tickets change it, so it is exact for one router and needs no polling.
 
+Ties go to the worker whose load changed least recently (``least_loaded`` and
+``last_change``): among idle workers, the one idle longest, so equal workers take turns.
+
 ``least_loaded`` uses a lazy min-heap: every change pushes a fresh entry and older entries of
 that worker go stale; stale entries are skipped when popped and the heap is rebuilt when it
 grows past a few entries per worker. So a change and a query cost O(log N), never O(N).
@@ -47,6 +50,11 @@ class LoadBoard:
 
     def load(self, worker: str) -> float:
         return self.pending[worker] + self.decode_weight * self.running[worker]
+
+    def last_change(self, worker: str) -> int:
+        """An increasing stamp of the worker's last change: among equal loads, the smallest
+        has been idle (or unchanged) longest."""
+        return self._version[worker]
 
     def change(
         self, worker: str, running: int = 0, pending: float = 0.0, epoch: int | None = None

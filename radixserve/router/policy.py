@@ -18,6 +18,9 @@ least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
 and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
 for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
 overloaded worker loses new work while every other conversation keeps its affinity.
+Among equal costs the worker whose load changed least recently wins (idle longest), and
+where many workers hold the prefix the candidates are drawn at random among them: both
+keep a popular prefix's holders taking turns instead of the same few taking everything.
 
 A request names its prompt by chained block hashes (``kvevents.hashing``) of ``block_size``
 tokens; ``prefill`` / ``decode`` sets (disaggregation) are separate policy objects.
@@ -320,7 +323,7 @@ class CacheAware(Policy):
         floor = board.load(lightest)
         gate = cfg.gate_ratio * floor + cfg.gate_tokens
         depth = index.deepest(hashes, now)
-        found = index.candidates(hashes, depth, now, cfg.candidates) if depth else {}
+        found = index.candidates(hashes, depth, now, cfg.candidates, self._rng) if depth else {}
         if lightest not in found:
             found[lightest] = index.depth_of(lightest, hashes, depth, now) if depth else 0
         best, best_cost = lightest, None
@@ -334,8 +337,9 @@ class CacheAware(Policy):
             cost = uncached + load
             if index.lower_tier_entries:
                 cost += self._tier_penalty(worker, hashes, blocks)
-            if best_cost is None or cost < best_cost or (cost == best_cost and worker < best):
-                best, best_cost = worker, cost
+            cost_key = (cost, board.last_change(worker))  # ties: the longest unchanged
+            if best_cost is None or cost_key < best_cost:
+                best, best_cost = worker, cost_key
         blocks = found.get(best, 0)
         source = "none"
         if blocks:
