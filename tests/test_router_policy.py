@@ -357,3 +357,26 @@ def test_a_prefix_held_by_many_workers_spreads_new_work_over_its_holders():
     assert len(set(chosen)) > 8
     for r in busy:
         policy.finish(r.ticket)
+
+
+@pytest.mark.parametrize("share_ratio", [None, 1.2])
+def test_share_ratio_bounds_each_workers_long_run_share(share_ratio):
+    """At low utilization every load is zero between requests, so the load gate never fires
+    and the two holders of a system prompt would take all of its traffic; the fair-share gate
+    caps each worker's routed work near ``share_ratio`` x the fleet's mean."""
+    policy = fleet("cache-aware", n=4, gate_tokens=0, share_ratio=share_ratio)
+    system = list(range(512))
+    for w in policy.workers[:2]:
+        policy.apply_events(w, stored(system))
+    for c in range(40):
+        r = policy.route(request(system + conversation(c, 1)[0]), now=c)
+        policy.first_token(r.ticket)
+        policy.finish(r.ticket)
+    work = policy.board.work
+    mean = sum(work.values()) / len(work)
+    if share_ratio is None:
+        assert work["w2"] == work["w3"] == 0  # the holders took everything
+    else:
+        most = max(work.values())
+        assert most <= share_ratio * mean + 512 + 64 + 32  # + one request's work
+        assert min(work.values()) > 0
