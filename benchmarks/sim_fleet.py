@@ -58,7 +58,7 @@ def main() -> None:
     router_args = {}
     for item in filter(None, args.router_args.split(",")):
         key, _, value = item.partition("=")
-        router_args[key] = float(value)
+        router_args[key] = int(value) if value.isdigit() else float(value)
     rows = []
     for n in [int(x) for x in args.instances.split(",")]:
         spec = SyntheticSpec(
@@ -81,6 +81,8 @@ def main() -> None:
             routing = RoutingConfig(policy, seed=args.seed, policy_args=router_args)
             result = Simulation(trace, SimConfig(engine, n, routing), timing).run()
             row = summarize(result)
+            if router_args and policy.startswith("cache-aware"):  # a tuned variant: say so
+                row["routing"] = f"{policy} ({args.router_args})"
             row["vs_pooled_optimum"] = row["hit_rate"] / ceiling.hit_rate
             rows.append(row)
             print(f"N={n} {policy}: hit {row['hit_rate']:.3f} ({row['vs_pooled_optimum']:.2f}"
