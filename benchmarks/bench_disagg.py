@@ -20,7 +20,7 @@ arriving while chats run; ITL of the chats is read from the report's ``by_group`
 one JSON line; ``--out DIR`` keeps every bench report.
 
 Usage: ``python benchmarks/bench_disagg.py [--deployments colocated,dp2,pd,pd-resend]
-[--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick]
+[--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick] [--split-tokens N]
 [--workload-args 'WORKLOAD=FLAGS']``
 """
 
@@ -100,8 +100,11 @@ EVENTS = ["--kv-events-endpoint", "tcp://127.0.0.1:0",
           "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
 
 
-def deploy(name: str, fleet: Fleet, model: list[str], engine: list[str]) -> tuple[str, str | None]:
-    """Start deployment ``name``; return its front URL and the decode instance's (or None)."""
+def deploy(
+    name: str, fleet: Fleet, model: list[str], engine: list[str], split: int | None = None
+) -> tuple[str, str | None]:
+    """Start deployment ``name``; return its front URL and the decode instance's (or None).
+    ``split``: the conditional split's threshold (None: the instances' and router's defaults)."""
     if name == "colocated":
         return fleet.start("colocated", serve(model, *engine)), None
     engine = [*engine, *EVENTS]  # behind a router: publish KV events for its index
@@ -114,15 +117,19 @@ def deploy(name: str, fleet: Fleet, model: list[str], engine: list[str]) -> tupl
     )
     endpoint = httpx.get(prefill + "/disagg/info").json()["endpoint"]
     resend = name == "pd-resend"  # every prompt through the prefill instance, whole
-    extra = ["--disable-prefix-caching", "--remote-prefill-min-tokens", "1"] if resend else []
+    if resend:
+        split = 0
+    extra = ["--disable-prefix-caching"] if resend else []
+    if split is not None:  # the decode side's count excludes the prompt's last token
+        extra += ["--remote-prefill-min-tokens", str(max(split - 1, 1))]
     decode = fleet.start(
         "decode",
         serve(model, *engine, *extra, "--disaggregation-mode", "decode",
               "--prefill-endpoint", endpoint),
         cores="1",
     )  # fmt: skip
-    split = ["--local-prefill-tokens", "0"] if resend else []
-    front = fleet.start("router", router(model, "--prefill", prefill, "--decode", decode, *split))
+    local = [] if split is None else ["--local-prefill-tokens", str(split)]
+    front = fleet.start("router", router(model, "--prefill", prefill, "--decode", decode, *local))
     return front, decode
 
 
@@ -157,6 +164,12 @@ def main() -> None:
     ap.add_argument("--engine-args", default="", help="extra flags for every instance")
     ap.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
     ap.add_argument(
+        "--split-tokens",
+        type=int,
+        help="pd: a prompt lacking fewer tokens on its decode instance is prefilled there "
+        "(the router's --local-prefill-tokens; default: the defaults)",
+    )
+    ap.add_argument(
         "--workload-args",
         action="append",
         default=[],
@@ -183,7 +196,7 @@ def main() -> None:
             run_dir.mkdir(parents=True, exist_ok=True)
             fleet = Fleet(run_dir)
             try:
-                front, decode = deploy(name, fleet, model, engine)
+                front, decode = deploy(name, fleet, model, engine, args.split_tokens)
                 summary = run_bench(front, workload, table[workload], run_dir / "report")
                 moved = None
                 if decode is not None:
