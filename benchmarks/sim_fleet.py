@@ -71,6 +71,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ceiling = replay(replay_order(trace), n * args.kv_tokens, "lru")
         rows.append(dict(trace=trace.name, instances=n, routing="pooled optimum",
+                         eviction_policy="lru", page_size=1, schedule_policy="lpm",
                          kv_tokens_per_instance=args.kv_tokens, hit_rate=ceiling.hit_rate,
                          requests=trace.num_requests,
                          wall_s=time.perf_counter() - t0))  # fmt: skip
