@@ -5,9 +5,10 @@
    as a user calls it); also transformers with ``logits_to_keep=1`` for reference. Median of
    ``--repeat`` runs, tokens/s. Also our prefill in 256-token chunks (the CPU default), and
    the matmul roofline: the model's four matmul shapes at 2048 rows timed with
-   ``torch.matmul`` in float32 and bfloat16 on dense weights (median of ``--repeat``), the
-   faster dtype's FLOP/s divided by 2 x the layers' parameters gives the tokens/s a prefill
-   could reach if it were nothing but those matmuls; ``share_of_roofline`` is ours / that.
+   ``torch.matmul`` in float32 and (on CPUs that compute it natively) bfloat16 on dense
+   weights (median of ``--repeat``), the faster dtype's FLOP/s divided by 2 x the layers'
+   parameters gives the tokens/s a prefill could reach if it were nothing but those matmuls;
+   ``share_of_roofline`` is ours / that.
 2. Decode throughput at batch 1, 8 and 32: each request a 128-token prompt, 64 greedy tokens
    (``ignore_eos``); tokens/s over the decode steps only (prefill excluded).
 3. A 5-turn chat whose history reaches ~1.5K tokens: time to the first token of each turn,
@@ -33,6 +34,7 @@ from radixserve import LLM, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
+from radixserve.model.loader import cpu_has_fast_bf16
 from radixserve.model.quant import QUANTIZATIONS
 
 
@@ -58,7 +60,10 @@ def roofline(loaded, repeat: int, rows: int = 2048) -> dict:
     ]
     flops_per_token = 2 * c.num_layers * sum(n * k for n, k in shapes)
     out = {"flops_per_token": flops_per_token}
-    for dtype in (torch.float32, torch.bfloat16):
+    # bfloat16 only where the CPU computes it natively: elsewhere it is emulated, far slower
+    # than float32 (minutes per repeat), and can never be the roofline
+    dtypes = (torch.float32, torch.bfloat16) if cpu_has_fast_bf16() else (torch.float32,)
+    for dtype in dtypes:
         xs = [torch.randn(rows, k, dtype=dtype) for _, k in shapes]
         ws = [torch.randn(n, k, dtype=dtype) for n, k in shapes]
 
@@ -69,7 +74,7 @@ def roofline(loaded, repeat: int, rows: int = 2048) -> dict:
         t = median_time(layer, repeat)
         gflops = rows * flops_per_token / c.num_layers / t / 1e9
         out[f"{str(dtype).removeprefix('torch.')}_gflops"] = round(gflops, 1)
-    best = max(out["float32_gflops"], out["bfloat16_gflops"])
+    best = max(v for k, v in out.items() if k.endswith("_gflops"))
     out["tokens_per_s"] = round(best * 1e9 / flops_per_token, 1)
     return out
 

@@ -48,12 +48,17 @@ def main() -> None:
     p.add_argument("--timing", default="cpu-smollm2-135m")
     p.add_argument("--output-dir", default="sim_results/fleet")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--merge", action="store_true",
+        help="keep the rows of --output-dir/results.json for other (instances, routing) pairs "
+        "(one table and plot from runs made one fleet size at a time)",
+    )  # fmt: skip
     args = p.parse_args()
     timing = TimingModel.load(args.timing)
     router_args = {}
     for item in filter(None, args.router_args.split(",")):
         key, _, value = item.partition("=")
-        router_args[key] = float(value)
+        router_args[key] = int(value) if value.isdigit() else float(value)
     rows = []
     for n in [int(x) for x in args.instances.split(",")]:
         spec = SyntheticSpec(
@@ -66,6 +71,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ceiling = replay(replay_order(trace), n * args.kv_tokens, "lru")
         rows.append(dict(trace=trace.name, instances=n, routing="pooled optimum",
+                         eviction_policy="lru", page_size=1, schedule_policy="lpm",
                          kv_tokens_per_instance=args.kv_tokens, hit_rate=ceiling.hit_rate,
                          requests=trace.num_requests,
                          wall_s=time.perf_counter() - t0))  # fmt: skip
@@ -76,6 +82,8 @@ def main() -> None:
             routing = RoutingConfig(policy, seed=args.seed, policy_args=router_args)
             result = Simulation(trace, SimConfig(engine, n, routing), timing).run()
             row = summarize(result)
+            if router_args and policy.startswith("cache-aware"):  # a tuned variant: say so
+                row["routing"] = f"{policy} ({args.router_args})"
             row["vs_pooled_optimum"] = row["hit_rate"] / ceiling.hit_rate
             rows.append(row)
             print(f"N={n} {policy}: hit {row['hit_rate']:.3f} ({row['vs_pooled_optimum']:.2f}"
@@ -83,9 +91,26 @@ def main() -> None:
                   f"{row['load_imbalance_requests']:.2f}, {row['requests']} requests in "
                   f"{row['wall_s']:.0f} s", flush=True)  # fmt: skip
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
-    meta = {"command": f"python benchmarks/sim_fleet.py {flags}", "timing": timing.meta}
+    command = f"python benchmarks/sim_fleet.py {flags}"
+    meta = {"command": command, "timing": timing.meta}
+    if args.merge:
+        rows, meta = merged(Path(args.output_dir), rows, command, meta)
     out = write_report(Path(args.output_dir), "Routing at scale (simulated)", rows, meta)
     print(json.dumps({"ok": True, **out}))
+
+
+def merged(out_dir: Path, rows: list[dict], command: str, meta: dict) -> tuple[list, dict]:
+    """The earlier rows of ``out_dir`` that these runs did not redo, then these, ordered by
+    fleet size; the meta lists every command that contributed."""
+    path = out_dir / "results.json"
+    if not path.is_file():
+        return rows, {**meta, "commands": [command]}
+    old = json.loads(path.read_text())
+    key = lambda r: (r["instances"], r["routing"])  # noqa: E731
+    redone = {key(r) for r in rows}
+    kept = [r for r in old["rows"] if key(r) not in redone]
+    commands = [c for c in old.get("commands", [old.get("command")]) if c] + [command]
+    return sorted(kept + rows, key=lambda r: r["instances"]), {**meta, "commands": commands}
 
 
 if __name__ == "__main__":

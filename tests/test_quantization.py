@@ -62,14 +62,16 @@ def test_native_matmul_equals_dequantized_matmul(fmt):
     ops = native.paged_ops()
     if ops is None:
         pytest.skip("the native kernels did not build on this machine")
-    n, k = 70, 96  # N not a multiple of the 3-row tiles
+    n, k = 70, 96  # N not a multiple of the 3- or 12-row tiles
     w = make_weight(fmt, n, k)
     if isinstance(w, QuantizedWeight):
         view, dense = w.native_view(), w.dequantize()
     else:
         view, dense = ops.QWeight(0, n, k, w, None, None), w
     assert ops.qgemm(torch.randn(0, k), view).shape == (0, n)
-    for m in (1, 2, 3, 4, 5, 9, 17, 70):  # the integer kernel in groups of 4 rows, the tiled one
+    # the integer kernel (rows in groups of 4), the few-row float tiles, the float lanes (8+ rows:
+    # a 16-row block, then 8 or fewer; 70 rows: four blocks and a part)
+    for m in (1, 2, 3, 4, 5, 9, 17, 70):
         x = torch.randn(m, k)
         ref = x @ dense.T
         # up to 64 rows of x meet quantized weights rounded to int16 per block: ~1e-5 relative

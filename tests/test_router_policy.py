@@ -331,3 +331,52 @@ def test_work_per_request_is_bounded_by_the_candidates_not_the_fleet():
         assert len(set(looked)) <= 9 and len(looked) <= 20, len(looked)
         assert r.cached_tokens == 256
         policy.finish(r.ticket)
+
+
+def test_a_prefix_held_by_many_workers_spreads_new_work_over_its_holders():
+    """When many workers hold a system prompt, the candidates are drawn among its holders, not
+    always the first ones found: with the first eight holders busy (under the load gate) and
+    the least-loaded worker not a holder, new conversations go to idle holders and hit."""
+    policy = fleet("cache-aware", n=64, candidates=8)
+    system = list(range(256))
+    holders = policy.workers[32:]  # the least-loaded worker (w0, first in ties) holds nothing
+    for w in holders:
+        policy.apply_events(w, stored(system))
+    busy = []
+    for w in holders[:8]:  # one decoding request each: load 32, under the gate
+        r = policy.route(RouteRequest([], 64), now=0, exclude=set(policy.workers) - {w})
+        policy.first_token(r.ticket)
+        busy.append(r)
+    chosen = []
+    for c in range(40):
+        r = policy.route(request(system + conversation(c, 1)[0]), now=1)
+        assert r.cached_tokens == 256, "a holder of the system prompt serves it"
+        chosen.append(r.worker)
+        policy.finish(r.ticket)
+    assert not set(holders[:8]) & set(chosen), "an idle holder beats a busy one"
+    assert len(set(chosen)) > 8
+    for r in busy:
+        policy.finish(r.ticket)
+
+
+@pytest.mark.parametrize("share_ratio", [None, 1.2])
+def test_share_ratio_bounds_each_workers_long_run_share(share_ratio):
+    """At low utilization every load is zero between requests, so the load gate never fires
+    and the two holders of a system prompt would take all of its traffic; the fair-share gate
+    caps each worker's routed work near ``share_ratio`` x the fleet's mean."""
+    policy = fleet("cache-aware", n=4, gate_tokens=0, share_ratio=share_ratio)
+    system = list(range(512))
+    for w in policy.workers[:2]:
+        policy.apply_events(w, stored(system))
+    for c in range(40):
+        r = policy.route(request(system + conversation(c, 1)[0]), now=c)
+        policy.first_token(r.ticket)
+        policy.finish(r.ticket)
+    work = policy.board.work
+    mean = sum(work.values()) / len(work)
+    if share_ratio is None:
+        assert work["w2"] == work["w3"] == 0  # the holders took everything
+    else:
+        most = max(work.values())
+        assert most <= share_ratio * mean + 512 + 64 + 32  # + one request's work
+        assert min(work.values()) > 0

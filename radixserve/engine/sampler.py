@@ -60,8 +60,9 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLo
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in reqs):
         raw_logprobs = logits.log_softmax(dim=-1)
-    logits = logits.clone()
-    _apply_penalties(logits, reqs)
+    if any(r.params.needs_penalties for r in reqs):  # penalties write into the rows
+        logits = logits.clone()
+        _apply_penalties(logits, reqs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if random_rows:

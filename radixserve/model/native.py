@@ -5,7 +5,7 @@ One extension module built from ``csrc/``:
 - ``paged_attention.cpp``: decode attention straight from the paged KV pool, without
   gathering every sequence's K and V into a copy first (``paged_scores``, ``paged_values``).
 - ``quant_gemm.cpp``: matmuls with weights kept block-quantized (Q8_0, Q4_1) or dense float
-  (``QWeight``, ``qgemm``, ``dequantize``).
+  (``QWeight``, ``qgemm``, ``dequantize``); ``lane_gemm.cpp``: their batched path (8+ rows).
 - ``decoder.cpp``: the whole layer stack for a batch of decode tokens in one call
   (``Decoder``), so a decode step pays no per-op Python dispatch.
 
@@ -32,7 +32,7 @@ from radixserve.utils import cache_dir
 
 log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "decoder.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "lane_gemm.cpp", "decoder.cpp")
 HEADERS = ("kernels.h",)
 STALE_LOCK_S = 900.0
 _loaded: dict[str, Any] = {}

@@ -33,6 +33,8 @@ POLICY_HELP = {
     "storage_cost": "cost of a token cached on the storage tier",
     "hash_blocks": "consistent-hash: blocks of the prompt that pick the worker",
     "virtual_nodes": "consistent-hash: ring points per worker",
+    "share_ratio": "cache-aware: a prefix holder whose work routed so far exceeds RATIO x the "
+    "fleet's mean + --gate-tokens is skipped (long-run balance; off unless given)",
 }
 
 
@@ -51,7 +53,8 @@ def add_router_policy_args(parser: argparse.ArgumentParser, prefix: str = "") ->
         if prefix and f.name == "block_size":
             continue
         group.add_argument(
-            flag(f.name), dest=f"policy_{f.name}", type=type(f.default), default=None,
+            flag(f.name), dest=f"policy_{f.name}", default=None,
+            type=float if f.default is None else type(f.default),
             metavar=f.name.split("_")[-1].upper(),
             help=f"{POLICY_HELP[f.name]} (default {f.default})",
         )  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from random import Random
 
 from radixserve.kvevents.types import MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE
 
@@ -146,21 +147,29 @@ class BlockIndex:
         return depth
 
     def candidates(
-        self, hashes: Sequence[int], depth: int, now: float, limit: int
+        self, hashes: Sequence[int], depth: int, now: float, limit: int, rng: Random | None = None
     ) -> dict[str, int]:
-        """Up to ``limit`` workers holding a prefix, deepest first: ``{worker: blocks}``."""
+        """Up to ``limit`` workers holding a prefix, deepest first: ``{worker: blocks}``.
+
+        Where a level has more new holders than room (a popular system prompt held by much of
+        the fleet), ``rng`` draws the ones taken: always the first-registered holders would
+        make them hot spots while other holders of the same prefix idle. Without ``rng``,
+        the first ones found."""
         found: dict[str, int] = {}
         for level in range(depth - 1, -1, -1):
             h = hashes[level]
-            for source, is_approx in ((self._exact.get(h), False), (self._approx.get(h), True)):
-                if not source:
-                    continue
-                for worker, value in source.items():
-                    if worker in found or (is_approx and value <= now):
-                        continue
-                    found[worker] = level + 1
-                    if len(found) >= limit:
-                        return found
+            new = [w for w in self._exact.get(h, ()) if w not in found]
+            approx = self._approx.get(h)
+            if approx:
+                seen = found.keys() | new
+                new += [w for w, e in approx.items() if e > now and w not in seen]
+            room = limit - len(found)
+            if len(new) > room:
+                new = rng.sample(new, room) if rng is not None else new[:room]
+            for worker in new:
+                found[worker] = level + 1
+            if len(found) >= limit:
+                return found
         return found
 
     def depth_of(self, worker: str, hashes: Sequence[int], depth: int, now: float) -> int:

@@ -5,6 +5,9 @@ a worker that have not produced their first token yet (their prefill is still ah
 ``decode_weight`` per request in flight (each slows every step while it decodes). Only the
 router's own tickets change it, so it is exact for one router and needs no polling.
 
+Ties go to the worker whose load changed least recently (``least_loaded`` and
+``last_change``): among idle workers, the one idle longest, so equal workers take turns.
+
 ``least_loaded`` uses a lazy min-heap: every change pushes a fresh entry and older entries of
 that worker go stale; stale entries are skipped when popped and the heap is rebuilt when it
 grows past a few entries per worker. So a change and a query cost O(log N), never O(N).
@@ -25,6 +28,10 @@ class LoadBoard:
         self.epoch: dict[str, int] = {}  # a worker that leaves and comes back starts afresh
         self._version: dict[str, int] = {}
         self._heap: list[tuple[float, int, str]] = []
+        # work routed to each worker so far (uncached prompt tokens + decode_weight per
+        # request): the long-run share the fair-share gate compares (``PolicyConfig.share_ratio``)
+        self.work: dict[str, float] = {}
+        self._total_work = 0.0
         self._counter = itertools.count()
 
     def __contains__(self, worker: str) -> bool:
@@ -37,16 +44,32 @@ class LoadBoard:
         if worker not in self.running:
             self.running[worker], self.pending[worker] = 0, 0.0
             self.epoch[worker] = next(self._counter)
+            self.work[worker] = self.mean_work()  # a newcomer starts level, not starved of it
+            self._total_work += self.work[worker]
             self._push(worker)
 
     def remove_worker(self, worker: str) -> None:
         self.running.pop(worker, None)
         self.pending.pop(worker, None)
         self.epoch.pop(worker, None)
+        self._total_work -= self.work.pop(worker, 0.0)
         self._version.pop(worker, None)  # its heap entries are all stale now
 
     def load(self, worker: str) -> float:
         return self.pending[worker] + self.decode_weight * self.running[worker]
+
+    def add_work(self, worker: str, amount: float) -> None:
+        if worker in self.work:
+            self.work[worker] += amount
+            self._total_work += amount
+
+    def mean_work(self) -> float:
+        return self._total_work / len(self.work) if self.work else 0.0
+
+    def last_change(self, worker: str) -> int:
+        """An increasing stamp of the worker's last change: among equal loads, the smallest
+        has been idle (or unchanged) longest."""
+        return self._version[worker]
 
     def change(
         self, worker: str, running: int = 0, pending: float = 0.0, epoch: int | None = None

@@ -17,7 +17,15 @@ least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
 
 and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
 for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
-overloaded worker loses new work while every other conversation keeps its affinity.
+overloaded worker loses new work while every other conversation keeps its affinity. With
+``share_ratio`` set, a holder whose work routed so far (``LoadBoard.work``) exceeds
+``share_ratio x the fleet's mean + gate_tokens`` is not a candidate either: the gate above
+compares instantaneous loads, which at low utilization are all near zero, so a popular
+prefix's holders would otherwise take its traffic whenever idle (a fair-share gate, off by
+default).
+Among equal costs the worker whose load changed least recently wins (idle longest), and
+where many workers hold the prefix the candidates are drawn at random among them: both
+keep a popular prefix's holders taking turns instead of the same few taking everything.
 
 A request names its prompt by chained block hashes (``kvevents.hashing``) of ``block_size``
 tokens; ``prefill`` / ``decode`` sets (disaggregation) are separate policy objects.
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +72,9 @@ class PolicyConfig:
     storage_cost: float = 0.3
     hash_blocks: int = 8  # consistent-hash: the prefix (in blocks) that picks the worker
     virtual_nodes: int = 64  # consistent-hash: ring points per worker
+    # cache-aware fair-share gate (None: off): a holder whose work routed so far exceeds
+    # share_ratio x the fleet's mean + gate_tokens is not a candidate (long-run balance)
+    share_ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "candidates", "hash_blocks", "virtual_nodes"):
@@ -73,6 +85,8 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gate_ratio < 1:
             raise ValueError(f"gate_ratio must be >= 1, got {self.gate_ratio}")
+        if self.share_ratio is not None and self.share_ratio < 1:
+            raise ValueError(f"share_ratio must be >= 1 (or None), got {self.share_ratio}")
         if self.approx_ttl <= 0 or self.approx_ttl_no_events <= 0:
             raise ValueError("approximate-entry TTLs must be positive")
 
@@ -162,6 +176,7 @@ class Policy:
         epoch = self.board.epoch[worker]
         self._tickets[ticket] = _Ticket(worker, epoch, pending, cached, request.num_tokens)
         self.board.change(worker, running=1, pending=pending)
+        self.board.add_work(worker, pending + self.config.decode_weight)
         s = self.stats
         s.routes += 1
         s.prompt_tokens += request.num_tokens
@@ -319,8 +334,11 @@ class CacheAware(Policy):
         lightest = self._least_loaded(exclude)
         floor = board.load(lightest)
         gate = cfg.gate_ratio * floor + cfg.gate_tokens
+        share_gate = math.inf
+        if cfg.share_ratio is not None:
+            share_gate = cfg.share_ratio * board.mean_work() + cfg.gate_tokens
         depth = index.deepest(hashes, now)
-        found = index.candidates(hashes, depth, now, cfg.candidates) if depth else {}
+        found = index.candidates(hashes, depth, now, cfg.candidates, self._rng) if depth else {}
         if lightest not in found:
             found[lightest] = index.depth_of(lightest, hashes, depth, now) if depth else 0
         best, best_cost = lightest, None
@@ -328,14 +346,15 @@ class CacheAware(Policy):
             if worker in exclude or worker not in board:
                 continue
             load = board.load(worker)
-            if worker != lightest and load > gate:
+            if worker != lightest and (load > gate or board.work[worker] > share_gate):
                 continue  # overloaded for this request: its prefix is not worth the wait
             uncached = max(request.num_tokens - blocks * cfg.block_size, 0)
             cost = uncached + load
             if index.lower_tier_entries:
                 cost += self._tier_penalty(worker, hashes, blocks)
-            if best_cost is None or cost < best_cost or (cost == best_cost and worker < best):
-                best, best_cost = worker, cost
+            cost_key = (cost, board.last_change(worker))  # ties: the longest unchanged
+            if best_cost is None or cost_key < best_cost:
+                best, best_cost = worker, cost_key
         blocks = found.get(best, 0)
         source = "none"
         if blocks:

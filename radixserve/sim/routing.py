@@ -91,6 +91,9 @@ class SimRouter:
         self._names = [str(i) for i in range(num_instances)]
         for name in self._names:
             self.policy.add_worker(name, has_events=config.uses_events)
+        # only cache-aware reads the prompt's block hashes (consistent-hash is keyed by the
+        # session here): the cache-blind policies skip hashing every prompt
+        self._needs_hashes = config.policy.startswith("cache-aware")
         self._loss = random.Random(config.seed + 1)
         self._session_hashes: dict[str, tuple[np.ndarray, list[int]]] = {}
         self.events_lost = 0
@@ -100,7 +103,7 @@ class SimRouter:
         """(instance index, ticket)."""
         if len(self._names) == 1:
             return 0, -1
-        hashes = self._block_hashes(prompt, extra_key, session_id)
+        hashes = self._block_hashes(prompt, extra_key, session_id) if self._needs_hashes else []
         route = self.policy.route(RouteRequest(hashes, len(prompt), session_id), now)
         return int(route.worker), route.ticket
 

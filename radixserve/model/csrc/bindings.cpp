@@ -264,19 +264,22 @@ class Decoder {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("paged_scores", &rs::paged_scores, "q . K over paged slots");
-  m.def("paged_values", &rs::paged_values, "probs . V over paged slots");
+  // The kernels touch no Python object, so they let go of the GIL: the engine process's I/O
+  // threads (storage reads and writes, KV transfer, KV events) keep working during a step.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_scores", &rs::paged_scores, "q . K over paged slots", nogil());
+  m.def("paged_values", &rs::paged_values, "probs . V over paged slots", nogil());
   py::class_<rs::QWeight>(m, "QWeight")
       .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>>());
   m.def("qgemm", &rs::qgemm_op, "x @ W^T (added into out, when given)", py::arg("x"), py::arg("w"),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), nogil());
   m.def("dequantize", &rs::dequantize_op, "W (or some of its rows) as float32", py::arg("w"),
-        py::arg("rows") = py::none());
+        py::arg("rows") = py::none(), nogil());
   py::class_<rs::Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<rs::QWeight>, std::vector<rs::QWeight>,
                     std::vector<rs::QWeight>, std::vector<rs::QWeight>, std::vector<torch::Tensor>,
                     std::vector<std::optional<torch::Tensor>>, rs::QWeight, rs::QWeight, torch::Tensor,
                     torch::Tensor>())
-      .def("forward", &rs::Decoder::forward);
+      .def("forward", &rs::Decoder::forward, nogil());
 }

@@ -40,6 +40,8 @@ struct WeightView {
 
 // y[M, N] = x[M, K] @ W^T, or y += that when accumulate; x, y row-major and contiguous.
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
+// The same for M >= 8 with float FMAs over lanes of x's rows (lane_gemm.cpp; qgemm picks it).
+void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // Rows [row0, row0 + rows) of W as floats, row-major into out.
 void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
 

@@ -1,8 +1,8 @@
 // y = x @ W^T with W kept block-quantized (Q8_0, Q4_1) or dense float, for the small row
 // counts of decode steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
 //
-// Two paths, both splitting W's rows over threads (at::parallel_for):
-//   M <= 64 (AVX2, quantized W): integer dot products, x's rows 4 at a time against each row
+// Three paths, all splitting W's rows over threads (at::parallel_for):
+//   few rows (AVX2, quantized W; see qgemm for the thresholds): integer dot products, x's rows 4 at a time against each row
 //     of W while it is in L1. Each 32-input block of x is rounded to
 //     int16 with its own scale, and each weight block, widened to int16, meets it in madd
 //     instructions (16 multiply-adds each), scaled by both blocks' scales; Q4_1's minimum adds
@@ -10,10 +10,11 @@
 //     here. llama.cpp rounds x to int8 instead (another 1.3x): that moved the default model's
 //     matmuls by 0.5-2.6% (its activations have outliers 10-18x their RMS, which take a
 //     block's whole int8 range), and its logits by several percent; int16 moves them by ~1e-5.
-//   otherwise (or without AVX2): three rows of W are dequantized into a small buffer that stays in L1, then a
-//     4x3 register tile of float dot products runs over the inputs, so each weight is widened
-//     once per call however many rows x has. This equals x @ dequantize(W)^T up to float
-//     summation order.
+//   fewer than 8 rows otherwise (dense W, or no AVX2): three rows of W are dequantized into a
+//     small buffer that stays in L1, then a 4x3 register tile of float dot products runs over
+//     the inputs. This equals x @ dequantize(W)^T up to float summation order.
+//   8 rows or more otherwise: gemm_lanes (lane_gemm.cpp), float FMAs with the vector lanes
+//     over x's rows, the same function up to summation order.
 #include "kernels.h"
 
 #ifndef RS_SMALL_ROWS  // a build flag only for timing experiments
@@ -27,6 +28,7 @@ namespace rs {
 namespace {
 
 constexpr int64_t kSmallRows = RS_SMALL_ROWS;
+constexpr int64_t kLaneRows = 8;  // a vector of rows: fewer would leave lanes idle
 
 void dequant_block(const WeightView& w, int64_t row, int64_t b, float* out) {
   const int64_t nb = w.k / kBlock;
@@ -292,9 +294,14 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
   if (M <= 0) return;
 #ifdef RS_AVX2
-  if (M <= kSmallRows && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
+  // measured on the default model's matrices (Zen 3, one core): from 8 rows on, the float
+  // lanes beat the integer dot products on Q4_1 by 1.1-1.7x; on Q8_0 (the LM head) the
+  // integer path stays ahead up to 64 rows
+  const int64_t small = w.fmt == WFormat::Q8_0 ? kSmallRows : kLaneRows - 1;
+  if (M <= small && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
 #endif
-  gemm_buffered(x, M, w, y, accumulate);
+  if (M < kLaneRows) return gemm_buffered(x, M, w, y, accumulate);
+  gemm_lanes(x, M, w, y, accumulate);
 }
 
 }  // namespace rs
