@@ -44,6 +44,9 @@ void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumu
 void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // Rows [row0, row0 + rows) of W as floats, row-major into out.
 void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
+// The same rows as floats without a copy where W already is float32 (a pointer into W);
+// otherwise dequantized into buf (rows * K floats), which is returned.
+const float* weight_rows(const WeightView& w, int64_t row0, int64_t rows, float* buf);
 
 // Decode attention kernels over a paged pool layer [KVH, S, D] (paged_attention.cpp), for
 // T in float, c10::BFloat16, c10::Half; D a multiple of 16 up to kAttnMaxDim.

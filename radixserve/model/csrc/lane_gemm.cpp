@@ -68,13 +68,7 @@ void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool a
     std::vector<float> buf(w.fmt == WFormat::F32 ? 0 : NR * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR, nr = std::min(NR, N - n0);
-      const float* wb;
-      if (w.fmt == WFormat::F32) {
-        wb = static_cast<const float*>(w.qs) + n0 * K;
-      } else {
-        dequant_rows(w, n0, nr, buf.data());
-        wb = buf.data();
-      }
+      const float* wb = weight_rows(w, n0, nr, buf.data());
       const float* xp = xt.data();
       switch (nr) {  // one instantiation per possible tile height
         case 12: lane_tiles<12>(xp, Mp, wb, K, K, y, N, n0, M, accumulate); break;

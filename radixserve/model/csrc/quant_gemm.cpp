@@ -85,13 +85,7 @@ void gemm_buffered(const float* x, int64_t M, const WeightView& w, float* y, boo
     std::vector<float> buf(w.fmt == WFormat::F32 ? 0 : NR * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR, nr = std::min(NR, N - n0);
-      const float* wb;
-      if (w.fmt == WFormat::F32) {
-        wb = static_cast<const float*>(w.qs) + n0 * K;
-      } else {
-        dequant_rows(w, n0, nr, buf.data());
-        wb = buf.data();
-      }
+      const float* wb = weight_rows(w, n0, nr, buf.data());
       float* yt = y + n0;
       if (nr == 3) tile_rows<3>(x, M, K, wb, K, yt, N, accumulate);
       else if (nr == 2) tile_rows<2>(x, M, K, wb, K, yt, N, accumulate);
@@ -262,6 +256,12 @@ void gemm_small(const float* x, int64_t M, const WeightView& w, float* y, bool a
 #endif
 
 }  // namespace
+
+const float* weight_rows(const WeightView& w, int64_t row0, int64_t rows, float* buf) {
+  if (w.fmt == WFormat::F32) return static_cast<const float*>(w.qs) + row0 * w.k;
+  dequant_rows(w, row0, rows, buf);
+  return buf;
+}
 
 void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
   const int64_t K = w.k, nb = K / kBlock;
