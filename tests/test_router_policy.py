@@ -36,6 +36,19 @@ def stored(tokens):
     return [BlockStored(prompt_block_hashes(tokens, B), None, list(tokens), B)]
 
 
+def home_first_turns(policy, count):
+    """Route the first turn of conversations 0..count-1 (their KV stored where they land,
+    each request finished); return each conversation's worker."""
+    homes = {}
+    for c in range(count):
+        tokens = conversation(c, 2)[0]
+        route = policy.route(request(tokens), now=0)
+        policy.apply_events(route.worker, stored(tokens))
+        policy.finish(route.ticket)
+        homes[c] = route.worker
+    return homes
+
+
 def fleet(name, n=4, events=True, **config):
     policy = make_policy(name, PolicyConfig(block_size=B, **config), seed=1)
     for i in range(n):
@@ -65,13 +78,7 @@ def test_turns_of_a_conversation_stick_to_one_worker(events):
 
 def test_an_overloaded_worker_gets_no_new_conversations_and_others_keep_affinity():
     policy = fleet("cache-aware", gate_tokens=256)
-    homes = {}
-    for c in range(8):  # one turn each, spread over the fleet
-        tokens = conversation(c, 2)[0]
-        route = policy.route(request(tokens), now=0)
-        policy.apply_events(route.worker, stored(tokens))
-        policy.finish(route.ticket)
-        homes[c] = route.worker
+    homes = home_first_turns(policy, 8)  # one turn each, spread over the fleet
     hot = homes[0]
     others = [w for w in policy.workers if w != hot]
     stuck = []
@@ -289,13 +296,7 @@ def test_imbalance_gates_per_request_never_fleet_wide():
     conversation's affinity. Ours gates only the overloaded holder: with one worker 10x busier
     than the rest, every conversation homed elsewhere keeps its worker."""
     policy = fleet("cache-aware", n=8)
-    homes = {}
-    for c in range(32):
-        tokens = conversation(c, 2)[0]
-        r = policy.route(request(tokens), now=0)
-        policy.apply_events(r.worker, stored(tokens))
-        policy.finish(r.ticket)
-        homes[c] = r.worker
+    homes = home_first_turns(policy, 32)
     hot = homes[0]
     pinned = [
         policy.route(RouteRequest([], 4000), now=1, exclude=set(policy.workers) - {hot})
