@@ -7,7 +7,9 @@ the next-token distribution. A variant is ``ANCHORS:SCORE:QUOTA``:
 
 - ``ANCHORS``: the first tokens of each segment always recomputed (EPIC's static picks);
 - ``SCORE``: what ranks the rest: ``kv`` (deviation of K and V together at the probe layer),
-  ``k``, ``v`` (CacheBlend selects on value deviation), or ``position`` (no probe: the
+  ``k``, ``v`` (CacheBlend selects on value deviation), ``attention`` (the attention the
+  question's rows, those after the last segment, pay each token at the probe layer), or
+  ``position`` (no probe: the
   earliest tokens of each segment, EPIC's "first tokens of each chunk" with the whole budget);
 - ``QUOTA``: ``global`` (top-k over all segments) or ``segment`` (each segment gets a share of
   the budget in proportion to its length and picks its own top-k).
@@ -33,7 +35,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
 
-SCORES = ("kv", "k", "v", "position")
+SCORES = ("kv", "k", "v", "attention", "position")
 QUOTAS = ("global", "segment")
 
 
@@ -51,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=30)
     ap.add_argument("--slice", default="0:6", help="A:B, run items A..B-1 of the set")
+    ap.add_argument("--pick", help="I,J,...: run these items of the set instead of --slice")
     ap.add_argument("--passages", type=int, default=4)
     ap.add_argument("--passage-tokens", type=int, default=512)
     ap.add_argument("--ratios", default="0.05,0.1,0.15")
@@ -71,18 +74,19 @@ def main() -> None:
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed)  # fmt: skip
     a, b = (int(x) for x in args.slice.split(":"))
-    if not 0 <= a < b <= len(items):
-        ap.error(f"--slice {args.slice}: need 0 <= A < B <= --items")
+    picked = [int(x) for x in args.pick.split(",")] if args.pick else list(range(a, b))
+    if not picked or not all(0 <= k < len(items) for k in picked):
+        ap.error(f"--slice/--pick: items must be in [0, {len(items)})")
     opts = dict(load_progress=False, dtype="float32", chunked_prefill_size=4096)
     stored = args.items * (args.passage_tokens + 8)
     blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded))
     full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
                                       **opts), loaded))  # fmt: skip
     one = SamplingParams(temperature=0, max_tokens=1)
-    for d in {tuple(d) for item in items[a:b] for d in item["docs"]}:
+    for d in {tuple(d) for k in picked for d in items[k]["docs"]}:
         blend.run(list(d) + [13], one, segments=[(0, len(d))])
     seg = blend.engine.segments  # the selection knobs, set per variant (a measurement hook)
-    for k in range(a, b):
+    for k in picked:
         item = items[k]
         ref = full.run(item["prompt"], one)
         out = {"item": k, "by_variant": {}}

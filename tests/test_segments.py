@@ -194,3 +194,51 @@ def test_bad_segments_are_clear_errors(make_engine):
         with pytest.raises(ValueError, match="recompute ratio"):
             engine.add_request("x", prompt, GREEDY, segments=[(0, 10)], recompute_ratio=ratio)
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("score", ["kv", "k", "v", "attention", "position"])
+@pytest.mark.parametrize("quota", ["global", "segment"])
+def test_recompute_selection_picks_the_budget_from_the_reused_tokens(make_engine, score, quota):
+    """Every selection variant picks exactly the budget, only reused tokens, each segment's
+    first tokens first; a per-segment quota gives each segment its share (by length);
+    ``position`` picks the earliest tokens of each segment."""
+    prompt, segments = rag_prompt([2, 0, 1], DOCS, HEAD, QUESTION)
+    engine = make_engine()
+    drive(engine, [("w", prompt, {"segments": segments})])
+    blender = engine.segments
+    blender.deviation_on, blender.quota = score, quota
+    picks = []
+    pick = blender._pick
+    blender._pick = lambda *a: picks.append(pick(*a)) or picks[-1]  # a spy on the selection
+    drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 0.3})])
+    total = sum(e - s for s, e in segments)
+    got = picks[0].tolist()
+    assert len(got) == len(set(got)) == int(np.ceil(0.3 * total))
+    per_segment = [[i for i in got if s <= i < e] for s, e in segments]
+    assert sum(map(len, per_segment)) == len(got)  # nothing outside the reused segments
+    for (s, _), mine in zip(segments, per_segment, strict=True):
+        assert set(range(s, s + blender.first_tokens)) <= set(mine)
+    if quota == "segment":
+        for (s, e), mine in zip(segments, per_segment, strict=True):
+            assert abs(len(mine) - len(got) * (e - s) / total) < 1 + 1e-9
+        if score == "position":
+            assert all(mine == list(range(s, s + len(mine))) for (s, _), mine
+                       in zip(segments, per_segment, strict=True))  # fmt: skip
+
+
+def test_probe_attention_column_is_a_distribution_per_query_row(tiny_loaded):
+    """The probe's attention column sums, over the rows, to (query rows x heads): each of the
+    last rows' softmax over the rows it may see, causal."""
+    model = tiny_loaded.model
+    pool = KVPool(model.kv_shape(), 256)
+    tokens, slots = torch.tensor(ids(50, 12)), torch.arange(50)
+    batch = build_forward_batch([], [(tokens, 0, slots, False)], model.device, pool.pad_slot)
+    model.forward(batch, pool)
+    dev = model.kv_deviation(batch, pool, 1, query_rows=7)
+    assert dev.shape == (50, 3)
+    assert float(dev[:, 2].sum()) == pytest.approx(7 * model.config.num_heads, rel=1e-4)
+    assert torch.allclose(dev[:, :2], torch.zeros(50, 2), atol=1e-4)  # exact K/V: no deviation
+    # causal: the last row is seen by itself only, whatever the number of query rows
+    alone = model.kv_deviation(batch, pool, 1, query_rows=1)
+    assert float(alone[:, 2].sum()) == pytest.approx(model.config.num_heads, rel=1e-4)
+    assert float(dev[49, 2]) == pytest.approx(float(alone[49, 2]), rel=1e-4)

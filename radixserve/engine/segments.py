@@ -97,7 +97,7 @@ class SegmentBlender:
         self.ratio = ratio
         self.first_tokens = first_tokens
         self.deviation_layer = min(deviation_layer, len(model.layers) - 1)
-        self.deviation_on = deviation_on  # "kv", "k", "v", or "position" (no probe)
+        self.deviation_on = deviation_on  # "kv", "k", "v", "attention" or "position" (no probe)
         self.quota = quota  # "global" or "segment"
         self.stats = SegmentStats()
 
@@ -232,12 +232,15 @@ class SegmentBlender:
         """Per token of ``[start, n)``: the deviation the selection ranks by."""
         if self.deviation_on == "position":  # no probe: earliest in its segment first
             return -torch.arange(start, n, dtype=torch.float32) / n
-        dev = self._deviation(req, start, n)
+        last_end = max(e for _, e in req.segments)
+        dev = self._deviation(req, start, n, query_rows=n - last_end)
+        if self.deviation_on == "attention":  # what the question (rows after the segments) reads
+            return dev[:, 2]
         if self.deviation_on == "k":
             return dev[:, 0]
         if self.deviation_on == "v":
             return dev[:, 1]
-        return dev.square().sum(dim=1).sqrt()
+        return dev[:, :2].square().sum(dim=1).sqrt()
 
     def _top(self, score, reusable, reused, budget: int) -> list[int]:
         if self.quota == "global":
@@ -255,13 +258,13 @@ class SegmentBlender:
                 out.extend((torch.topk(score[s:e], k).indices + s).tolist())
         return out
 
-    def _deviation(self, req: Request, start: int, n: int) -> torch.Tensor:
+    def _deviation(self, req: Request, start: int, n: int, query_rows: int) -> torch.Tensor:
         """Per token of ``[start, n)``: how far its reused K and V (columns 0, 1) are from a
         fresh computation at an early layer (the layers before it are computed for all tokens
-        and kept)."""
+        and kept), and the attention the last ``query_rows`` rows pay it there (column 2)."""
         rows = torch.arange(start, n)
         item = SparsePrefill(torch.from_numpy(req.token_ids[start:n].copy()), rows,
                              req.kv.slots[:n])  # fmt: skip
         batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        dev = self.model.kv_deviation(batch, self.pool, self.deviation_layer)
+        dev = self.model.kv_deviation(batch, self.pool, self.deviation_layer, query_rows)
         return dev.float().cpu().clone()

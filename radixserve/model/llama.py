@@ -173,22 +173,35 @@ class LlamaModel:
         return h + linear(F.silu(gate) * up, layer["down"])
 
     @torch.inference_mode()
-    def kv_deviation(self, batch: ForwardBatch, pool: KVPool, layer: int) -> torch.Tensor:
-        """Run layers ``[0, layer)`` of ``batch`` (writing their K/V), then return, per row, the
-        distance between the row's fresh K and what the pool holds for it at ``layer``, and the
-        same for V: ``[rows, 2]`` (column 0 keys, 1 values)."""
+    def kv_deviation(
+        self, batch: ForwardBatch, pool: KVPool, layer: int, query_rows: int = 1
+    ) -> torch.Tensor:
+        """Run layers ``[0, layer)`` of ``batch`` (one sequence, writing their K/V), then
+        return, per row, the distance between the row's fresh K and what the pool holds for it
+        at ``layer``, the same for V, and the attention the row gets at ``layer`` from the
+        batch's last ``query_rows`` rows (summed over them and the heads; the batch's rows
+        only, causal): ``[rows, 3]``."""
         if not 0 < layer < len(self.layers):
             raise ValueError(f"the deviation layer must be in [1, {len(self.layers)})")
         h = self._embed(batch.input_ids)
         cos, sin = self._rope(batch.positions)
         for i in range(layer):
             h = self._layer(i, h, cos, sin, batch, pool)
-        _, k, v = self._qkv(self.layers[layer], h, cos, sin)
+        q, k, v = self._qkv(self.layers[layer], h, cos, sin)
         old_k = pool.k[layer][:, batch.out_slots].transpose(0, 1)
         old_v = pool.v[layer][:, batch.out_slots].transpose(0, 1)
         dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
         dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
-        return torch.stack([dk, dv], dim=1).sqrt()
+        return torch.stack([dk.sqrt(), dv.sqrt(), self._attention_from_last(q, k, query_rows)], 1)
+
+    def _attention_from_last(self, q: torch.Tensor, k: torch.Tensor, m: int) -> torch.Tensor:
+        t, group = k.shape[0], self.config.num_heads // self.config.num_kv_heads
+        m = max(1, min(m, t))
+        keys = k.float().repeat_interleave(group, dim=1)  # [t, heads, head_dim]
+        scores = torch.einsum("mhd,thd->hmt", q[t - m :].float(), keys) * self.scale
+        late = torch.arange(t)[None, :] > torch.arange(t - m, t)[:, None]  # causal
+        scores.masked_fill_(late, float("-inf"))
+        return scores.softmax(-1).sum(dim=(0, 1))
 
     @torch.inference_mode()
     def reanchor(self, pool: KVPool, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
