@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--slice", default=None, help="A:B, run only items A..B-1 of the set")
     ap.add_argument("--from-log", type=Path, nargs="+", help="summarize runs' per-item lines")
     ap.add_argument("--ttft-log", type=Path, nargs="+", help="with --from-log: TTFT from these")
+    ap.add_argument("--ttft-label", default="", help="the plot's TTFT note, e.g. 'CPU s'")
     args = ap.parse_args()
     if args.from_log:
         meta = {"passages": args.passages, "passage_tokens": args.passage_tokens,
@@ -78,6 +79,7 @@ def main() -> None:
         if args.ttft_log:
             result = with_ttft_from(result, summarize(*from_log(args.ttft_log), {}))
             result["ttft_log"] = [str(p) for p in args.ttft_log]
+        result["ttft_label"] = args.ttft_label
         report(result, args)
         return
     ratios = [float(x) for x in args.ratios.split(",")]
@@ -153,8 +155,8 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
         curve.append({
             "ratio": r,
             "first_token_agreement": sum(x["first"] for x in rs) / len(rs),
-            "answer_agreement_option": sum(x["same_option"] for x in rs) / len(rs),
-            "exact_continuation_agreement": sum(x["exact"] for x in rs) / len(rs),
+            "answer_agreement_option": share(rs, "same_option"),
+            "exact_continuation_agreement": share(rs, "exact"),
             "mean_kl": statistics.fmean(x["kl"] for x in rs),
             "median_ttft_s": med,
             "ttft_over_full": med / ref_med,
@@ -163,6 +165,15 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
             "reused_tokens": sum(x["reused"] for x in rs),
         })  # fmt: skip
     return {"items": len(ref_ttft), **meta, "full_prefill_median_ttft_s": ref_med, "curve": curve}
+
+
+def share(rows: list[dict], key: str) -> float | None:
+    """How many rows have ``key`` true; None if a row lacks it (a log from before the key:
+    session-3 logs call the exact continuation "answer" and have no chosen option)."""
+    key = "answer" if key == "exact" and all("answer" in x for x in rows) else key
+    if not all(key in x for x in rows):
+        return None
+    return sum(x[key] for x in rows) / len(rows)
 
 
 def with_ttft_from(result: dict, timed: dict) -> dict:
@@ -231,7 +242,8 @@ def plot(result: dict, path: Path) -> None:
     ax2.axhline(1.0, color="gray", lw=0.8)
     ax2.set_xlabel("recompute ratio")
     ax2.set_ylabel("TTFT / full prefill (median)")
-    ax2.set_title(f"TTFT: {result.get('ttft_items', result['items'])} questions", fontsize=9)
+    note = f", {result['ttft_label']}" if result.get("ttft_label") else ""
+    ax2.set_title(f"TTFT: {result.get('ttft_items', result['items'])} questions{note}", fontsize=9)
     fig.suptitle(f"RAG segments, SmolLM2-135M, {result['items']} questions x "
                  f"{result['passages']} passages x {result['passage_tokens']} tokens")  # fmt: skip
     fig.tight_layout()
