@@ -306,6 +306,26 @@ def test_history_carries_the_streamed_answers(fake_server):
     assert server.auth == ["Bearer secret"] * 2
 
 
+def test_think_time_pauses_between_turns_the_same_for_every_run(fake_server):
+    server = fake_server("ok")
+    w = build_workload("sharegpt-multiturn", dataset_path=SHAREGPT, num_conversations=2, turns=2)
+
+    def pauses(seed: int) -> list[float]:
+        records = run_load(w, _config(server.url, think_time=0.2, seed=seed, max_concurrency=2))
+        by_turn = {(r.conversation_id, r.turn): r for r in records.records}
+        return [
+            by_turn[c, 2].start_time - by_turn[c, 1].end_time
+            for c in sorted({c for c, _ in by_turn})
+        ]
+
+    first, again, other = pauses(1), pauses(1), pauses(2)
+    assert all(p > 0.005 for p in first) and sum(first) / len(first) < 1.0
+    assert max(abs(a - b) for a, b in zip(first, again, strict=True)) < 0.1  # seeded
+    assert max(abs(a - b) for a, b in zip(first, other, strict=True)) > 0.01
+    with pytest.raises(ValueError, match="think_time"):
+        _config(server.url, think_time=-1)
+
+
 def test_refused_credentials_are_a_clear_error(fake_server):
     server = fake_server("auth")
     with pytest.raises(BenchError, match="refused us .HTTP 401.: check --api-key"):

@@ -3,7 +3,9 @@
 // is checked here; the kernels get raw pointers.
 #include <torch/extension.h>
 
+#include <mutex>
 #include <optional>
+#include <set>
 
 #include "kernels.h"
 
@@ -260,6 +262,18 @@ class Decoder {
   DecoderScratch scratch_;
 };
 
+// How many threads at::parallel_for really ran `n` single-item chunks on: a build that lost
+// OpenMP (the pragma in ATen's inline header needs -fopenmp) runs every kernel on one.
+int64_t parallel_threads(int64_t n) {
+  std::mutex mu;
+  std::set<int> ids;
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> hold(mu);
+    ids.insert(at::get_thread_num());
+  });
+  return static_cast<int64_t>(ids.size());
+}
+
 }  // namespace rs
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -282,4 +296,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::optional<torch::Tensor>>, rs::QWeight, rs::QWeight, torch::Tensor,
                     torch::Tensor>())
       .def("forward", &rs::Decoder::forward, nogil());
+  m.def("parallel_threads", &rs::parallel_threads, "threads at::parallel_for spreads n items over",
+        nogil());
 }
