@@ -154,8 +154,10 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
         med = statistics.median(x["ttft"] for x in rs)
         curve.append({
             "ratio": r,
+            "items": len(rs),
             "first_token_agreement": sum(x["first"] for x in rs) / len(rs),
             "answer_agreement_option": share(rs, "same_option"),
+            "option_items": sum("same_option" in x for x in rs),
             "exact_continuation_agreement": share(rs, "exact"),
             "mean_kl": statistics.fmean(x["kl"] for x in rs),
             "median_ttft_s": med,
@@ -168,12 +170,11 @@ def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) 
 
 
 def share(rows: list[dict], key: str) -> float | None:
-    """How many rows have ``key`` true; None if a row lacks it (a log from before the key:
-    session-3 logs call the exact continuation "answer" and have no chosen option)."""
-    key = "answer" if key == "exact" and all("answer" in x for x in rows) else key
-    if not all(key in x for x in rows):
-        return None
-    return sum(x[key] for x in rows) / len(rows)
+    """The share of the rows that have ``key`` with it true (None if none has it): session-3
+    logs have no chosen option, and call the exact continuation "answer"."""
+    got = [x.get(key, x.get("answer") if key == "exact" else None) for x in rows]
+    got = [g for g in got if g is not None]
+    return sum(got) / len(got) if got else None
 
 
 def with_ttft_from(result: dict, timed: dict) -> dict:
@@ -189,20 +190,23 @@ def with_ttft_from(result: dict, timed: dict) -> dict:
 
 def from_log(paths: list[Path]) -> tuple[dict[float, list[dict]], list[float]]:
     """The per-item lines runs printed (all of them, or as far as a cut-short run got); an
-    item printed by more than one log counts once (the first). The chosen options are read
-    again from the logged texts, by the current rule."""
+    item's ratio printed by more than one log counts once (the first log's), so a new run
+    of some ratios can be completed by an older one's other ratios. The chosen options are
+    read again from the logged texts, by the current rule."""
     rows: dict[float, list[dict]] = {}
-    ref_ttft, seen = [], set()
+    ref_ttft, items, seen = [], set(), set()
     for path in paths:
         for line in path.read_text().splitlines():
             if not line.startswith('{"item"'):
                 continue
             done = json.loads(line)
-            if done["item"] in seen:
-                continue
-            seen.add(done["item"])
-            ref_ttft.append(done["full_ttft_s"])
+            if done["item"] not in items:
+                ref_ttft.append(done["full_ttft_s"])
+            items.add(done["item"])
             for r, x in done["by_ratio"].items():
+                if (done["item"], r) in seen:
+                    continue
+                seen.add((done["item"], r))
                 if "text" in x:
                     x["option"] = chosen_option(x["text"])
                     x["same_option"] = x["option"] == chosen_option(done["full_text"])
