@@ -231,8 +231,9 @@ def plot(result: dict, path: Path) -> None:
     fig = Figure(figsize=(9, 3.6))
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(x, [p["first_token_agreement"] for p in c], "o-", label="first-token agreement")
+    n_opt = max(p.get("option_items", p["items"]) for p in c)
     ax1.plot(x, [p["answer_agreement_option"] for p in c], "s-",
-             label="answer agreement (chosen option)")  # fmt: skip
+             label=f"answer agreement (chosen option, {n_opt} q.)")  # fmt: skip
     ax1.plot(x, [p["exact_continuation_agreement"] for p in c], "x:",
              label="exact continuation agreement")  # fmt: skip
     ax1.set_xlabel("recompute ratio")
@@ -244,6 +245,7 @@ def plot(result: dict, path: Path) -> None:
     timed = [p for p in c if p["ttft_over_full"] is not None]
     ax2.plot([p["ratio"] for p in timed], [p["ttft_over_full"] for p in timed], "o-")
     ax2.axhline(1.0, color="gray", lw=0.8)
+    ax2.axhline(0.4, color="red", lw=0.8, ls=":")  # issue 14's target
     ax2.set_xlabel("recompute ratio")
     ax2.set_ylabel("TTFT / full prefill (median)")
     note = f", {result['ttft_label']}" if result.get("ttft_label") else ""

@@ -196,8 +196,11 @@ def test_bad_segments_are_clear_errors(make_engine):
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("score", ["kv", "k", "v", "attention", "position"])
-@pytest.mark.parametrize("quota", ["global", "segment"])
+SELECTIONS = [("kv", "global"), ("k", "segment"), ("v", "global"), ("attention", "segment"),
+              ("position", "segment")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("score", "quota"), SELECTIONS)
 def test_recompute_selection_picks_the_budget_from_the_reused_tokens(make_engine, score, quota):
     """Every selection variant picks exactly the budget, only reused tokens, each segment's
     first tokens first; a per-segment quota gives each segment its share (by length);
