@@ -9,6 +9,7 @@ model, started by the harness's own ``baselines.ManagedServer``.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -552,8 +553,8 @@ def test_a_terminated_bench_stops_the_servers_it_started(tiny_model_dir, tmp_pat
             "--model", str(tiny_model_dir), "--context-length", "2048", "--no-progress",
             "--output-dir", str(tmp_path)]  # fmt: skip
     bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: set[int] = set()
     try:
-        children: set[int] = set()
         deadline = time.monotonic() + 120
         log = tmp_path / "logs" / "sharegpt-multiturn-radix.log"
         while time.monotonic() < deadline and not children:  # then it thinks for minutes
@@ -570,6 +571,9 @@ def test_a_terminated_bench_stops_the_servers_it_started(tiny_model_dir, tmp_pat
         assert not any(_alive(p) for p in children)
     finally:
         bench.kill()
+        for pid in children:  # a failed check leaves nothing running either
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> set[int]:
