@@ -29,7 +29,6 @@ import itertools
 import math
 from collections.abc import Collection
 
-
 _REBASE_HALF_LIVES = 40.0  # rescale stored work before 2 ** this grows past float precision
 
 
