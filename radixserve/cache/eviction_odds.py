@@ -77,9 +77,13 @@ class ReturnOddsPolicy(EvictionPolicy):
         return ()
 
     def on_evict(self, node: Any, priority: tuple) -> None:
-        # the parent's reuse is the same conversation coming back: no likelier than the leaf's
+        # the parent's reuse is the same conversation coming back: no likelier than the leaf's.
+        # Only for a leaf leaving the device tree (``value`` set): then its parent still has
+        # it as a child, so is in no heap as a live leaf and may take a new value. A host-tier
+        # eviction (``value`` None) can leave a parent that is a live device leaf, whose heap
+        # entry a new value would invalidate.
         parent = node.parent
-        if parent is None or parent.parent is None:
+        if parent is None or parent.parent is None or getattr(node, "value", None) is None:
             return
         state = parent.policy_state
         if state is None or state[0] != parent.last_access:
