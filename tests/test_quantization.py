@@ -39,6 +39,18 @@ def test_gguf_blocks_dequantize_as_gguf_does(qtype, kernels):
     assert torch.equal(weight.embedding(ids, torch.float32), rows)
 
 
+def test_native_kernels_use_every_torch_thread():
+    ops = native.paged_ops()
+    if ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # a one-core CI box still runs two OpenMP threads
+        assert ops.parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
 def test_quantize_rounds_each_weight_to_its_block_grid(fmt):
     torch.manual_seed(0)

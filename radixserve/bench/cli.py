@@ -17,6 +17,7 @@ import math
 import platform
 import re
 import shlex
+import signal
 import sys
 import textwrap
 import time
@@ -164,6 +165,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "slots; default %(default)s",
     )
     g.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="mean seconds (exponential, seeded) a conversation waits after an answer before "
+        "its next turn, still counted in --max-concurrency; default 0: at once",
+    )
+    g.add_argument(
         "--warmup-requests",
         type=int,
         default=2,
@@ -258,13 +266,21 @@ def build_plan(
     return plan
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM ends a run as Ctrl-C does: the servers it started (each in its own process
+    group, which the signal does not reach) are stopped on the way out, not left running."""
+    raise SystemExit(128 + signum)
+
+
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     plan = build_plan(parser, args)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     out_dir = Path(args.output_dir or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         load = LoadConfig(
             base_url=args.base_url or "http://127.0.0.1", request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, max_requests=args.max_requests,
+            max_concurrency=args.max_concurrency, think_time=args.think_time,
+            max_requests=args.max_requests,
             duration=args.duration, request_timeout=args.request_timeout,
             warmup_requests=args.warmup_requests, temperature=args.temperature, seed=args.seed,
             api_key=args.api_key, metrics_interval=args.metrics_interval,

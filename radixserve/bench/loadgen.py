@@ -13,10 +13,12 @@ Method, in order:
    infinite, a closed loop) or as a Poisson process of ``request_rate`` conversation starts per
    second (an open loop; seeded). At most ``max_concurrency`` conversations are in flight, so
    at most that many requests. A conversation sends turn k+1 only once turn k's answer has
-   arrived, with the streamed answer appended to the history as the assistant message; a
-   failed turn ends its conversation. No request starts after ``max_requests`` were started or
-   ``duration`` seconds passed; every request is cut at ``request_timeout`` seconds, so a run
-   always ends.
+   arrived, with the streamed answer appended to the history as the assistant message, after
+   a think time (``think_time``: exponential with that mean, drawn from the seed and the
+   conversation's id, so every system sees the same pauses; a thinking conversation keeps its
+   place among the ``max_concurrency``); a failed turn ends its conversation. No request
+   starts after ``max_requests`` were started or ``duration`` seconds passed; every request is
+   cut at ``request_timeout`` seconds, so a run always ends.
 5. Meanwhile ``/metrics`` is scraped every ``metrics_interval`` seconds (when the server has it).
 """
 
@@ -45,6 +47,7 @@ class LoadConfig:
     base_url: str
     request_rate: float = math.inf  # conversation starts per second; inf: all at once
     max_concurrency: int = 4
+    think_time: float = 0.0  # mean seconds between an answer and the next turn; 0: none
     max_requests: int | None = None
     duration: float | None = None  # seconds; no request starts after it
     request_timeout: float = 300.0
@@ -66,6 +69,8 @@ class LoadConfig:
             )
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not 0 <= self.think_time < math.inf:
+            raise ValueError(f"think_time must be >= 0 seconds, got {self.think_time}")
         if self.max_requests is not None and self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         for name in ("duration", "request_timeout"):
@@ -213,7 +218,10 @@ class _Runner:
         history: list[dict[str, str]] = []
         if conversation.system is not None:
             history.append({"role": "system", "content": conversation.system})
+        pauses = random.Random(f"{self.config.seed}:{conversation.id}")
         for turn, user in enumerate(conversation.user_turns, 1):
+            if turn > 1 and self.config.think_time > 0:
+                await asyncio.sleep(pauses.expovariate(1 / self.config.think_time))
             if not budget.take():
                 return
             history.append({"role": "user", "content": user})

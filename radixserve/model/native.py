@@ -12,7 +12,8 @@ One extension module built from ``csrc/``:
 The build (a minute or two, once) goes to radixserve's cache directory under a name that
 includes the sources' hash and the CPU's features, since it is tuned for them
 (``-march=native``; AVX2 code paths are chosen at compile time, with plain C++ twins for
-other CPUs); a module of that name already built is imported directly. Anything that fails
+other CPUs; ``-fopenmp``, without which ATen's inline ``parallel_for`` runs every kernel on
+one thread); a module of that name already built is imported directly. Anything that fails
 (no compiler, no ninja, an unusual CPU) leaves ``paged_ops()`` returning None and every
 caller on its pure-PyTorch path, which computes the same function. ``RADIXSERVE_NATIVE=0``
 turns the kernels off.
@@ -32,8 +33,19 @@ from radixserve.utils import cache_dir
 
 log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "lane_gemm.cpp", "decoder.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "paged_attention.cpp",
+    "quant_gemm.cpp",
+    "lane_gemm.cpp",
+    "rowwise.cpp",
+    "decoder.cpp",
+)
 HEADERS = ("kernels.h",)
+# -fopenmp: at::parallel_for is inline OpenMP in ATen's headers, so without it every kernel
+# runs on one thread; the module then shares libtorch's OpenMP runtime (same soname, loaded)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 STALE_LOCK_S = 900.0
 _loaded: dict[str, Any] = {}
 
@@ -78,7 +90,7 @@ def paged_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(_cpu_flags().encode())
+        digest = hashlib.sha256(" ".join((_cpu_flags(), *CFLAGS, *LDFLAGS)).encode())
         for file in (*SOURCES, *HEADERS):
             digest.update((CSRC / file).read_bytes())
         name = f"radixserve_native_{digest.hexdigest()[:12]}"
@@ -94,7 +106,8 @@ def paged_ops() -> Any | None:
         log.info("building native CPU kernels (first run only, a minute or two)")
         sources = [str(CSRC / file) for file in SOURCES]
         _loaded["ops"] = load(name=name, sources=sources, build_directory=str(build_dir),
-                              extra_cflags=["-O3", "-march=native"], verbose=False)  # fmt: skip
+                              extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                              verbose=False)  # fmt: skip
     except Exception as e:  # any failure just means the PyTorch path
         log.warning("native CPU kernels unavailable, using PyTorch: %s", e)
     return _loaded["ops"]
