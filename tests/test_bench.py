@@ -9,7 +9,11 @@ model, started by the harness's own ``baselines.ManagedServer``.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -540,3 +544,46 @@ def test_cli_starts_the_no_cache_baseline_and_it_caches_nothing(tiny_model_dir, 
     assert all(r["prompt_tokens"] > 0 for r in system["records"])
     assert system["summary"]["cache_hit_rate"] == 0.0
     assert (tmp_path / "logs" / "sharegpt-multiturn-no-cache.log").is_file()
+
+
+def test_a_terminated_bench_stops_the_servers_it_started(tiny_model_dir, tmp_path):
+    argv = [sys.executable, "-m", "radixserve.cli", "bench", "--workload", "sharegpt-multiturn",
+            "--dataset-path", SHAREGPT, "--num-conversations", "1", "--turns", "2",
+            "--output-len", "4", "--think-time", "600", "--systems", "radix",
+            "--model", str(tiny_model_dir), "--context-length", "2048", "--no-progress",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        log = tmp_path / "logs" / "sharegpt-multiturn-radix.log"
+        while time.monotonic() < deadline and not children:  # then it thinks for minutes
+            time.sleep(0.5)
+            if log.is_file() and "Application startup complete" in log.read_text():
+                time.sleep(2)  # the warm-up and the first turn
+                children = _children(bench.pid)
+        assert children, "the bench's server never started"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in children):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in children)
+    finally:
+        bench.kill()
+        for pid in children:  # a failed check leaves nothing running either
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -208,3 +208,36 @@ def test_native_decode_attention_matches_the_pytorch_path(dtype):
         native._loaded["ops"] = ops
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (fast.float() - slow.float()).abs().max() < tol
+
+
+def test_native_row_kernels_match_the_pytorch_formulas():
+    from radixserve.model import native
+    from radixserve.model.llama import rotate_half
+
+    ops = native.paged_ops()
+    if ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    torch.manual_seed(0)
+    rows, hidden, heads, dim = 37, 64, 3, 32  # rows over several threads' chunks
+    x, w = torch.randn(rows, hidden) * 3, torch.rand(hidden) + 0.5
+    expected = w * torch.nn.functional.rms_norm(x, (hidden,), eps=1e-5)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), expected, rtol=1e-5, atol=1e-5)
+
+    gate_up = torch.randn(rows, 2 * hidden) * 6  # large |gate|: the exp must not overflow
+    gate, up = gate_up.chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(ops.silu_mul(gate_up), silu, rtol=1e-5, atol=1e-5)
+
+    angles = torch.outer(torch.arange(100.0), torch.rand(dim // 2))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    qkv = torch.randn(rows, (heads + 1) * dim)  # two rotated heads, then one left alone
+    positions = torch.randint(0, 100, (rows,))
+    rotated = qkv.clone()
+    ops.rope_(rotated, positions, cos, sin, 2, dim)
+    v = qkv[:, : 2 * dim].view(rows, 2, dim)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    expected = (v * c + rotate_half(v) * s).reshape(rows, -1)
+    torch.testing.assert_close(rotated[:, : 2 * dim], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rotated[:, 2 * dim :], qkv[:, 2 * dim :])
+    with pytest.raises(RuntimeError, match="position out of the RoPE table"):
+        ops.rope_(qkv, torch.full((rows,), 100), cos, sin, 2, dim)

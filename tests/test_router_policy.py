@@ -7,6 +7,7 @@ import pytest
 
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.kvevents.types import AllBlocksCleared, BlockRemoved, BlockStored
+from radixserve.router.load import LoadBoard
 from radixserve.router.policy import (
     POLICIES,
     NoWorkerError,
@@ -373,7 +374,7 @@ def test_share_ratio_bounds_each_workers_long_run_share(share_ratio):
         r = policy.route(request(system + conversation(c, 1)[0]), now=c)
         policy.first_token(r.ticket)
         policy.finish(r.ticket)
-    work = policy.board.work
+    work = {w: policy.board.work_of(w, now=39) for w in policy.workers}
     mean = sum(work.values()) / len(work)
     if share_ratio is None:
         assert work["w2"] == work["w3"] == 0  # the holders took everything
@@ -381,3 +382,36 @@ def test_share_ratio_bounds_each_workers_long_run_share(share_ratio):
         most = max(work.values())
         assert most <= share_ratio * mean + 512 + 64 + 32  # + one request's work
         assert min(work.values()) > 0
+
+
+def test_share_gate_work_decays_with_its_half_life():
+    """Routed work halves every ``work_half_life`` seconds, values stay exact across the
+    origin moves that keep the stored scale finite, and the mean decays the same way."""
+    board = LoadBoard(decode_weight=0, work_half_life=10.0)
+    for w in ("a", "b"):
+        board.add_worker(w)
+    board.add_work("a", 1000.0, now=5000.0)  # a monotonic clock's origin is arbitrary
+    assert board.work_of("a", 5000.0) == pytest.approx(1000.0)
+    assert board.work_of("a", 5010.0) == pytest.approx(500.0)
+    assert board.mean_work(5020.0) == pytest.approx(125.0)
+    assert board.over_share("a", 1.0, 100.0, now=5000.0)
+    assert not board.over_share("a", 1.0, 100.0, now=5040.0)  # 62.5 <= 31.25 + 100
+    later = 5000.0 + 10.0 * 1000  # a thousand half-lives: the stored scale was rebased
+    board.add_work("b", 64.0, now=later)
+    assert board.work_of("b", later + 10.0) == pytest.approx(32.0)
+    assert board.work_of("a", later) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_share_gate_forgets_an_old_burst():
+    """A holder that took a burst of its prefix's traffic is gated while that work is recent,
+    and serves its prefix again once the work has decayed (without decay it never would)."""
+    policy = fleet("cache-aware", n=4, share_ratio=1.2, share_half_life=30.0)  # slack 512
+    system = list(range(512))
+    policy.apply_events("w1", stored(system))
+    policy.board.add_work("w1", 10_000.0, now=0.0)  # w1's burst
+    r = policy.route(request(system + conversation(0, 1)[0]), now=1.0)
+    assert r.worker != "w1" and r.cached_tokens == 0, "gated while the burst is recent"
+    policy.finish(r.ticket)
+    r = policy.route(request(system + conversation(1, 1)[0]), now=1000.0)
+    assert r.worker == "w1" and r.cached_tokens == 512, "the burst has decayed"
+    policy.finish(r.ticket)

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cli import main
 from radixserve.config import EngineConfig
 from radixserve.engine.sampling_params import SamplingParams
@@ -161,7 +162,7 @@ def test_belady_bounds_every_online_policy(seed):
     pool = ceiling.tree_tokens // 4
     belady = replay(order, pool, "belady").hit_rate
     assert ceiling.hit_rate >= belady
-    for policy in ("lru", "lfu", "slru", "cost-aware"):
+    for policy in EVICTION_POLICIES:
         for threshold in (None, 0.2):
             assert replay(order, pool, policy, cache_threshold=threshold).hit_rate <= belady
 

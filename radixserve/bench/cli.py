@@ -17,6 +17,7 @@ import math
 import platform
 import re
 import shlex
+import signal
 import sys
 import textwrap
 import time
@@ -265,8 +266,15 @@ def build_plan(
     return plan
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM ends a run as Ctrl-C does: the servers it started (each in its own process
+    group, which the signal does not reach) are stopped on the way out, not left running."""
+    raise SystemExit(128 + signum)
+
+
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     plan = build_plan(parser, args)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     out_dir = Path(args.output_dir or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         load = LoadConfig(

@@ -229,7 +229,7 @@ class ThresholdPolicy(EvictionPolicy):
         self.base.on_evict(node, priority[1:])
 
 
-EVICTION_POLICIES = ("lru", "lfu", "slru", "cost-aware")
+EVICTION_POLICIES = ("lru", "lfu", "slru", "cost-aware", "return-odds")
 
 
 def make_policy(
@@ -248,6 +248,10 @@ def make_policy(
         policy = SLRUPolicy(total_tokens, touch_clock, SLRU_PROTECTED_SHARE)
     elif name == "cost-aware":
         policy = CostAwarePolicy()
+    elif name == "return-odds":
+        from radixserve.cache.eviction_odds import ReturnOddsPolicy  # it builds on this module
+
+        policy = ReturnOddsPolicy()
     else:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {EVICTION_POLICIES}")
     if cache_threshold is not None:

@@ -19,13 +19,13 @@ row's fresh K/V at one layer is from what the pool holds for it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool, KVShape
-from radixserve.model import native_decode
+from radixserve.model import native, native_decode
 from radixserve.model.attention import ForwardBatch, paged_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.quant import QuantizedWeight, linear
@@ -53,6 +53,15 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> tor
         blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
         inv_freq = torch.where(medium, blended, scaled)
     return inv_freq.to(torch.float32)
+
+
+class RopeAt(NamedTuple):
+    """RoPE for a batch's rows: their positions, and the gathered tables on the PyTorch path
+    (None where the native row kernels rotate straight from the full tables)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +134,20 @@ class LlamaModel:
         c = self.config
         return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
 
+    def _row_kernels(self) -> Any | None:
+        """The native row-wise kernels (RMSNorm, RoPE, SiLU * up) for a float32 CPU model,
+        else None: the same functions op by op."""
+        c = self.config
+        if self.device.type != "cpu" or self.dtype != torch.float32 or c.head_dim % 16:
+            return None
+        if c.hidden_size % 8 or c.intermediate_size % 8:
+            return None
+        return native.paged_ops()
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ops = self._row_kernels()
+        if ops is not None:
+            return ops.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
@@ -137,9 +159,9 @@ class LlamaModel:
             if decoder is not None:
                 return decoder.forward(batch, pool)
         h = self._embed(batch.input_ids)
-        cos, sin = self._rope(batch.positions)
+        rope = self._rope(batch.positions)
         for i in range(len(self.layers)):
-            h = self._layer(i, h, cos, sin, batch, pool)
+            h = self._layer(i, h, rope, batch, pool)
         last = self._rms_norm(h[batch.logits_indices], self.norm)
         return linear(last, self.lm_head).float()
 
@@ -148,29 +170,45 @@ class LlamaModel:
             return self.embed.embedding(input_ids, self.dtype)
         return F.embedding(input_ids, self.embed)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+    def _rope(self, positions: torch.Tensor) -> RopeAt:
+        if self._row_kernels() is not None:
+            return RopeAt(positions.contiguous(), None, None)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        return RopeAt(positions, cos, sin)
 
-    def _qkv(self, layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: dict, h: torch.Tensor, rope: RopeAt):
         c, t = self.config, h.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         x = self._rms_norm(h, layer["input_norm"])
         qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+        if rope.cos is None:  # native: q and k heads rotated in place, in one pass
+            heads = c.num_heads + c.num_kv_heads
+            qkv = qkv.contiguous()
+            self._row_kernels().rope_(
+                qkv, rope.positions, self.rope_cos, self.rope_sin, heads, c.head_dim
+            )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if rope.cos is not None:
+            q = q * rope.cos + rotate_half(q) * rope.sin
+            k = k * rope.cos + rotate_half(k) * rope.sin
         return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
 
-    def _layer(self, i: int, h: torch.Tensor, cos, sin, batch: ForwardBatch, pool: KVPool):
+    def _mlp_input(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ops = self._row_kernels()
+        if ops is not None:
+            return ops.silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _layer(self, i: int, h: torch.Tensor, rope: RopeAt, batch: ForwardBatch, pool: KVPool):
         layer = self.layers[i]
-        q, k, v = self._qkv(layer, h, cos, sin)
+        q, k, v = self._qkv(layer, h, rope)
         attn = paged_attention(i, q, k, v, batch, pool, self.scale)
-        h = h + linear(attn.reshape(h.shape[0], -1), layer["o"])
+        h = linear(attn.reshape(h.shape[0], -1), layer["o"], residual=h)
         x = self._rms_norm(h, layer["post_norm"])
-        gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, layer["down"])
+        return linear(self._mlp_input(linear(x, layer["gate_up"])), layer["down"], residual=h)
 
     @torch.inference_mode()
     def kv_deviation(
@@ -184,10 +222,10 @@ class LlamaModel:
         if not 0 < layer < len(self.layers):
             raise ValueError(f"the deviation layer must be in [1, {len(self.layers)})")
         h = self._embed(batch.input_ids)
-        cos, sin = self._rope(batch.positions)
+        rope = self._rope(batch.positions)
         for i in range(layer):
-            h = self._layer(i, h, cos, sin, batch, pool)
-        q, k, v = self._qkv(self.layers[layer], h, cos, sin)
+            h = self._layer(i, h, rope, batch, pool)
+        q, k, v = self._qkv(self.layers[layer], h, rope)
         old_k = pool.k[layer][:, batch.out_slots].transpose(0, 1)
         old_v = pool.v[layer][:, batch.out_slots].transpose(0, 1)
         dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))

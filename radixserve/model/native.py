@@ -33,7 +33,14 @@ from radixserve.utils import cache_dir
 
 log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "quant_gemm.cpp", "lane_gemm.cpp", "decoder.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "paged_attention.cpp",
+    "quant_gemm.cpp",
+    "lane_gemm.cpp",
+    "rowwise.cpp",
+    "decoder.cpp",
+)
 HEADERS = ("kernels.h",)
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers, so without it every kernel
 # runs on one thread; the module then shares libtorch's OpenMP runtime (same soname, loaded)

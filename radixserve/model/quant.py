@@ -100,12 +100,13 @@ class QuantizedWeight:
             return ops.dequantize(self.native_view(), ids.contiguous()).to(dtype)
         return self.rows(ids).dequantize(dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T`` for ``x`` ``[M, K]``, in ``x``'s dtype."""
+    def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T`` (``+ residual``) for ``x`` ``[M, K]``, in ``x``'s dtype."""
         ops = self.native_ops()
         if ops is not None and x.shape[0] <= SMALL_M.get(x.dtype, SMALL_M_OTHER):
-            return ops.qgemm(x.float().contiguous(), self.native_view()).to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype))
+            y = ops.qgemm(x.float().contiguous(), self.native_view()).to(x.dtype)
+            return y if residual is None else residual + y
+        return _dense_matmul(x, self.dequantize(x.dtype), residual)
 
     def native_ops(self) -> Any | None:
         return native.paged_ops() if self.device.type == "cpu" else None
@@ -119,11 +120,26 @@ class QuantizedWeight:
         return self._native
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None):
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias + residual`` (each optional); the residual is added inside the matmul
+    (BLAS's beta) where it can be, instead of by another pass over the output."""
+    if bias is not None:
+        y = F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w.matmul(x) + bias
+        return y if residual is None else residual + y
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
-    y = w.matmul(x)
-    return y if bias is None else y + bias
+        return _dense_matmul(x, w, residual)
+    return w.matmul(x, residual)
+
+
+def _dense_matmul(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    if residual is None:
+        return F.linear(x, w)
+    return torch.addmm(residual, x, w.t())
 
 
 # ---------------------------------------------------------------------- making them

@@ -33,8 +33,10 @@ POLICY_HELP = {
     "storage_cost": "cost of a token cached on the storage tier",
     "hash_blocks": "consistent-hash: blocks of the prompt that pick the worker",
     "virtual_nodes": "consistent-hash: ring points per worker",
-    "share_ratio": "cache-aware: a prefix holder whose work routed so far exceeds RATIO x the "
-    "fleet's mean + --gate-tokens is skipped (long-run balance; off unless given)",
+    "share_ratio": "cache-aware: a prefix holder whose recent routed work exceeds RATIO x the "
+    "fleet's mean + --gate-tokens is skipped (fair share; off unless given)",
+    "share_half_life": "cache-aware: seconds in which routed work counted by --share-ratio "
+    "decays by half",
 }
 
 

@@ -11,27 +11,43 @@ Ties go to the worker whose load changed least recently (``least_loaded`` and
 ``least_loaded`` uses a lazy min-heap: every change pushes a fresh entry and older entries of
 that worker go stale; stale entries are skipped when popped and the heap is rebuilt when it
 grows past a few entries per worker. So a change and a query cost O(log N), never O(N).
+
+``work`` (what the fair-share gate compares, ``PolicyConfig.share_ratio``) is the work routed
+to each worker, decayed exponentially in time with ``work_half_life`` seconds (None: never
+decays), so a burst an hour ago stops counting against a worker while the last minutes'
+share still does. Decaying every worker at every request would cost O(N); instead values are
+stored scaled by ``2 ** ((now - origin) / half_life)`` (a new amount is multiplied by the
+current scale, old ones keep theirs), so comparisons between workers and with the mean need
+no update, and the gate's absolute slack is scaled instead. The origin moves (O(N), once per
+~40 half-lives) before the scale can overflow.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Collection
+
+_REBASE_HALF_LIVES = 40.0  # rescale stored work before 2 ** this grows past float precision
 
 
 class LoadBoard:
-    def __init__(self, decode_weight: float):
+    def __init__(self, decode_weight: float, work_half_life: float | None = None):
+        if work_half_life is not None and not work_half_life > 0:
+            raise ValueError(f"work_half_life must be > 0 seconds (or None), got {work_half_life}")
         self.decode_weight = decode_weight
+        self.work_half_life = work_half_life
         self.running: dict[str, int] = {}
         self.pending: dict[str, float] = {}
         self.epoch: dict[str, int] = {}  # a worker that leaves and comes back starts afresh
         self._version: dict[str, int] = {}
         self._heap: list[tuple[float, int, str]] = []
-        # work routed to each worker so far (uncached prompt tokens + decode_weight per
-        # request): the long-run share the fair-share gate compares (``PolicyConfig.share_ratio``)
-        self.work: dict[str, float] = {}
+        # work routed to each worker (uncached prompt tokens + decode_weight per request),
+        # decayed and stored scaled (module docstring): read it with ``work_of``
+        self._work: dict[str, float] = {}
         self._total_work = 0.0
+        self._origin: float | None = None  # the time at which the scale is 1
         self._counter = itertools.count()
 
     def __contains__(self, worker: str) -> bool:
@@ -44,27 +60,55 @@ class LoadBoard:
         if worker not in self.running:
             self.running[worker], self.pending[worker] = 0, 0.0
             self.epoch[worker] = next(self._counter)
-            self.work[worker] = self.mean_work()  # a newcomer starts level, not starved of it
-            self._total_work += self.work[worker]
+            # a newcomer starts level with the mean, not starved of work (stored units)
+            self._work[worker] = self._total_work / len(self._work) if self._work else 0.0
+            self._total_work += self._work[worker]
             self._push(worker)
 
     def remove_worker(self, worker: str) -> None:
         self.running.pop(worker, None)
         self.pending.pop(worker, None)
         self.epoch.pop(worker, None)
-        self._total_work -= self.work.pop(worker, 0.0)
+        self._total_work -= self._work.pop(worker, 0.0)
         self._version.pop(worker, None)  # its heap entries are all stale now
 
     def load(self, worker: str) -> float:
         return self.pending[worker] + self.decode_weight * self.running[worker]
 
-    def add_work(self, worker: str, amount: float) -> None:
-        if worker in self.work:
-            self.work[worker] += amount
+    def add_work(self, worker: str, amount: float, now: float) -> None:
+        if worker in self._work:
+            amount *= self._scale(now)
+            self._work[worker] += amount
             self._total_work += amount
 
-    def mean_work(self) -> float:
-        return self._total_work / len(self.work) if self.work else 0.0
+    def work_of(self, worker: str, now: float) -> float:
+        """The worker's decayed work at ``now``."""
+        return self._work[worker] / self._scale(now)
+
+    def mean_work(self, now: float) -> float:
+        if not self._work:
+            return 0.0
+        return self._total_work / len(self._work) / self._scale(now)
+
+    def over_share(self, worker: str, ratio: float, slack: float, now: float) -> bool:
+        """Whether the worker's work exceeds ``ratio`` x the mean + ``slack`` (at ``now``): one
+        comparison in stored units, O(1)."""
+        mean = self._total_work / len(self._work)
+        return self._work[worker] > ratio * mean + slack * self._scale(now)
+
+    def _scale(self, now: float) -> float:
+        half_life = self.work_half_life
+        if half_life is None:
+            return 1.0
+        if self._origin is None:
+            self._origin = now
+        exponent = (now - self._origin) / half_life
+        if exponent > _REBASE_HALF_LIVES:  # move the origin to now: every value / 2**exponent
+            factor = 2.0**-exponent
+            self._work = {w: v * factor for w, v in self._work.items()}
+            self._total_work = math.fsum(self._work.values())
+            self._origin, exponent = now, 0.0
+        return 2.0**exponent
 
     def last_change(self, worker: str) -> int:
         """An increasing stamp of the worker's last change: among equal loads, the smallest

@@ -18,11 +18,11 @@ least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
 and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
 for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
 overloaded worker loses new work while every other conversation keeps its affinity. With
-``share_ratio`` set, a holder whose work routed so far (``LoadBoard.work``) exceeds
-``share_ratio x the fleet's mean + gate_tokens`` is not a candidate either: the gate above
-compares instantaneous loads, which at low utilization are all near zero, so a popular
-prefix's holders would otherwise take its traffic whenever idle (a fair-share gate, off by
-default).
+``share_ratio`` set, a holder whose recent routed work (``LoadBoard.work_of``: decayed with a
+``share_half_life`` in seconds) exceeds ``share_ratio x the fleet's mean + gate_tokens`` is not
+a candidate either: the gate above compares instantaneous loads, which at low utilization are
+all near zero, so a popular prefix's holders would otherwise take its traffic whenever idle
+(a fair-share gate).
 Among equal costs the worker whose load changed least recently wins (idle longest), and
 where many workers hold the prefix the candidates are drawn at random among them: both
 keep a popular prefix's holders taking turns instead of the same few taking everything.
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,14 +71,17 @@ class PolicyConfig:
     storage_cost: float = 0.3
     hash_blocks: int = 8  # consistent-hash: the prefix (in blocks) that picks the worker
     virtual_nodes: int = 64  # consistent-hash: ring points per worker
-    # cache-aware fair-share gate (None: off): a holder whose work routed so far exceeds
+    # cache-aware fair-share gate (None: off): a holder whose recent work exceeds
     # share_ratio x the fleet's mean + gate_tokens is not a candidate (long-run balance)
     share_ratio: float | None = None
+    share_half_life: float = 60.0  # s: the fair-share gate's memory (work decays by half)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "candidates", "hash_blocks", "virtual_nodes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not self.share_half_life > 0:
+            raise ValueError(f"share_half_life must be > 0 seconds, got {self.share_half_life}")
         for name in ("decode_weight", "gate_tokens", "host_cost", "storage_cost"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -134,7 +136,7 @@ class Policy:
 
     def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
         self.config = config or PolicyConfig()
-        self.board = LoadBoard(self.config.decode_weight)
+        self.board = LoadBoard(self.config.decode_weight, self.config.share_half_life)
         self.workers: list[str] = []  # in registration order
         self.stats = PolicyStats()
         self._tickets: dict[int, _Ticket] = {}
@@ -176,7 +178,7 @@ class Policy:
         epoch = self.board.epoch[worker]
         self._tickets[ticket] = _Ticket(worker, epoch, pending, cached, request.num_tokens)
         self.board.change(worker, running=1, pending=pending)
-        self.board.add_work(worker, pending + self.config.decode_weight)
+        self.board.add_work(worker, pending + self.config.decode_weight, now)
         s = self.stats
         s.routes += 1
         s.prompt_tokens += request.num_tokens
@@ -334,9 +336,7 @@ class CacheAware(Policy):
         lightest = self._least_loaded(exclude)
         floor = board.load(lightest)
         gate = cfg.gate_ratio * floor + cfg.gate_tokens
-        share_gate = math.inf
-        if cfg.share_ratio is not None:
-            share_gate = cfg.share_ratio * board.mean_work() + cfg.gate_tokens
+        share = cfg.share_ratio
         depth = index.deepest(hashes, now)
         found = index.candidates(hashes, depth, now, cfg.candidates, self._rng) if depth else {}
         if lightest not in found:
@@ -346,7 +346,10 @@ class CacheAware(Policy):
             if worker in exclude or worker not in board:
                 continue
             load = board.load(worker)
-            if worker != lightest and (load > gate or board.work[worker] > share_gate):
+            if worker != lightest and (
+                load > gate
+                or (share is not None and board.over_share(worker, share, cfg.gate_tokens, now))
+            ):
                 continue  # overloaded for this request: its prefix is not worth the wait
             uncached = max(request.num_tokens - blocks * cfg.block_size, 0)
             cost = uncached + load

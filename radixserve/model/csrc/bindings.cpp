@@ -262,6 +262,66 @@ class Decoder {
   DecoderScratch scratch_;
 };
 
+// --- row-wise layer pieces for the prefill path, rows split over threads ---------------
+void check_rows(const torch::Tensor& x, int64_t width, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.is_contiguous() && x.size(1) == width && width % 8 == 0,
+              what, " must be a contiguous float32 CPU [rows, ", width, "] tensor");
+}
+
+torch::Tensor rms_norm_op(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.dim() == 1,
+              "the norm weight must be a contiguous float32 vector");
+  check_rows(x, w.size(0), "x");
+  auto out = torch::empty_like(x);
+  const int64_t dim = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+    rms_norm_rows(xp + b * dim, wp, e - b, dim, static_cast<float>(eps), op + b * dim);
+  });
+  return out;
+}
+
+// RoPE in place on the first `heads` head vectors of each row of qkv [T, width] (q, then k),
+// row t at positions[t] of the [max_pos, head_dim] tables.
+void rope_op(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+             int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(head_dim % 16 == 0 && heads > 0, "head_dim must be a multiple of 16");
+  check_rows(qkv, qkv.size(1), "qkv");
+  TORCH_CHECK(heads * head_dim <= qkv.size(1), "more heads than the row holds");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(1) == head_dim && t->sizes() == cos.sizes(),
+                "the RoPE tables must be contiguous float32 [max_pos, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0),
+              "positions must be a contiguous int64 [rows] tensor");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position out of the RoPE table");
+  const int64_t width = qkv.size(1);
+  float* base = qkv.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, qkv.size(0), 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      rope_row(base + t * width, heads, head_dim, cp + pos[t] * head_dim, sp + pos[t] * head_dim);
+  });
+}
+
+torch::Tensor silu_mul_op(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 16 == 0, "gate_up must be [rows, 2 * inter]");
+  check_rows(gate_up, gate_up.size(1), "gate_up");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), 16, [&](int64_t b, int64_t e) {
+    silu_mul_rows(gp + b * 2 * inter, e - b, inter, op + b * inter);
+  });
+  return out;
+}
+
 // How many threads at::parallel_for really ran `n` single-item chunks on: a build that lost
 // OpenMP (the pragma in ATen's inline header needs -fopenmp) runs every kernel on one.
 int64_t parallel_threads(int64_t n) {
@@ -296,6 +356,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::optional<torch::Tensor>>, rs::QWeight, rs::QWeight, torch::Tensor,
                     torch::Tensor>())
       .def("forward", &rs::Decoder::forward, nogil());
+  m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
+  m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());
+  m.def("silu_mul", &rs::silu_mul_op, "SiLU(gate) * up of rows laid out [gate | up]", nogil());
   m.def("parallel_threads", &rs::parallel_threads, "threads at::parallel_for spreads n items over",
         nogil());
 }

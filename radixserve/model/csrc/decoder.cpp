@@ -32,29 +32,6 @@ inline v8 load8_as_float<c10::BFloat16>(const c10::BFloat16* p) {
   return widen_bf16<v8, v8u16, v8u32>(p);
 }
 
-void rms_norm(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    v8 ss = {};
-    for (int64_t i = 0; i < dim; i += 8) ss += load8(xr + i) * load8(xr + i);
-    const v8 inv = splat8(1.f / std::sqrt(hsum8(ss) / dim + eps));
-    for (int64_t i = 0; i < dim; i += 8) store8(out + r * dim + i, load8(xr + i) * inv * load8(w + i));
-  }
-}
-
-// rotate-half RoPE of `heads` vectors of size dim at one position, in place
-void rope(float* v, int64_t heads, int64_t dim, const float* cos, const float* sin) {
-  const int64_t half = dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    float* p = v + h * dim;
-    for (int64_t i = 0; i < half; i += 8) {
-      const v8 a = load8(p + i), b = load8(p + half + i);
-      store8(p + i, a * load8(cos + i) - b * load8(sin + i));
-      store8(p + half + i, b * load8(cos + half + i) + a * load8(sin + half + i));
-    }
-  }
-}
-
 // in place: softmax of n scores
 void softmax(float* s, int64_t n) {
   float mx = -INFINITY;
@@ -165,14 +142,14 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
   T* kp = static_cast<T*>(batch.k_pool);
   T* vp = static_cast<T*>(batch.v_pool);
   for (int64_t l = 0; l < w.layers; ++l) {
-    rms_norm(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
+    rms_norm_rows(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
     qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
     for (int64_t b = 0; b < B; ++b) {
       float* row = s.qkv.data() + b * qkv_n;
       if (const float* bias = w.qkv_bias[l])
         for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
       const int64_t pos = batch.positions[b];
-      rope(row, w.heads + w.kv_heads, D, w.cos + pos * D, w.sin + pos * D);  // q, then k heads
+      rope_row(row, w.heads + w.kv_heads, D, w.cos + pos * D, w.sin + pos * D);  // q, then k heads
       for (int64_t h = 0; h < w.kv_heads; ++h) {
         const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
         for (int64_t i = 0; i < D; ++i) {
@@ -183,18 +160,9 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
     }
     attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
     qgemm(s.attn.data(), B, w.o[l], s.h.data(), true);
-    rms_norm(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
+    rms_norm_rows(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
     qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* g = s.gu.data() + b * 2 * I;
-      float* a = s.act.data() + b * I;
-      for (int64_t i = 0; i < I; i += 8) {  // silu(g) * up; exp of -|g| never overflows
-        const v8 gv = load8(g + i);
-        const v8 e = exp8(gv < splat8(0.f) ? gv : -gv);
-        const v8 sig = gv < splat8(0.f) ? e / (splat8(1.f) + e) : splat8(1.f) / (splat8(1.f) + e);
-        store8(a + i, gv * sig * load8(g + I + i));
-      }
-    }
+    silu_mul_rows(s.gu.data(), B, I, s.act.data());
     qgemm(s.act.data(), B, w.down[l], s.h.data(), true);
   }
 }
@@ -216,7 +184,7 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
     case KVType::BF16: layers<c10::BFloat16>(w, batch, s); break;
     case KVType::F16: layers<c10::Half>(w, batch, s); break;
   }
-  rms_norm(s.h.data(), w.norms.back(), B, H, w.eps, s.x.data());
+  rms_norm_rows(s.h.data(), w.norms.back(), B, H, w.eps, s.x.data());
   qgemm(s.x.data(), B, w.lm_head, logits, false);
 }
 

@@ -60,6 +60,15 @@ void paged_values_kernel(const float* probs, const T* v, const int64_t* ctx, con
                          T* out, int64_t B, int64_t G, int64_t D, int64_t KVH, int64_t S,
                          int64_t L);
 
+// Row-wise layer pieces (rowwise.cpp), float32, rows contiguous: RMSNorm of `rows` rows into
+// out; rotate-half RoPE in place of `heads` vectors of one row at one position (cos/sin: that
+// position's table row); SiLU(gate) * up of rows laid out [gate | up] into out [rows, inter].
+// dim, inter and head_dim / 2 are multiples of 8.
+void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                   float* out);
+void rope_row(float* v, int64_t heads, int64_t dim, const float* cos, const float* sin);
+void silu_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out);
+
 // The layer stack of a Llama-family model for a batch of decode tokens (decoder.cpp).
 struct DecoderWeights {
   int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, dim = 0, inter = 0, max_pos = 0;
