@@ -7,7 +7,9 @@ gate/up into another) so a layer is four matmuls; a matrix is a dense tensor or 
 frequency factors from GGUF ``rope_freqs``). ``forward`` computes logits only at
 ``batch.logits_indices``: the last token of each sequence that samples, never every prompt
 position. A step of decode tokens only runs in one native call where the kernels are built
-(``native_decode.py``); everything else runs op by op here.
+(``native_decode.py``); everything else runs op by op here, with RMSNorm, RoPE and
+SiLU(gate) * up in native row kernels on a float32 CPU model (``_row_kernels``) and the
+residual adds inside the matmuls.
 
 Two helpers serve KV reuse at a new position (RAG segments): ``reanchor`` copies stored K/V
 to other slots with the keys rotated by a position delta (RoPE at position ``p + d`` is the
