@@ -30,9 +30,9 @@ def stream_events(url: str) -> list[dict]:
     return events
 
 
-def wait_generating(url: str, timeout: float = 60) -> None:
+def wait_generating(url: str, running: int = 1, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while read_metrics(url, {})["num_running_reqs"] < 1:
+    while read_metrics(url, {})["num_running_reqs"] < running:
         assert time.monotonic() < deadline, "nothing started"
         time.sleep(0.05)
 
@@ -44,7 +44,7 @@ def test_kill_9_fails_requests_fast_then_recovers_then_gives_up(tiny_model_dir):
         victim = engine_pid(srv.proc.pid)
         plain = pool.submit(post, srv.url, LONG)
         streamed = pool.submit(stream_events, srv.url)
-        wait_generating(srv.url)
+        wait_generating(srv.url, running=2)  # both: the stream has begun before the kill
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
 
