@@ -99,11 +99,18 @@ def wait_idle(url: str, headers: dict[str, str], timeout: float = 30) -> dict[st
         time.sleep(0.2)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of a process (of its main thread, which starts them all here)."""
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except FileNotFoundError:
+        return []
+
+
 def engine_pid(server_pid: int) -> int:
     """The engine process among a server's children (the other is multiprocessing's
     resource tracker)."""
-    children = open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()
-    for pid in children:
+    for pid in child_pids(server_pid):
         try:
             cmdline = open(f"/proc/{pid}/cmdline").read()
         except FileNotFoundError:

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from server_helpers import child_pids
 
 from radixserve.bench import baselines, client, data
 from radixserve.bench.cli import add_bench_parser
@@ -561,7 +562,7 @@ def test_a_terminated_bench_stops_the_servers_it_started(tiny_model_dir, tmp_pat
             time.sleep(0.5)
             if log.is_file() and "Application startup complete" in log.read_text():
                 time.sleep(2)  # the warm-up and the first turn
-                children = _children(bench.pid)
+                children = set(child_pids(bench.pid))
         assert children, "the bench's server never started"
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 128 + signal.SIGTERM
@@ -574,11 +575,6 @@ def test_a_terminated_bench_stops_the_servers_it_started(tiny_model_dir, tmp_pat
         for pid in children:  # a failed check leaves nothing running either
             if _alive(pid):
                 os.killpg(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> set[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
 
 
 def _alive(pid: int) -> bool:
