@@ -127,6 +127,11 @@ class LlamaModel:
         self.rope_sin = angles.sin().to(device=self.device, dtype=dtype)
         # (kernels module, its decoder or None where the model does not fit it)
         self._native: tuple[Any, native_decode.NativeDecoder | None] | None = None
+        # the native row kernels take float32 rows of these widths (RMSNorm, RoPE, SiLU * up)
+        self._rows_fit = (
+            self.device.type == "cpu" and dtype == torch.float32 and c.head_dim % 16 == 0
+            and c.hidden_size % 8 == 0 and c.intermediate_size % 8 == 0
+        )  # fmt: skip
 
     def rope_tables_float32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables as the native decoder wants them (same values as ours)."""
@@ -139,12 +144,7 @@ class LlamaModel:
     def _row_kernels(self) -> Any | None:
         """The native row-wise kernels (RMSNorm, RoPE, SiLU * up) for a float32 CPU model,
         else None: the same functions op by op."""
-        c = self.config
-        if self.device.type != "cpu" or self.dtype != torch.float32 or c.head_dim % 16:
-            return None
-        if c.hidden_size % 8 or c.intermediate_size % 8:
-            return None
-        return native.paged_ops()
+        return native.paged_ops() if self._rows_fit else None
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ops = self._row_kernels()
