@@ -12,7 +12,12 @@ the next-token distribution. A variant is ``ANCHORS:SCORE:QUOTA``:
   ``position`` (no probe: the
   earliest tokens of each segment, EPIC's "first tokens of each chunk" with the whole budget);
 - ``QUOTA``: ``global`` (top-k over all segments) or ``segment`` (each segment gets a share of
-  the budget in proportion to its length and picks its own top-k).
+  the budget in proportion to its length and picks its own top-k);
+- ``PREFIX`` (optional, default 0): the segments' stored K/V is computed after the prompt's
+  first PREFIX tokens (``segment_prefix_tokens``; 0: standalone, from position 0).
+
+With ``--max-tokens N`` (> 1) each run also decodes N greedy tokens and compares the option
+it picks (``rag_items.chosen_option``) with the reference's.
 
 Prints a JSON line per item, then one summary line per variant and ratio;
 ``--from-log LOG [LOG ...]`` summarizes the item lines of earlier runs.
@@ -28,7 +33,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from rag_items import Runner, build_items, kl
+from rag_items import Runner, build_items, chosen_option, kl
 
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
@@ -39,14 +44,17 @@ SCORES = ("kv", "k", "v", "attention", "position")
 QUOTAS = ("global", "segment")
 
 
-def parse_variant(text: str) -> tuple[int, str, str]:
+def parse_variant(text: str) -> tuple[int, str, str, int]:
     parts = text.split(":")
-    ok = len(parts) == 3 and parts[0].isdigit() and parts[1] in SCORES and parts[2] in QUOTAS
-    if not ok:
+    if len(parts) == 3:
+        parts.append("0")
+    ok = len(parts) == 4 and parts[1] in SCORES and parts[2] in QUOTAS
+    if not (ok and parts[0].isdigit() and parts[3].isdigit()):
         raise argparse.ArgumentTypeError(
-            f"variant {text!r}: want ANCHORS:SCORE:QUOTA, SCORE in {SCORES}, QUOTA in {QUOTAS}"
+            f"variant {text!r}: want ANCHORS:SCORE:QUOTA[:PREFIX], SCORE in {SCORES}, "
+            f"QUOTA in {QUOTAS}"
         )
-    return int(parts[0]), parts[1], parts[2]
+    return int(parts[0]), parts[1], parts[2], int(parts[3])
 
 
 def main() -> None:
@@ -59,6 +67,7 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.05,0.1,0.15")
     ap.add_argument("--variants", default="4:kv:global")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=1, help="> 1: compare chosen options")
     ap.add_argument("--from-log", type=Path, nargs="+", help="summarize runs' per-item lines")
     args = ap.parse_args()
     if args.from_log:
@@ -83,21 +92,29 @@ def main() -> None:
     full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
                                       **opts), loaded))  # fmt: skip
     one = SamplingParams(temperature=0, max_tokens=1)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    text = loaded.tokenizer.decode
     for d in {tuple(d) for k in picked for d in items[k]["docs"]}:
         blend.run(list(d) + [13], one, segments=[(0, len(d))])
     seg = blend.engine.segments  # the selection knobs, set per variant (a measurement hook)
     for k in picked:
         item = items[k]
-        ref = full.run(item["prompt"], one)
-        out = {"item": k, "by_variant": {}}
-        for anchors, score, quota in variants:
+        ref = full.run(item["prompt"], params)
+        ref_option = chosen_option(text(ref["tokens"]))
+        out = {"item": k, "full_option": ref_option, "by_variant": {}}
+        for anchors, score, quota, prefix in variants:
             seg.first_tokens, seg.deviation_on, seg.quota = anchors, score, quota
+            seg.prefix_tokens = prefix
             res = {}
             for r in ratios:
-                got = blend.run(item["prompt"], one, segments=item["segments"], recompute_ratio=r)
+                got = blend.run(item["prompt"], params, segments=item["segments"],
+                                recompute_ratio=r)  # fmt: skip
                 res[r] = {"first": got["tokens"][0] == ref["tokens"][0],
                           "kl": kl(ref["logits"], got["logits"])}  # fmt: skip
-            out["by_variant"][f"{anchors}:{score}:{quota}"] = res
+                if args.max_tokens > 1:
+                    res[r]["option"] = chosen_option(text(got["tokens"]))
+                    res[r]["same_option"] = res[r]["option"] == ref_option
+            out["by_variant"][f"{anchors}:{score}:{quota}:{prefix}"] = res
         print(json.dumps(out), flush=True)
     blend.engine.check_integrity()
 
@@ -117,8 +134,10 @@ def summarize(paths: list[Path]) -> None:
                 for r, x in res.items():
                     rows.setdefault((v, r), []).append(x)
     for (v, r), xs in sorted(rows.items()):
+        opts = [x["same_option"] for x in xs if "same_option" in x]
         print(json.dumps({"variant": v, "ratio": float(r), "items": len(xs),
                           "first_token_agreement": sum(x["first"] for x in xs) / len(xs),
+                          "option_agreement": sum(opts) / len(opts) if opts else None,
                           "mean_kl": statistics.fmean(x["kl"] for x in xs)}))  # fmt: skip
 
 

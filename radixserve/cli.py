@@ -80,6 +80,13 @@ ENGINE_FLAGS = {
         default=1,
         help="layer whose K/V deviation picks the other recomputed tokens; default %(default)s",
     ),
+    "segment_prefix_tokens": dict(
+        type=int,
+        default=0,
+        help="RAG segments are stored computed after this many of the prompt's first tokens "
+        "(the shared system prompt; at most up to the first segment), so their K/V saw the "
+        "prompt's real start; 0: standalone; default %(default)s",
+    ),
     # the hierarchical cache (README: "Hierarchical cache")
     "host_kv_memory": dict(
         help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "

@@ -95,10 +95,12 @@ class EngineConfig:
     remote_prefill_min_tokens: int = 64
     # RAG segments (engine/segments.py): share of reused segment tokens computed again, how
     # many leading tokens of each segment go first, and the layer whose K/V deviation ranks
-    # the rest
+    # the rest; and how many of the prompt's first tokens a segment's stored K/V is computed
+    # after (up to the first segment; 0: standalone from position 0)
     segment_recompute_ratio: float = 0.15
     segment_first_tokens: int = 4
     segment_deviation_layer: int = 1
+    segment_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -135,7 +137,9 @@ class EngineConfig:
         r = self.segment_recompute_ratio
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r <= 1:
             raise ValueError(f"segment_recompute_ratio must be in [0, 1], got {r!r}")
-        for name, low in (("segment_first_tokens", 0), ("segment_deviation_layer", 1)):
+        segment_ints = (("segment_first_tokens", 0), ("segment_deviation_layer", 1),
+                        ("segment_prefix_tokens", 0))  # fmt: skip
+        for name, low in segment_ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")

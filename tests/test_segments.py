@@ -245,3 +245,37 @@ def test_probe_attention_column_is_a_distribution_per_query_row(tiny_loaded):
     alone = model.kv_deviation(batch, pool, 1, query_rows=1)
     assert float(alone[:, 2].sum()) == pytest.approx(model.config.num_heads, rel=1e-4)
     assert float(dev[49, 2]) == pytest.approx(float(alone[49, 2]), rel=1e-4)
+
+
+def test_segments_stored_after_the_prompt_prefix(make_engine):
+    """With ``segment_prefix_tokens`` a segment is stored as the prompt's first tokens plus the
+    segment, so every segment stored after one prefix shares it in the tree; a segment that
+    sits right after that prefix is then reused exactly (ratio 0 gives the plain prefill), and
+    ratio 1.0 still equals the plain prefill for segments moved elsewhere."""
+    head = HEAD + ids(4, 13)
+    prompt, segments = rag_prompt([0, 1, 2], DOCS, head, QUESTION)
+    plain = drive(make_engine(), [("p", prompt, {})])["p"]
+    engine = make_engine(segment_prefix_tokens=6)
+    ns = segment_namespace(None)
+    got = drive(engine, [("a", prompt, {"segments": segments, "recompute_ratio": 0.0})])["a"]
+    assert engine.segments.stats.fills == 3 and got["last"].recomputed_tokens == 0
+    for s, e in segments:  # keyed by the prefix + the segment, not the segment alone
+        assert engine.cache.peek_prefix(HEAD + prompt[s:e], ns).length == 6 + e - s
+        assert engine.cache.peek_prefix(prompt[s:e], ns).length == 0
+    # the three share one stored prefix: 6 prefix tokens + the segments, nothing more
+    assert engine.cache.total_size() == segments[0][0] + 6 + sum(e - s for s, e in segments)
+    # a prompt holding one segment right after the prefix: its stored K/V is exact
+    alone = head[:6] + DOCS[1] + QUESTION
+    want = drive(make_engine(), [("q", alone, {})])["q"]
+    one = drive(engine, [("o", alone, {"segments": [(6, 6 + len(DOCS[1]))],
+                                        "recompute_ratio": 0.0})])["o"]  # fmt: skip
+    assert one["last"].segment_hits == 1 and one["last"].recomputed_tokens == 0
+    assert one["tokens"] == want["tokens"]
+    assert one["first"].logprob == pytest.approx(want["first"].logprob, abs=1e-4)
+    # moved (after another prompt's head): approximate at ratio 0, a plain prefill at 1.0
+    other, other_segments = rag_prompt([2, 0, 1], DOCS, HEAD + ids(9, 14), QUESTION)
+    ref = drive(make_engine(), [("r", other, {})])["r"]
+    full = drive(engine, [("f", other, {"segments": other_segments, "recompute_ratio": 1.0})])
+    assert full["f"]["last"].segment_hits == 3
+    assert full["f"]["tokens"] == ref["tokens"]
+    assert full["f"]["first"].logprob == pytest.approx(ref["first"].logprob, abs=1e-4)

@@ -108,6 +108,7 @@ class Engine:
             config.segment_recompute_ratio,
             config.segment_first_tokens,
             config.segment_deviation_layer,
+            prefix_tokens=config.segment_prefix_tokens,
         )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixserve.cache.base import PrefixCache
@@ -89,6 +90,7 @@ class SegmentBlender:
         deviation_layer: int,
         deviation_on: str = "kv",
         quota: str = "global",
+        prefix_tokens: int = 0,
     ):
         self.model = model
         self.pool = pool
@@ -99,6 +101,7 @@ class SegmentBlender:
         self.deviation_layer = min(deviation_layer, len(model.layers) - 1)
         self.deviation_on = deviation_on  # "kv", "k", "v", "attention" or "position" (no probe)
         self.quota = quota  # "global" or "segment"
+        self.prefix_tokens = prefix_tokens  # the prompt's first tokens a segment is stored after
         self.stats = SegmentStats()
 
     def applies(self, req: Request, n: int) -> bool:
@@ -115,8 +118,10 @@ class SegmentBlender:
         start, n = req.num_computed, req.num_tokens
         ns = segment_namespace(req.extra_key)
         handles: list[Any] = []
+        todo = [s for s in req.segments if s[0] >= start]
+        prefix = req.token_ids[: min(self.prefix_tokens, req.segments[0][0])]
         try:
-            reused = self._reuse(req, [s for s in req.segments if s[0] >= start], ns, handles)
+            reused = self._reuse(req, todo, prefix, ns, handles)
         finally:
             for h in handles:
                 self.cache.dec_lock_ref(h)
@@ -130,15 +135,22 @@ class SegmentBlender:
         batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
         return self.model.forward(batch, self.pool)
 
-    def _reuse(self, req: Request, segments: list, ns: Any, handles: list) -> list[tuple[int, int]]:
+    def _reuse(
+        self, req: Request, segments: list, prefix, ns: Any, handles: list
+    ) -> list[tuple[int, int]]:
         """Copy each segment's stored K/V into ``req``'s slots at its position (storing it
-        first when missing); return the reused ranges. Locks taken go into ``handles``."""
+        first when missing); return the reused ranges. Locks taken go into ``handles``.
+
+        A segment is stored as ``prefix + segment`` (its K/V computed after the prefix, at
+        positions ``len(prefix)`` on), so the tree shares one prefix among all segments
+        stored after it and the key names both; only the segment's rows are reused."""
         page = self.cache.page_size
+        p = len(prefix)
         reused = []
         for s, e in segments:
-            ids = req.token_ids[s:e]
+            ids = np.concatenate([prefix, req.token_ids[s:e]])
             aligned = len(ids) - len(ids) % page
-            if aligned == 0:
+            if aligned <= p:
                 continue
             self.stats.lookups += 1
             match = self.cache.match_prefix(ids[:aligned], ns, record_stats=False)
@@ -157,8 +169,9 @@ class SegmentBlender:
             else:
                 self.stats.hits += 1
                 req.segment_hits += 1
-            self.model.reanchor(self.pool, src, req.kv.slots[s : s + aligned], s)
-            reused.append((s, s + aligned))
+            n = aligned - p
+            self.model.reanchor(self.pool, src[p:], req.kv.slots[s : s + n], s - p)
+            reused.append((s, s + n))
         return reused
 
     def _fill(self, ids, cached: torch.Tensor, ns: Any, handles: list) -> torch.Tensor | None:
