@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-tokens", type=int, default=0, help="segment_prefix_tokens")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -99,13 +100,14 @@ def main() -> None:
         items, first = items[a:b], a
     stored = args.items * (args.passage_tokens + 8)
     opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
-    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded), clock)
+    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192,
+                                       segment_prefix_tokens=args.prefix_tokens, **opts),
+                          loaded), clock)  # fmt: skip
     full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
                                       **opts), loaded), clock)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1)
-    for d in {tuple(d) for item in items for d in item["docs"]}:  # stored once, as earlier
-        blend.run(list(d) + [13], one, segments=[(0, len(d))])  # prompts would have
+    store_all(blend, items, one)
     full.run(items[0]["prompt"][:64], params)  # warm-up (native kernels, first-call costs)
     rows = {r: [] for r in ratios}
     ref_ttft = []
@@ -145,6 +147,14 @@ def main() -> None:
         "prompt_tokens_median": statistics.median(len(i["prompt"]) for i in items),
     }
     report(summarize(rows, ref_ttft, meta), args)
+
+
+def store_all(blend: Runner, items: list[dict], params: SamplingParams) -> None:
+    """Store every passage once, as earlier prompts would have: each after the prompts' head
+    (what precedes their first document), so a ``segment_prefix_tokens`` prefix finds it."""
+    head = items[0]["prompt"][: items[0]["segments"][0][0]]
+    for d in {tuple(d) for item in items for d in item["docs"]}:
+        blend.run(head + list(d) + [13], params, segments=[(len(head), len(head) + len(d))])
 
 
 def summarize(rows: dict[float, list[dict]], ref_ttft: list[float], meta: dict) -> dict:

@@ -14,7 +14,9 @@ the next-token distribution. A variant is ``ANCHORS:SCORE:QUOTA``:
 - ``QUOTA``: ``global`` (top-k over all segments) or ``segment`` (each segment gets a share of
   the budget in proportion to its length and picks its own top-k);
 - ``PREFIX`` (optional, default 0): the segments' stored K/V is computed after the prompt's
-  first PREFIX tokens (``segment_prefix_tokens``; 0: standalone, from position 0).
+  first PREFIX tokens (``segment_prefix_tokens``; 0: standalone, from position 0);
+- ``LAYER`` (optional, default 1): the probe layer (``segment_deviation_layer``); the layers
+  before it are computed for every row, so each one more costs a layer of a full prefill.
 
 With ``--max-tokens N`` (> 1) each run also decodes N greedy tokens and compares the option
 it picks (``rag_items.chosen_option``) with the reference's.
@@ -33,6 +35,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from bench_rag import store_all
 from rag_items import Runner, build_items, chosen_option, kl
 
 from radixserve import SamplingParams
@@ -44,17 +47,16 @@ SCORES = ("kv", "k", "v", "attention", "position")
 QUOTAS = ("global", "segment")
 
 
-def parse_variant(text: str) -> tuple[int, str, str, int]:
+def parse_variant(text: str) -> tuple[int, str, str, int, int]:
     parts = text.split(":")
-    if len(parts) == 3:
-        parts.append("0")
-    ok = len(parts) == 4 and parts[1] in SCORES and parts[2] in QUOTAS
-    if not (ok and parts[0].isdigit() and parts[3].isdigit()):
+    parts += ["0", "1"][len(parts) - 3 :] if 3 <= len(parts) <= 5 else []
+    ok = len(parts) == 5 and parts[1] in SCORES and parts[2] in QUOTAS
+    if not (ok and all(parts[k].isdigit() for k in (0, 3, 4)) and int(parts[4]) >= 1):
         raise argparse.ArgumentTypeError(
-            f"variant {text!r}: want ANCHORS:SCORE:QUOTA[:PREFIX], SCORE in {SCORES}, "
-            f"QUOTA in {QUOTAS}"
+            f"variant {text!r}: want ANCHORS:SCORE:QUOTA[:PREFIX[:LAYER]], SCORE in {SCORES}, "
+            f"QUOTA in {QUOTAS}, LAYER >= 1"
         )
-    return int(parts[0]), parts[1], parts[2], int(parts[3])
+    return int(parts[0]), parts[1], parts[2], int(parts[3]), int(parts[4])
 
 
 def main() -> None:
@@ -94,17 +96,16 @@ def main() -> None:
     one = SamplingParams(temperature=0, max_tokens=1)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     text = loaded.tokenizer.decode
-    for d in {tuple(d) for k in picked for d in items[k]["docs"]}:
-        blend.run(list(d) + [13], one, segments=[(0, len(d))])
+    store_all(blend, [items[k] for k in picked], one)  # before any variant: standalone
     seg = blend.engine.segments  # the selection knobs, set per variant (a measurement hook)
     for k in picked:
         item = items[k]
         ref = full.run(item["prompt"], params)
         ref_option = chosen_option(text(ref["tokens"]))
         out = {"item": k, "full_option": ref_option, "by_variant": {}}
-        for anchors, score, quota, prefix in variants:
+        for anchors, score, quota, prefix, layer in variants:
             seg.first_tokens, seg.deviation_on, seg.quota = anchors, score, quota
-            seg.prefix_tokens = prefix
+            seg.prefix_tokens, seg.deviation_layer = prefix, layer
             res = {}
             for r in ratios:
                 got = blend.run(item["prompt"], params, segments=item["segments"],
@@ -114,7 +115,8 @@ def main() -> None:
                 if args.max_tokens > 1:
                     res[r]["option"] = chosen_option(text(got["tokens"]))
                     res[r]["same_option"] = res[r]["option"] == ref_option
-            out["by_variant"][f"{anchors}:{score}:{quota}:{prefix}"] = res
+            name = f"{anchors}:{score}:{quota}:{prefix}" + (f":{layer}" if layer != 1 else "")
+            out["by_variant"][name] = res
         print(json.dumps(out), flush=True)
     blend.engine.check_integrity()
 
