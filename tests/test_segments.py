@@ -194,6 +194,11 @@ def test_bad_segments_are_clear_errors(make_engine):
         with pytest.raises(ValueError, match="recompute ratio"):
             engine.add_request("x", prompt, GREEDY, segments=[(0, 10)], recompute_ratio=ratio)
     assert not engine.has_unfinished()
+    from radixserve.config import EngineConfig
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="segment_prefix_tokens"):
+            EngineConfig(segment_prefix_tokens=bad)
 
 
 SELECTIONS = [("kv", "global"), ("k", "segment"), ("v", "global"), ("attention", "segment"),
@@ -254,7 +259,6 @@ def test_segments_stored_after_the_prompt_prefix(make_engine):
     ratio 1.0 still equals the plain prefill for segments moved elsewhere."""
     head = HEAD + ids(4, 13)
     prompt, segments = rag_prompt([0, 1, 2], DOCS, head, QUESTION)
-    plain = drive(make_engine(), [("p", prompt, {})])["p"]
     engine = make_engine(segment_prefix_tokens=6)
     ns = segment_namespace(None)
     got = drive(engine, [("a", prompt, {"segments": segments, "recompute_ratio": 0.0})])["a"]
