@@ -35,8 +35,12 @@ POLICY_HELP = {
     "virtual_nodes": "consistent-hash: ring points per worker",
     "share_ratio": "cache-aware: a prefix holder whose recent routed work exceeds RATIO x the "
     "fleet's mean + --gate-tokens is skipped (fair share; off unless given)",
-    "share_half_life": "cache-aware: seconds in which routed work counted by --share-ratio "
-    "decays by half",
+    "share_half_life": "cache-aware: seconds in which what --share-ratio counts decays by half",
+    "share_measure": "cache-aware: what --share-ratio balances: 'work' (routed uncached tokens "
+    "+ --decode-weight per request) or 'occupancy' (seconds each worker had a request in "
+    "flight, long answers included)",
+    "share_noise": "cache-aware, occupancy: standard deviations of count noise a worker may "
+    "exceed RATIO x the mean by before it is skipped",
 }
 
 
