@@ -99,8 +99,10 @@ def main() -> None:
     print(json.dumps({"ok": True, **out}))
 
 
-def parse_value(value: str) -> int | float | str:
-    """A ``--router-args`` value: an int, a float, else the string (``share_measure``)."""
+def parse_value(value: str) -> int | float | str | None:
+    """A ``--router-args`` value: an int, a float, None for ``off``, else the string."""
+    if value == "off":
+        return None
     for kind in (int, float):
         try:
             return kind(value)

@@ -1,12 +1,21 @@
-"""The fair-share gate's occupancy measure: seconds each worker had a request in flight."""
+"""The fair-share gate's occupancy measure: seconds each worker had a request in flight, in
+the load board, in the cache-aware policy, and in a simulated fleet."""
 
+import argparse
 import math
 
 import pytest
 
+from radixserve.config import EngineConfig
 from radixserve.kvevents.types import BlockStored
+from radixserve.router.cli import add_router_policy_args, policy_config_from_args
 from radixserve.router.load import LoadBoard
 from radixserve.router.policy import PolicyConfig, RouteRequest, make_policy
+from radixserve.sim.loop import SimConfig, Simulation
+from radixserve.sim.metrics import summarize
+from radixserve.sim.routing import RoutingConfig
+from radixserve.sim.timing import TimingModel
+from radixserve.sim.workloads import SyntheticSpec, ThinkTime, synthetic_trace
 
 B = 16
 
@@ -94,10 +103,10 @@ def test_occupancy_gate_sends_less_to_a_worker_whose_requests_run_long():
     """Routed work (tokens + decode_weight per request) is the same whatever the answer
     length, so the work gate deals requests evenly; the occupancy gate sees that w0's
     requests run 9 times as long and gives it about as much time as the others."""
-    _, by_work, _ = route_slow_worker_fleet(share_ratio=1.05, gate_tokens=0)
+    _, by_work, _ = route_slow_worker_fleet(share_ratio=1.05, gate_tokens=0, share_measure="work")
     assert max(by_work.values()) - min(by_work.values()) <= 2
     policy, by_time, end = route_slow_worker_fleet(
-        share_ratio=1.05, gate_tokens=0, share_measure="occupancy"
+        share_ratio=1.05, gate_tokens=0, share_measure="occupancy", share_noise=0.0
     )
     assert by_time["w0"] < min(by_time[w] for w in ("w1", "w2", "w3")) / 4
     occupied = {w: policy.board.occupied_of(w, end) for w in policy.workers}
@@ -110,3 +119,48 @@ def test_share_measure_and_noise_are_validated():
         PolicyConfig(share_measure="tokens")
     with pytest.raises(ValueError, match="share_noise"):
         PolicyConfig(share_noise=-1.0)
+
+
+OCCUPANCY_GATE = {
+    "share_ratio": 1.05,
+    "share_measure": "occupancy",
+    "share_noise": 1.0,
+    "share_half_life": 600.0,
+}
+
+
+def fleet_run(gate):
+    """benchmarks/sim_fleet.py's workload at N = 2 (180 requests) on the shipped profile."""
+    n = 2
+    spec = SyntheticSpec(num_sessions=n * 100 // 3, num_system_prompts=4,
+                         session_rate=0.02 * n, think_time=ThinkTime(20.0))  # fmt: skip
+    trace = synthetic_trace(spec, 0).head(n * 100)
+    engine = EngineConfig(max_total_tokens=20_000, chunked_prefill_size=256, load_progress=False)
+    routing = RoutingConfig("cache-aware", policy_args=gate)
+    result = Simulation(trace, SimConfig(engine, n, routing), TimingModel.load("cpu-smollm2-135m"))
+    return summarize(result.run())
+
+
+def test_occupancy_gate_balances_a_simulated_fleet_and_keeps_its_hit_rate():
+    """The fleet benchmark's workload at N = 2: with the gate off the holder of the most
+    popular system prompt does most of the work; the occupancy gate evens busy time out and
+    gives up little of the hit rate."""
+    off, on = fleet_run({"share_ratio": None}), fleet_run(OCCUPANCY_GATE)
+    assert off["load_imbalance_busy"] > 1.5
+    assert on["load_imbalance_busy"] < 1.2
+    assert on["hit_rate"] > 0.95 * off["hit_rate"]
+
+
+def test_router_flags_set_the_gate_and_turn_it_off():
+    parser = argparse.ArgumentParser()
+    add_router_policy_args(parser)
+
+    def config(*argv):
+        return policy_config_from_args(parser, parser.parse_args(list(argv)))
+
+    assert config().share_ratio == PolicyConfig().share_ratio
+    assert config("--share-ratio", "off").share_ratio is None
+    c = config("--share-ratio", "1.2", "--share-measure", "work", "--share-noise", "2")
+    assert (c.share_ratio, c.share_measure, c.share_noise) == (1.2, "work", 2.0)
+    with pytest.raises(SystemExit):
+        config("--share-measure", "tokens")  # a clear parser error, not a traceback

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class PolicyConfig:
     # what the fair-share gate compares: "work" (routed uncached tokens + decode_weight per
     # request) or "occupancy" (seconds with a request in flight, as the router saw them)
     share_measure: str = "work"
-    share_noise: float = 0.0  # occupancy gate: standard deviations of count noise allowed
+    share_noise: float = 1.0  # occupancy gate: standard deviations of count noise allowed
 
     def __post_init__(self) -> None:
         for name in ("block_size", "candidates", "hash_blocks", "virtual_nodes"):
@@ -99,6 +100,8 @@ class PolicyConfig:
             )
         if self.share_noise < 0:
             raise ValueError(f"share_noise must be >= 0, got {self.share_noise}")
+        if self.share_ratio == math.inf:  # "--share-ratio off"
+            self.share_ratio = None
         if self.share_ratio is not None and self.share_ratio < 1:
             raise ValueError(f"share_ratio must be >= 1 (or None), got {self.share_ratio}")
         if self.approx_ttl <= 0 or self.approx_ttl_no_events <= 0:
