@@ -22,7 +22,11 @@ overloaded worker loses new work while every other conversation keeps its affini
 ``share_half_life`` in seconds) exceeds ``share_ratio x the fleet's mean + gate_tokens`` is not
 a candidate either: the gate above compares instantaneous loads, which at low utilization are
 all near zero, so a popular prefix's holders would otherwise take its traffic whenever idle
-(a fair-share gate).
+(a fair-share gate). With ``share_measure="occupancy"`` the gate compares instead the
+seconds each worker had a request in flight (``LoadBoard.occupied_of``: what it actually
+spent, long answers included, which routed tokens cannot know in advance), allowing
+``share_noise`` standard deviations of the count noise a fair deal has anyway, and ties go
+to the least occupied worker.
 Among equal costs the worker whose load changed least recently wins (idle longest), and
 where many workers hold the prefix the candidates are drawn at random among them: both
 keep a popular prefix's holders taking turns instead of the same few taking everything.
