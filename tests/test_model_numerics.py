@@ -241,3 +241,29 @@ def test_native_row_kernels_match_the_pytorch_formulas():
     assert torch.equal(rotated[:, 2 * dim :], qkv[:, 2 * dim :])
     with pytest.raises(RuntimeError, match="position out of the RoPE table"):
         ops.rope_(qkv, torch.full((rows,), 100), cos, sin, 2, dim)
+
+
+def test_native_argmax_gives_torchs_answer_ties_and_nan_included():
+    from radixserve.engine.sampler import _argmax
+    from radixserve.model import native
+
+    ops = native.paged_ops()
+    if ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    torch.manual_seed(0)
+    for shape in [(16, 49152), (3, 13), (5, 1), (1, 8)]:  # vector body, tail, tail only
+        x = torch.randn(*shape)
+        assert torch.equal(ops.argmax(x), x.argmax(dim=-1)), shape
+    x = torch.zeros(5, 100)
+    x[0, 10:] = 1.0  # a tie: the first one wins
+    x[1, 50], x[1, 70] = float("nan"), float("nan")  # NaN counts as the largest, first NaN wins
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 99] = float("inf")  # in the scalar tail
+    x[4, 97] = float("nan")  # a NaN in the tail beats a larger number in the body
+    x[4, 3] = 5.0
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [10, 50, 0, 99, 97]
+    assert torch.equal(ops.argmax(x), expected)
+    assert torch.equal(_argmax(x), expected)  # the sampler's greedy path takes the native one
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.argmax(torch.zeros(2, 0))

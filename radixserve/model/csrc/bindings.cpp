@@ -322,6 +322,21 @@ torch::Tensor silu_mul_op(torch::Tensor gate_up) {
   return out;
 }
 
+// Each row's argmax (torch.argmax(x, -1)'s answer: first index on ties, NaN the largest).
+torch::Tensor argmax_op(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.is_contiguous() && x.size(1) > 0,
+              "x must be a contiguous float32 CPU [rows, n] tensor with n > 0");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 // How many threads at::parallel_for really ran `n` single-item chunks on: a build that lost
 // OpenMP (the pragma in ATen's inline header needs -fopenmp) runs every kernel on one.
 int64_t parallel_threads(int64_t n) {
@@ -359,6 +374,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
   m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());
   m.def("silu_mul", &rs::silu_mul_op, "SiLU(gate) * up of rows laid out [gate | up]", nogil());
+  m.def("argmax", &rs::argmax_op, "each row's argmax, as torch.argmax(x, -1)", nogil());
   m.def("parallel_threads", &rs::parallel_threads, "threads at::parallel_for spreads n items over",
         nogil());
 }

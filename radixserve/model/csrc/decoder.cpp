@@ -50,6 +50,18 @@ void softmax(float* s, int64_t n) {
 }
 
 
+// A sequence's slots lie apart in the pool (a batch's sequences take one slot each per step),
+// so every K or V row is its own trip to memory, which the hardware prefetchers do not
+// foresee; asking for the row this many ahead keeps several trips in flight.
+constexpr int64_t kPrefetchAhead = 12;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 // One (sequence, KV head) of decode attention with C = head_dim / 8 known at compile time,
 // so a K row and each query head's output stay in registers: scores of the G query heads
 // against each K row, softmax, then each head's weighted sum of V rows.
@@ -58,6 +70,10 @@ void attend(const float* q, const T* kbase, const T* vbase, const int64_t* slots
             int64_t G, float scale, float* scores, float* out) {
   constexpr int64_t D = 8 * C;
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kPrefetchAhead < n) {
+      prefetch_row(kbase + slots[j + kPrefetchAhead] * D, D);
+      prefetch_row(vbase + slots[j + kPrefetchAhead] * D, D);  // for the second pass
+    }
     const T* k = kbase + slots[j] * D;
     v8 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load8_as_float(k + 8 * c);
@@ -144,25 +160,29 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
   for (int64_t l = 0; l < w.layers; ++l) {
     rms_norm_rows(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
     qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
-    for (int64_t b = 0; b < B; ++b) {
-      float* row = s.qkv.data() + b * qkv_n;
-      if (const float* bias = w.qkv_bias[l])
-        for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
-      const int64_t pos = batch.positions[b];
-      rope_row(row, w.heads + w.kv_heads, D, w.cos + pos * D, w.sin + pos * D);  // q, then k heads
-      for (int64_t h = 0; h < w.kv_heads; ++h) {
-        const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
-        for (int64_t i = 0; i < D; ++i) {
-          kp[off + i] = from_float<T>(row[q_size + h * D + i]);
-          vp[off + i] = from_float<T>(row[q_size + kv_size + h * D + i]);
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        float* row = s.qkv.data() + b * qkv_n;
+        if (const float* bias = w.qkv_bias[l])
+          for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
+        const int64_t pos = batch.positions[b];
+        rope_row(row, w.heads + w.kv_heads, D, w.cos + pos * D, w.sin + pos * D);  // q, then k
+        for (int64_t h = 0; h < w.kv_heads; ++h) {
+          const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
+          for (int64_t i = 0; i < D; ++i) {
+            kp[off + i] = from_float<T>(row[q_size + h * D + i]);
+            vp[off + i] = from_float<T>(row[q_size + kv_size + h * D + i]);
+          }
         }
       }
-    }
+    });
     attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
     qgemm(s.attn.data(), B, w.o[l], s.h.data(), true);
     rms_norm_rows(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
     qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false);
-    silu_mul_rows(s.gu.data(), B, I, s.act.data());
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      silu_mul_rows(s.gu.data() + b0 * 2 * I, b1 - b0, I, s.act.data() + b0 * I);
+    });
     qgemm(s.act.data(), B, w.down[l], s.h.data(), true);
   }
 }

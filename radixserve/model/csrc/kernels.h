@@ -68,6 +68,9 @@ void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, fl
                    float* out);
 void rope_row(float* v, int64_t heads, int64_t dim, const float* cos, const float* sin);
 void silu_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out);
+// The index of the largest of n values, the first one on ties; a NaN counts as the largest
+// (the first NaN wins): torch.argmax's answer, for greedy sampling.
+int64_t argmax_row(const float* x, int64_t n);
 
 // The layer stack of a Llama-family model for a batch of decode tokens (decoder.cpp).
 struct DecoderWeights {

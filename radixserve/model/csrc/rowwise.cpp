@@ -2,6 +2,8 @@
 // RMSNorm, rotate-half RoPE and SiLU(gate) * up, all in float32 with the arithmetic of
 // llama.py (the PyTorch path they replace computes the same function). Each takes a range of
 // rows, so callers can split rows over threads; inputs are checked by bindings.cpp.
+#include <algorithm>
+
 #include "kernels.h"
 
 namespace rs {
@@ -36,10 +38,49 @@ void silu_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out
     for (int64_t i = 0; i < inter; i += 8) {  // exp of -|g| never overflows
       const v8 gv = load8(g + i);
       const v8 e = exp8(gv < splat8(0.f) ? gv : -gv);
-      const v8 sig = gv < splat8(0.f) ? e / (splat8(1.f) + e) : splat8(1.f) / (splat8(1.f) + e);
+      const v8 r = splat8(1.f) / (splat8(1.f) + e);  // one division serves both signs
+      const v8 sig = gv < splat8(0.f) ? e * r : r;
       store8(a + i, gv * sig * load8(g + inter + i));
     }
   }
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+  // the maximum first (NaN: none of the comparisons holds, so it is noted apart), then the
+  // first position holding it
+  v8 best = splat8(-INFINITY);
+  v8i nan = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 v = load8(x + i);
+    nan |= v != v;
+    best = v > best ? v : best;
+  }
+  float top = -INFINITY;
+  bool any_nan = false;
+  for (int l = 0; l < 8; ++l) {
+    top = std::max(top, best[l]);
+    any_nan |= nan[l] != 0;
+  }
+  for (int64_t j = i; j < n; ++j) {
+    any_nan |= x[j] != x[j];
+    if (x[j] > top) top = x[j];
+  }
+  if (any_nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] != x[j]) return j;
+  }
+  i = 0;
+#ifdef RS_AVX2
+  const __m256 target = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;
 }
 
 }  // namespace rs
