@@ -133,8 +133,8 @@ class LoadBoard:
 
     def over_occupied_share(self, worker: str, ratio: float, noise: float, now: float) -> bool:
         """Whether the worker's occupancy exceeds ``ratio`` x the fleet's mean by more than
-        ``noise`` standard deviations of count noise (at ``now``). A worker that got Poisson
-        many of requests each occupying it ``s`` seconds, ``mean / s`` of them on average,
+        ``noise`` standard deviations of count noise (at ``now``). A worker dealt a Poisson
+        number of requests, each occupying it ``s`` seconds, ``mean / s`` of them on average,
         deviates from the mean by ``sqrt(mean x s)`` seconds without any imbalance in the
         routing: that much is not held against it. O(1); open intervals count up to now."""
         scale = self._scale(now)

@@ -18,11 +18,11 @@ least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
 and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
 for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
 overloaded worker loses new work while every other conversation keeps its affinity. With
-``share_ratio`` set, a holder whose recent routed work (``LoadBoard.work_of``: decayed with a
+``share_ratio`` set (the default; None turns it off) and ``share_measure="work"``, a holder whose recent routed work (``LoadBoard.work_of``: decayed with a
 ``share_half_life`` in seconds) exceeds ``share_ratio x the fleet's mean + gate_tokens`` is not
 a candidate either: the gate above compares instantaneous loads, which at low utilization are
 all near zero, so a popular prefix's holders would otherwise take its traffic whenever idle
-(a fair-share gate). With ``share_measure="occupancy"`` the gate compares instead the
+(a fair-share gate). With ``share_measure="occupancy"`` (the default) the gate compares the
 seconds each worker had a request in flight (``LoadBoard.occupied_of``: what it actually
 spent, long answers included, which routed tokens cannot know in advance), allowing
 ``share_noise`` standard deviations of the count noise a fair deal has anyway, and ties go
@@ -77,13 +77,15 @@ class PolicyConfig:
     storage_cost: float = 0.3
     hash_blocks: int = 8  # consistent-hash: the prefix (in blocks) that picks the worker
     virtual_nodes: int = 64  # consistent-hash: ring points per worker
-    # cache-aware fair-share gate (None: off): a holder whose recent work exceeds
-    # share_ratio x the fleet's mean + gate_tokens is not a candidate (long-run balance)
-    share_ratio: float | None = None
-    share_half_life: float = 60.0  # s: the fair-share gate's memory (work decays by half)
-    # what the fair-share gate compares: "work" (routed uncached tokens + decode_weight per
-    # request) or "occupancy" (seconds with a request in flight, as the router saw them)
-    share_measure: str = "work"
+    # cache-aware fair-share gate (None: off): a holder whose recent share exceeds
+    # share_ratio x the fleet's mean (+ the allowance below) is not a candidate. Defaults
+    # by evidence (docs/SIMULATOR.md, session 5): >= 96% of the pooled hit rate with busy
+    # imbalance <= 1.21 at N = 2 ... 1,000 simulated instances
+    share_ratio: float | None = 1.05
+    share_half_life: float = 600.0  # s: the gate's memory (what it counts decays by half)
+    # what the gate compares: "occupancy" (seconds with a request in flight, as the router
+    # saw them) or "work" (routed uncached tokens + decode_weight per request, + gate_tokens)
+    share_measure: str = "occupancy"
     share_noise: float = 1.0  # occupancy gate: standard deviations of count noise allowed
 
     def __post_init__(self) -> None:
