@@ -18,15 +18,16 @@ least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
 and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
 for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
 overloaded worker loses new work while every other conversation keeps its affinity. With
-``share_ratio`` set (the default; None turns it off) and ``share_measure="work"``, a holder whose recent routed work (``LoadBoard.work_of``: decayed with a
-``share_half_life`` in seconds) exceeds ``share_ratio x the fleet's mean + gate_tokens`` is not
-a candidate either: the gate above compares instantaneous loads, which at low utilization are
-all near zero, so a popular prefix's holders would otherwise take its traffic whenever idle
-(a fair-share gate). With ``share_measure="occupancy"`` (the default) the gate compares the
-seconds each worker had a request in flight (``LoadBoard.occupied_of``: what it actually
-spent, long answers included, which routed tokens cannot know in advance), allowing
-``share_noise`` standard deviations of the count noise a fair deal has anyway, and ties go
-to the least occupied worker.
+``share_ratio`` set (the default; None turns it off), a holder whose recent share exceeds
+``share_ratio`` x the fleet's mean is not a candidate either: the gate above compares
+instantaneous loads, which at low utilization are all near zero, so a popular prefix's
+holders would otherwise take its traffic whenever idle (a fair-share gate). The share is
+``share_measure``: "occupancy" (the default), the seconds each worker had a request in flight
+(``LoadBoard.occupied_of``: what it actually spent, long answers included, which routed
+tokens cannot tell in advance), decayed with a ``share_half_life`` in seconds, allowing
+``share_noise`` standard deviations of the count noise a fair deal has anyway, ties going to
+the least occupied worker; or "work" (``LoadBoard.work_of``: routed uncached tokens +
+``decode_weight`` per request, decayed the same way, allowing ``gate_tokens``).
 Among equal costs the worker whose load changed least recently wins (idle longest), and
 where many workers hold the prefix the candidates are drawn at random among them: both
 keep a popular prefix's holders taking turns instead of the same few taking everything.
