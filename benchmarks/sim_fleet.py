@@ -58,7 +58,7 @@ def main() -> None:
     router_args = {}
     for item in filter(None, args.router_args.split(",")):
         key, _, value = item.partition("=")
-        router_args[key] = int(value) if value.isdigit() else float(value)
+        router_args[key] = parse_value(value)
     rows = []
     for n in [int(x) for x in args.instances.split(",")]:
         spec = SyntheticSpec(
@@ -97,6 +97,18 @@ def main() -> None:
         rows, meta = merged(Path(args.output_dir), rows, command, meta)
     out = write_report(Path(args.output_dir), "Routing at scale (simulated)", rows, meta)
     print(json.dumps({"ok": True, **out}))
+
+
+def parse_value(value: str) -> int | float | str | None:
+    """A ``--router-args`` value: an int, a float, None for ``off``, else the string."""
+    if value == "off":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def merged(out_dir: Path, rows: list[dict], command: str, meta: dict) -> tuple[list, dict]:

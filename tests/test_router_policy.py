@@ -366,7 +366,7 @@ def test_share_ratio_bounds_each_workers_long_run_share(share_ratio):
     """At low utilization every load is zero between requests, so the load gate never fires
     and the two holders of a system prompt would take all of its traffic; the fair-share gate
     caps each worker's routed work near ``share_ratio`` x the fleet's mean."""
-    policy = fleet("cache-aware", n=4, gate_tokens=0, share_ratio=share_ratio)
+    policy = fleet("cache-aware", n=4, gate_tokens=0, share_ratio=share_ratio, share_measure="work")
     system = list(range(512))
     for w in policy.workers[:2]:
         policy.apply_events(w, stored(system))
@@ -405,7 +405,9 @@ def test_share_gate_work_decays_with_its_half_life():
 def test_share_gate_forgets_an_old_burst():
     """A holder that took a burst of its prefix's traffic is gated while that work is recent,
     and serves its prefix again once the work has decayed (without decay it never would)."""
-    policy = fleet("cache-aware", n=4, share_ratio=1.2, share_half_life=30.0)  # slack 512
+    policy = fleet(
+        "cache-aware", n=4, share_ratio=1.2, share_half_life=30.0, share_measure="work"
+    )  # slack 512
     system = list(range(512))
     policy.apply_events("w1", stored(system))
     policy.board.add_work("w1", 10_000.0, now=0.0)  # w1's burst

@@ -158,14 +158,14 @@ def create_router_app(
             metrics.routing.observe(time.perf_counter() - t0)
             upstream, chunks, first = await _open(route, path, raw, {**headers, **route.headers})
             if upstream is None:
-                policy.finish(route.ticket)
+                policy.finish(route.ticket, now=time.monotonic())
                 pool.mark_failed(route.worker)
                 tried.add(route.worker)
                 metrics.retries.inc()
                 continue
             break
         metrics.on_route(route.worker, wanted.num_tokens, route.cached_tokens)
-        policy.first_token(route.ticket)
+        policy.first_token(route.ticket, time.monotonic())
         out_headers = {k: v for k, v in upstream.headers.items() if k in KEEP_RESPONSE_HEADERS}
         out_headers[WORKER_HEADER] = route.worker
         return StreamingResponse(
@@ -211,7 +211,7 @@ def create_router_app(
             await upstream.aclose()
             found = CACHED.findall(tail)
             reported = int(found[-1]) if found else None
-            policy.finish(route.ticket, reported)
+            policy.finish(route.ticket, reported, time.monotonic())
             metrics.on_finish(route.worker, prompt_tokens, route.cached_tokens, reported)
 
     for path in ("/v1/chat/completions", "/v1/completions", "/generate"):

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -33,11 +34,20 @@ POLICY_HELP = {
     "storage_cost": "cost of a token cached on the storage tier",
     "hash_blocks": "consistent-hash: blocks of the prompt that pick the worker",
     "virtual_nodes": "consistent-hash: ring points per worker",
-    "share_ratio": "cache-aware: a prefix holder whose recent routed work exceeds RATIO x the "
-    "fleet's mean + --gate-tokens is skipped (fair share; off unless given)",
-    "share_half_life": "cache-aware: seconds in which routed work counted by --share-ratio "
-    "decays by half",
+    "share_ratio": "cache-aware: a prefix holder whose recent share (--share-measure) exceeds "
+    "RATIO x the fleet's mean is skipped (fair share; 'off' turns it off)",
+    "share_half_life": "cache-aware: seconds in which what --share-ratio counts decays by half",
+    "share_measure": "cache-aware: what --share-ratio balances: 'work' (routed uncached tokens "
+    "+ --decode-weight per request) or 'occupancy' (seconds each worker had a request in "
+    "flight, long answers included)",
+    "share_noise": "cache-aware, occupancy: standard deviations of count noise a worker may "
+    "exceed RATIO x the mean by before it is skipped",
 }
+
+
+def ratio_or_off(value: str) -> float:
+    """``--share-ratio``: a number, or ``off`` (infinity: the gate never fires)."""
+    return math.inf if value.strip().lower() == "off" else float(value)
 
 
 def add_router_policy_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -56,7 +66,7 @@ def add_router_policy_args(parser: argparse.ArgumentParser, prefix: str = "") ->
             continue
         group.add_argument(
             flag(f.name), dest=f"policy_{f.name}", default=None,
-            type=float if f.default is None else type(f.default),
+            type=ratio_or_off if f.name == "share_ratio" else type(f.default),
             metavar=f.name.split("_")[-1].upper(),
             help=f"{POLICY_HELP[f.name]} (default {f.default})",
         )  # fmt: skip

@@ -89,17 +89,19 @@ class PDPolicy:
         headers = {PREFILL_HEADER: self.endpoints[p.worker]}
         return PDRoute(d.worker, d.ticket, d.cached_tokens, d.source, headers, p)
 
-    def first_token(self, ticket: int) -> None:
-        self.decode.first_token(ticket)
+    def first_token(self, ticket: int, now: float | None = None) -> None:
+        self.decode.first_token(ticket, now)
         p = self._prefill_ticket.pop(ticket, None)
         if p is not None:
-            self.prefill.finish(p.ticket)
+            self.prefill.finish(p.ticket, now=now)
 
-    def finish(self, ticket: int, cached_tokens: int | None = None) -> None:
-        self.decode.finish(ticket, cached_tokens)
+    def finish(
+        self, ticket: int, cached_tokens: int | None = None, now: float | None = None
+    ) -> None:
+        self.decode.finish(ticket, cached_tokens, now)
         p = self._prefill_ticket.pop(ticket, None)
         if p is not None:
-            self.prefill.finish(p.ticket)
+            self.prefill.finish(p.ticket, now=now)
 
     def in_flight(self) -> int:
         return self.decode.in_flight() + self.prefill.in_flight()

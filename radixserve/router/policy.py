@@ -18,11 +18,16 @@ least-loaded worker (``LoadBoard``, O(log N)). Its cost for worker ``w`` is::
 and a holder whose load exceeds ``gate_ratio x least load + gate_tokens`` is not a candidate
 for this request (the load gate is per request and per holder, not a fleet-wide switch), so an
 overloaded worker loses new work while every other conversation keeps its affinity. With
-``share_ratio`` set, a holder whose recent routed work (``LoadBoard.work_of``: decayed with a
-``share_half_life`` in seconds) exceeds ``share_ratio x the fleet's mean + gate_tokens`` is not
-a candidate either: the gate above compares instantaneous loads, which at low utilization are
-all near zero, so a popular prefix's holders would otherwise take its traffic whenever idle
-(a fair-share gate).
+``share_ratio`` set (the default; None turns it off), a holder whose recent share exceeds
+``share_ratio`` x the fleet's mean is not a candidate either: the gate above compares
+instantaneous loads, which at low utilization are all near zero, so a popular prefix's
+holders would otherwise take its traffic whenever idle (a fair-share gate). The share is
+``share_measure``: "occupancy" (the default), the seconds each worker had a request in flight
+(``LoadBoard.occupied_of``: what it actually spent, long answers included, which routed
+tokens cannot tell in advance), decayed with a ``share_half_life`` in seconds, allowing
+``share_noise`` standard deviations of the count noise a fair deal has anyway, ties going to
+the least occupied worker; or "work" (``LoadBoard.work_of``: routed uncached tokens +
+``decode_weight`` per request, decayed the same way, allowing ``gate_tokens``).
 Among equal costs the worker whose load changed least recently wins (idle longest), and
 where many workers hold the prefix the candidates are drawn at random among them: both
 keep a popular prefix's holders taking turns instead of the same few taking everything.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +57,7 @@ from radixserve.kvevents.types import (
 from radixserve.router.index import TIER_BITS, BlockIndex
 from radixserve.router.load import LoadBoard
 
+SHARE_MEASURES = ("work", "occupancy")
 POLICIES = ("cache-aware", "round-robin", "least-load", "power-of-two", "consistent-hash")
 
 
@@ -71,10 +78,16 @@ class PolicyConfig:
     storage_cost: float = 0.3
     hash_blocks: int = 8  # consistent-hash: the prefix (in blocks) that picks the worker
     virtual_nodes: int = 64  # consistent-hash: ring points per worker
-    # cache-aware fair-share gate (None: off): a holder whose recent work exceeds
-    # share_ratio x the fleet's mean + gate_tokens is not a candidate (long-run balance)
-    share_ratio: float | None = None
-    share_half_life: float = 60.0  # s: the fair-share gate's memory (work decays by half)
+    # cache-aware fair-share gate (None: off): a holder whose recent share exceeds
+    # share_ratio x the fleet's mean (+ the allowance below) is not a candidate. Defaults
+    # by evidence (docs/SIMULATOR.md, session 5): >= 96% of the pooled hit rate with busy
+    # imbalance <= 1.21 at N = 2 ... 1,000 simulated instances
+    share_ratio: float | None = 1.05
+    share_half_life: float = 600.0  # s: the gate's memory (what it counts decays by half)
+    # what the gate compares: "occupancy" (seconds with a request in flight, as the router
+    # saw them) or "work" (routed uncached tokens + decode_weight per request, + gate_tokens)
+    share_measure: str = "occupancy"
+    share_noise: float = 1.0  # occupancy gate: standard deviations of count noise allowed
 
     def __post_init__(self) -> None:
         for name in ("block_size", "candidates", "hash_blocks", "virtual_nodes"):
@@ -87,6 +100,15 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gate_ratio < 1:
             raise ValueError(f"gate_ratio must be >= 1, got {self.gate_ratio}")
+        if self.share_measure not in SHARE_MEASURES:
+            raise ValueError(
+                f"share_measure must be one of {', '.join(SHARE_MEASURES)}, "
+                f"got {self.share_measure!r}"
+            )
+        if self.share_noise < 0:
+            raise ValueError(f"share_noise must be >= 0, got {self.share_noise}")
+        if self.share_ratio == math.inf:  # "--share-ratio off"
+            self.share_ratio = None
         if self.share_ratio is not None and self.share_ratio < 1:
             raise ValueError(f"share_ratio must be >= 1 (or None), got {self.share_ratio}")
         if self.approx_ttl <= 0 or self.approx_ttl_no_events <= 0:
@@ -136,7 +158,9 @@ class Policy:
 
     def __init__(self, config: PolicyConfig | None = None, seed: int = 0):
         self.config = config or PolicyConfig()
-        self.board = LoadBoard(self.config.decode_weight, self.config.share_half_life)
+        cfg = self.config
+        occupancy = cfg.share_ratio is not None and cfg.share_measure == "occupancy"
+        self.board = LoadBoard(cfg.decode_weight, cfg.share_half_life, occupancy_ties=occupancy)
         self.workers: list[str] = []  # in registration order
         self.stats = PolicyStats()
         self._tickets: dict[int, _Ticket] = {}
@@ -177,7 +201,7 @@ class Policy:
         pending = float(request.num_tokens - cached)
         epoch = self.board.epoch[worker]
         self._tickets[ticket] = _Ticket(worker, epoch, pending, cached, request.num_tokens)
-        self.board.change(worker, running=1, pending=pending)
+        self.board.change(worker, running=1, pending=pending, now=now)
         self.board.add_work(worker, pending + self.config.decode_weight, now)
         s = self.stats
         s.routes += 1
@@ -186,18 +210,21 @@ class Policy:
         s.by_source[source] = s.by_source.get(source, 0) + 1
         return Route(worker, ticket, cached, source)
 
-    def first_token(self, ticket: int) -> None:
+    def first_token(self, ticket: int, now: float | None = None) -> None:
         t = self._tickets.get(ticket)
         if t is not None and t.pending:
-            self.board.change(t.worker, pending=-t.pending, epoch=t.epoch)
+            self.board.change(t.worker, pending=-t.pending, epoch=t.epoch, now=now)
             t.pending = 0.0
 
-    def finish(self, ticket: int, cached_tokens: int | None = None) -> None:
-        """End a ticket (idempotent); ``cached_tokens`` is what the worker reported."""
+    def finish(
+        self, ticket: int, cached_tokens: int | None = None, now: float | None = None
+    ) -> None:
+        """End a ticket (idempotent); ``cached_tokens`` is what the worker reported, ``now``
+        the time (for occupancy; None: the latest time the policy was given)."""
         t = self._tickets.pop(ticket, None)
         if t is None:
             return
-        self.board.change(t.worker, running=-1, pending=-t.pending, epoch=t.epoch)
+        self.board.change(t.worker, running=-1, pending=-t.pending, epoch=t.epoch, now=now)
         self.stats.finished += 1
         if cached_tokens is not None:
             self.stats.reported_tokens += cached_tokens
@@ -337,6 +364,7 @@ class CacheAware(Policy):
         floor = board.load(lightest)
         gate = cfg.gate_ratio * floor + cfg.gate_tokens
         share = cfg.share_ratio
+        occupancy = cfg.share_measure == "occupancy"
         depth = index.deepest(hashes, now)
         found = index.candidates(hashes, depth, now, cfg.candidates, self._rng) if depth else {}
         if lightest not in found:
@@ -346,16 +374,16 @@ class CacheAware(Policy):
             if worker in exclude or worker not in board:
                 continue
             load = board.load(worker)
-            if worker != lightest and (
-                load > gate
-                or (share is not None and board.over_share(worker, share, cfg.gate_tokens, now))
-            ):
+            if worker != lightest and (load > gate or (share is not None and (
+                board.over_occupied_share(worker, share, cfg.share_noise, now) if occupancy
+                else board.over_share(worker, share, cfg.gate_tokens, now)
+            ))):  # fmt: skip
                 continue  # overloaded for this request: its prefix is not worth the wait
             uncached = max(request.num_tokens - blocks * cfg.block_size, 0)
             cost = uncached + load
             if index.lower_tier_entries:
                 cost += self._tier_penalty(worker, hashes, blocks)
-            cost_key = (cost, board.last_change(worker))  # ties: the longest unchanged
+            cost_key = (cost, board.tie_key(worker))  # ties: least occupied / longest unchanged
             if best_cost is None or cost_key < best_cost:
                 best, best_cost = worker, cost_key
         blocks = found.get(best, 0)

@@ -94,7 +94,7 @@ class CacheAwareRequestRouter(RequestRouter):
     def _finish(self, request_id: str) -> None:
         route = self._routes.pop(request_id, None)
         if route is not None:
-            self.policy.finish(route.ticket)
+            self.policy.finish(route.ticket, now=time.monotonic())
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

@@ -76,13 +76,21 @@ class Records:
     output_len: Any = field(default_factory=list)
     instance: Any = field(default_factory=list)
     turn: Any = field(default_factory=list)
+    session: Any = field(default_factory=list)  # index into the trace's sessions
 
     def add(
-        self, arrival: float, prompt_len: int, output_len: int, instance: int, turn: int
+        self,
+        arrival: float,
+        prompt_len: int,
+        output_len: int,
+        instance: int,
+        turn: int,
+        session: int = -1,
     ) -> int:
         for name, value in (("arrival", arrival), ("first_token", math.nan), ("finish", math.nan),
                             ("prompt_len", prompt_len), ("cached", 0), ("output_len", output_len),
-                            ("instance", instance), ("turn", turn)):  # fmt: skip
+                            ("instance", instance), ("turn", turn),
+                            ("session", session)):  # fmt: skip
             getattr(self, name).append(value)
         return len(self.arrival) - 1
 
@@ -170,7 +178,7 @@ class Simulation:
             return
         i, ticket = self.router.route(turn.prompt, session.extra_key, session.id, t)
         inst = self.instances[i]
-        row = self.records.add(t, len(turn.prompt), len(turn.output), i, k)
+        row = self.records.add(t, len(turn.prompt), len(turn.output), i, k, session_index)
         req = SimRequest(str(row), turn.prompt, turn.output, session.extra_key, 0)
         req.tag = (row, session_index, k, ticket)
         inst.add(req)
@@ -200,12 +208,12 @@ class Simulation:
                     self._push(t + delay, EVENTS, (inst.index, batch))
         for r in first:
             rec.first_token[r.tag[0]] = t
-            self.router.first_token(r.tag[3])
+            self.router.first_token(r.tag[3], t)
         for r in finished:
             row, si, k, ticket = r.tag
             rec.finish[row] = t
             rec.cached[row] = r.cached_tokens
-            self.router.finish(ticket, r.cached_tokens)
+            self.router.finish(ticket, r.cached_tokens, t)
             turns = self.trace.sessions[si].turns
             if k + 1 < len(turns):
                 self._push(t + overhead + turns[k + 1].think_time, ARRIVE, (si, k + 1))

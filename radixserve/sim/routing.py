@@ -125,13 +125,13 @@ class SimRouter:
     def forget_session(self, session_id: str) -> None:
         self._session_hashes.pop(session_id, None)
 
-    def first_token(self, ticket: int) -> None:
+    def first_token(self, ticket: int, now: float) -> None:
         if ticket >= 0:
-            self.policy.first_token(ticket)
+            self.policy.first_token(ticket, now)
 
-    def finish(self, ticket: int, cached_tokens: int) -> None:
+    def finish(self, ticket: int, cached_tokens: int, now: float) -> None:
         if ticket >= 0:
-            self.policy.finish(ticket, cached_tokens)
+            self.policy.finish(ticket, cached_tokens, now)
 
     def keep_batch(self) -> bool:
         """Draw whether one step's event batch survives."""
