@@ -6,7 +6,7 @@ a worker that have not produced their first token yet (their prefill is still ah
 router's own tickets change it, so it is exact for one router and needs no polling.
 
 Ties go to the worker whose load changed least recently (``least_loaded`` and
-``last_change``): among idle workers, the one idle longest, so equal workers take turns.
+``tie_key``): among idle workers, the one idle longest, so equal workers take turns.
 
 ``least_loaded`` uses a lazy min-heap: every change pushes a fresh entry and older entries of
 that worker go stale; stale entries are skipped when popped and the heap is rebuilt when it
@@ -178,15 +178,11 @@ class LoadBoard:
             self._origin, exponent = now, 0.0
         return 2.0**exponent
 
-    def last_change(self, worker: str) -> int:
-        """An increasing stamp of the worker's last change: among equal loads, the smallest
-        has been idle (or unchanged) longest."""
-        return self._version[worker]
-
     def tie_key(self, worker: str) -> tuple[float, int]:
         """What orders workers of equal load or cost, smallest first: with
         ``occupancy_ties`` its closed occupancy (stored units: comparable between workers at
-        any time), then the longest unchanged."""
+        any time), then an increasing stamp of its last change (the smallest has been idle,
+        or unchanged, longest)."""
         occupied = self._occupied[worker] if self.occupancy_ties else 0.0
         return occupied, self._version[worker]
 
