@@ -239,7 +239,8 @@ class LlamaModel:
         m = max(1, min(m, t))
         keys = k.float().repeat_interleave(group, dim=1)  # [t, heads, head_dim]
         scores = torch.einsum("mhd,thd->hmt", q[t - m :].float(), keys) * self.scale
-        late = torch.arange(t)[None, :] > torch.arange(t - m, t)[:, None]  # causal
+        rows = torch.arange(t, device=scores.device)
+        late = rows[None, :] > rows[t - m :, None]  # causal
         scores.masked_fill_(late, float("-inf"))
         return scores.softmax(-1).sum(dim=(0, 1))
 
