@@ -8,15 +8,20 @@ the next-token distribution. A variant is ``ANCHORS:SCORE:QUOTA``:
 - ``ANCHORS``: the first tokens of each segment always recomputed (EPIC's static picks);
 - ``SCORE``: what ranks the rest: ``kv`` (deviation of K and V together at the probe layer),
   ``k``, ``v`` (CacheBlend selects on value deviation), ``attention`` (the attention the
-  question's rows, those after the last segment, pay each token at the probe layer), or
+  question's rows, those after the last segment, pay each token at the probe layer),
+  ``kvattn`` (``kv`` times ``attention``: deviating tokens the question reads), or
   ``position`` (no probe: the
   earliest tokens of each segment, EPIC's "first tokens of each chunk" with the whole budget);
 - ``QUOTA``: ``global`` (top-k over all segments) or ``segment`` (each segment gets a share of
   the budget in proportion to its length and picks its own top-k);
 - ``PREFIX`` (optional, default 0): the segments' stored K/V is computed after the prompt's
   first PREFIX tokens (``segment_prefix_tokens``; 0: standalone, from position 0);
-- ``LAYER`` (optional, default 1): the probe layer (``segment_deviation_layer``); the layers
-  before it are computed for every row, so each one more costs a layer of a full prefill.
+- ``LAYER`` (optional, default 1): the probe layer (``segment_deviation_layer``), or ``F-L``:
+  layers F to L each scored, each layer's score over its mean, summed; the layers before the
+  last are computed for every row, so each one more costs a layer of a full prefill;
+- ``FILTER`` (optional, default 0: off): ``MxK``, CacheBlend's gradual filtering in two
+  steps: the probe picks K x the budget as candidates, which are computed up to layer M and
+  scored again there; the budget is the best of them (``filter_layer``, ``filter_keep``).
 
 With ``--max-tokens N`` (> 1) each run also decodes N greedy tokens and compares the option
 it picks (``rag_items.chosen_option``) with the reference's.
@@ -43,20 +48,32 @@ from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
 
-SCORES = ("kv", "k", "v", "attention", "position")
+SCORES = ("kv", "k", "v", "attention", "kvattn", "position")
 QUOTAS = ("global", "segment")
 
 
-def parse_variant(text: str) -> tuple[int, str, str, int, int]:
+def parse_variant(text: str) -> tuple:
+    """``ANCHORS:SCORE:QUOTA[:PREFIX[:LAYER[:FILTER]]]``; LAYER is one probe layer ``L`` or a
+    range ``F-L`` whose layers' scores are summed; FILTER ``MxK`` (0: off) scores K x the
+    budget again at layer M: (anchors, score, quota, prefix, first, last, filter, keep)."""
     parts = text.split(":")
-    parts += ["0", "1"][len(parts) - 3 :] if 3 <= len(parts) <= 5 else []
-    ok = len(parts) == 5 and parts[1] in SCORES and parts[2] in QUOTAS
-    if not (ok and all(parts[k].isdigit() for k in (0, 3, 4)) and int(parts[4]) >= 1):
+    parts += ["0", "1", "0"][len(parts) - 3 :] if 3 <= len(parts) <= 6 else []
+    ok = len(parts) == 6 and parts[1] in SCORES and parts[2] in QUOTAS
+    layers = parts[4].split("-") if ok else []
+    filt = parts[5].split("x") if ok else []
+    nums = [parts[0], parts[3], *layers, filt[0] if filt else ""]
+    ok = ok and len(layers) in (1, 2) and len(filt) in (1, 2) and all(x.isdigit() for x in nums)
+    try:
+        keep = float(filt[1]) if len(filt) == 2 else 2.0
+    except ValueError:
+        ok = False
+    if not (ok and 1 <= int(layers[0]) <= int(layers[-1]) and keep >= 1):
         raise argparse.ArgumentTypeError(
-            f"variant {text!r}: want ANCHORS:SCORE:QUOTA[:PREFIX[:LAYER]], SCORE in {SCORES}, "
-            f"QUOTA in {QUOTAS}, LAYER >= 1"
+            f"variant {text!r}: want ANCHORS:SCORE:QUOTA[:PREFIX[:LAYER or FIRST-LAST[:FILTER]]]"
+            f", SCORE in {SCORES}, QUOTA in {QUOTAS}, 1 <= FIRST <= LAST, FILTER 0 or MxK, K >= 1"
         )
-    return int(parts[0]), parts[1], parts[2], int(parts[3]), int(parts[4])
+    return (int(parts[0]), parts[1], parts[2], int(parts[3]), int(layers[0]), int(layers[-1]),
+            int(filt[0]), keep)  # fmt: skip
 
 
 def main() -> None:
@@ -102,10 +119,14 @@ def main() -> None:
         item = items[k]
         ref = full.run(item["prompt"], params)
         ref_option = chosen_option(text(ref["tokens"]))
-        out = {"item": k, "full_option": ref_option, "by_variant": {}}
-        for anchors, score, quota, prefix, layer in variants:
+        top = ref["logits"].log_softmax(-1).topk(2)  # how near a tie the reference's token is
+        out = {"item": k, "full_option": ref_option, "full_text": text(ref["tokens"]),
+               "full_top2_logprob_gap": float(top.values[0] - top.values[1]),
+               "by_variant": {}}  # fmt: skip
+        for anchors, score, quota, prefix, first, layer, filt, keep in variants:
             seg.first_tokens, seg.deviation_on, seg.quota = anchors, score, quota
-            seg.prefix_tokens, seg.deviation_layer = prefix, layer
+            seg.prefix_tokens, seg.deviation_from, seg.deviation_layer = prefix, first, layer
+            seg.filter_layer, seg.filter_keep = filt, keep
             res = {}
             for r in ratios:
                 got = blend.run(item["prompt"], params, segments=item["segments"],
@@ -113,9 +134,12 @@ def main() -> None:
                 res[r] = {"first": got["tokens"][0] == ref["tokens"][0],
                           "kl": kl(ref["logits"], got["logits"])}  # fmt: skip
                 if args.max_tokens > 1:
-                    res[r]["option"] = chosen_option(text(got["tokens"]))
+                    res[r]["text"] = text(got["tokens"])
+                    res[r]["option"] = chosen_option(res[r]["text"])
                     res[r]["same_option"] = res[r]["option"] == ref_option
-            name = f"{anchors}:{score}:{quota}:{prefix}" + (f":{layer}" if layer != 1 else "")
+            probe = str(layer) if first == layer else f"{first}-{layer}"
+            name = f"{anchors}:{score}:{quota}:{prefix}"
+            name += f":{probe}:{filt}x{keep:g}" if filt else (f":{probe}" if probe != "1" else "")
             out["by_variant"][name] = res
         print(json.dumps(out), flush=True)
     blend.engine.check_integrity()

@@ -202,7 +202,7 @@ def test_bad_segments_are_clear_errors(make_engine):
 
 
 SELECTIONS = [("kv", "global"), ("k", "segment"), ("v", "global"), ("attention", "segment"),
-              ("position", "segment")]  # fmt: skip
+              ("kvattn", "global"), ("position", "segment")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("score", "quota"), SELECTIONS)
@@ -242,14 +242,76 @@ def test_probe_attention_column_is_a_distribution_per_query_row(tiny_loaded):
     tokens, slots = torch.tensor(ids(50, 12)), torch.arange(50)
     batch = build_forward_batch([], [(tokens, 0, slots, False)], model.device, pool.pad_slot)
     model.forward(batch, pool)
-    dev = model.kv_deviation(batch, pool, 1, query_rows=7)
+    dev = model.kv_deviation(batch, pool, 1, query_rows=7)[0]
     assert dev.shape == (50, 3)
     assert float(dev[:, 2].sum()) == pytest.approx(7 * model.config.num_heads, rel=1e-4)
     assert torch.allclose(dev[:, :2], torch.zeros(50, 2), atol=1e-4)  # exact K/V: no deviation
     # causal: the last row is seen by itself only, whatever the number of query rows
-    alone = model.kv_deviation(batch, pool, 1, query_rows=1)
+    alone = model.kv_deviation(batch, pool, 1, query_rows=1)[0]
     assert float(alone[:, 2].sum()) == pytest.approx(model.config.num_heads, rel=1e-4)
     assert float(dev[49, 2]) == pytest.approx(float(alone[49, 2]), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def deep_loaded(tmp_path_factory, default_tokenizer):
+    """A tiny random Llama with four layers (the default one has two): room for probes."""
+    from radixserve.model import load_model
+    from tests.conftest import save_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-4")
+    save_tiny_hf_model(path, num_hidden_layers=4)
+    default_tokenizer.hf.save_pretrained(path)
+    return load_model(str(path), dtype="float32", progress=False)
+
+
+def test_probe_over_several_layers_scores_each_against_the_pool(deep_loaded):
+    """A probe from layer 1 to 3 scores each layer against what the pool held before the
+    call: V perturbed at layer 2 for five rows shows there only (as V, not K); layer 1 and
+    layer 3 (whose inputs the probe recomputed exactly) show none; each layer's attention
+    column is a distribution per query row."""
+    model = deep_loaded.model
+    pool = KVPool(model.kv_shape(), 256)
+    tokens, slots = torch.tensor(ids(50, 12)), torch.arange(50)
+    batch = build_forward_batch([], [(tokens, 0, slots, False)], model.device, pool.pad_slot)
+    model.forward(batch, pool)
+    pool.v[2][:, 10:15] += 0.5
+    dev = model.kv_deviation(batch, pool, 3, query_rows=7, first=1)
+    assert dev.shape == (3, 50, 3)
+    moved = torch.zeros(50, dtype=torch.bool)
+    moved[10:15] = True
+    assert bool((dev[1, moved, 1] > 0.1).all()) and float(dev[1, ~moved, 1].abs().max()) < 1e-4
+    assert float(dev[1, :, 0].abs().max()) < 1e-4  # K untouched
+    assert float(dev[[0, 2], :, :2].abs().max()) < 1e-4
+    sums = dev[:, :, 2].sum(dim=1)
+    assert torch.allclose(sums, torch.full((3,), 7.0 * model.config.num_heads), rtol=1e-4)
+
+
+@pytest.mark.parametrize("probe", [1, 2])
+def test_gradual_filtering_picks_the_budget_from_its_candidates(make_engine, deep_loaded, probe):
+    """With gradual filtering (candidates scored again at a later layer), the selection is
+    still exactly the budget of reused tokens, each segment's first tokens first, the rest
+    among the candidates the probe picked; ratio 1.0 still gives the plain prefill."""
+    prompt, segments = rag_prompt([2, 0, 1], DOCS, HEAD, QUESTION)
+    engine = make_engine(deep_loaded)
+    plain = drive(make_engine(deep_loaded, enable_prefix_caching=False), [("p", prompt, {})])
+    drive(engine, [("w", prompt, {"segments": segments})])
+    blender = engine.segments
+    blender.deviation_from, blender.deviation_layer = 1, probe  # layers 1..probe, summed
+    blender.filter_layer, blender.filter_keep = 3, 1.5
+    picks, candidates = [], []
+    pick, refine = blender._pick, blender._refine
+    blender._pick = lambda *a: picks.append(pick(*a)) or picks[-1]  # spies on the selection
+    blender._refine = lambda *a: candidates.append(a[4]) or refine(*a)
+    drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 0.3})])
+    total = sum(e - s for s, e in segments)
+    got = picks[0].tolist()
+    assert len(got) == len(set(got)) == int(np.ceil(0.3 * total))
+    anchors = {i for s, _ in segments for i in range(s, s + blender.first_tokens)}
+    rest = set(got) - anchors
+    assert anchors <= set(got) and len(candidates[0]) == int(np.ceil(1.5 * len(rest)))
+    assert rest <= set(candidates[0]) and all(any(s <= i < e for s, e in segments) for i in got)
+    full = drive(engine, [("f", prompt, {"segments": segments, "recompute_ratio": 1.0})])["f"]
+    assert full["tokens"] == plain["p"]["tokens"]
 
 
 def test_segments_stored_after_the_prompt_prefix(make_engine):

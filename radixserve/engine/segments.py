@@ -99,7 +99,12 @@ class SegmentBlender:
         self.ratio = ratio
         self.first_tokens = first_tokens
         self.deviation_layer = min(deviation_layer, len(model.layers) - 1)
-        self.deviation_on = deviation_on  # "kv", "k", "v", "attention" or "position" (no probe)
+        self.deviation_from = self.deviation_layer  # the first probe layer (summed to the last)
+        # gradual filtering (off while filter_layer <= deviation_layer): the probe picks
+        # filter_keep x the budget, scored again at filter_layer with those rows computed
+        self.filter_layer = 0
+        self.filter_keep = 2.0
+        self.deviation_on = deviation_on  # "kv", "k", "v", "attention", "kvattn" or "position"
         self.quota = quota  # "global" or "segment"
         self.prefix_tokens = prefix_tokens  # the prompt's first tokens a segment is stored after
         self.stats = SegmentStats()
@@ -238,22 +243,51 @@ class SegmentBlender:
             score = torch.full((n,), -1.0)
             score[start:] = self._score(req, start, n)
             score[~reusable] = -1.0
+            if self.filter_layer > self.deviation_layer and self.deviation_on != "position":
+                keep = min(int(reusable.sum()), math.ceil(self.filter_keep * rest))
+                candidates = self._top(score, reusable, reused, keep)
+                score = self._refine(req, n, compute, picked + candidates, candidates, reusable)
             picked.extend(self._top(score, reusable, reused, rest))
         return torch.tensor(sorted(picked), dtype=torch.int64)
 
     def _score(self, req: Request, start: int, n: int) -> torch.Tensor:
-        """Per token of ``[start, n)``: the deviation the selection ranks by."""
+        """Per token of ``[start, n)``: the deviation the selection ranks by; with several
+        probe layers, each layer's score over its mean, summed (their scales differ)."""
         if self.deviation_on == "position":  # no probe: earliest in its segment first
             return -torch.arange(start, n, dtype=torch.float32) / n
         last_end = max(e for _, e in req.segments)
-        dev = self._deviation(req, start, n, query_rows=n - last_end)
-        if self.deviation_on == "attention":  # what the question (rows after the segments) reads
-            return dev[:, 2]
-        if self.deviation_on == "k":
-            return dev[:, 0]
-        if self.deviation_on == "v":
-            return dev[:, 1]
-        return dev[:, :2].square().sum(dim=1).sqrt()
+        dev = self._deviation(req, start, n, query_rows=n - last_end)  # [layers, rows, 3]
+        score = self._rank(dev)
+        return (score / score.mean(dim=1, keepdim=True).clamp_min(1e-12)).sum(dim=0)
+
+    def _rank(self, dev: torch.Tensor) -> torch.Tensor:
+        """The score ``deviation_on`` names, per probe layer and row of ``dev [.., rows, 3]``."""
+        kv = dev[..., :2].square().sum(dim=-1).sqrt()
+        return {"attention": dev[..., 2], "k": dev[..., 0], "v": dev[..., 1], "kv": kv,
+                "kvattn": kv * dev[..., 2]}[self.deviation_on]  # fmt: skip
+
+    def _refine(self, req: Request, n: int, compute, fresh: list[int], candidates: list[int],
+                reusable) -> torch.Tensor:  # fmt: skip
+        """CacheBlend's gradual filtering, in two steps: compute the candidates (and every row
+        computed anyway) up to ``filter_layer``, keeping their K/V there, and score the
+        candidates again at that layer; the other reusable tokens rank after them."""
+        rows = compute.clone()
+        rows[fresh] = True
+        rows[: req.num_computed] = False
+        rows = rows.nonzero().flatten()
+        last_end = max(e for _, e in req.segments)
+        item = SparsePrefill(torch.from_numpy(req.token_ids[rows.numpy()]), rows,
+                             req.kv.slots[:n])  # fmt: skip
+        batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
+        dev = self.model.kv_deviation(batch, self.pool, self.filter_layer, n - last_end,
+                                      first=self.filter_layer)  # fmt: skip
+        again = self._rank(dev.float().cpu())[0]
+        score = torch.where(reusable, -0.5, -1.0)
+        is_candidate = torch.zeros(n, dtype=torch.bool)
+        is_candidate[candidates] = True
+        take = is_candidate[rows]
+        score[rows[take]] = again[take]
+        return score
 
     def _top(self, score, reusable, reused, budget: int) -> list[int]:
         if self.quota == "global":
@@ -272,12 +306,15 @@ class SegmentBlender:
         return out
 
     def _deviation(self, req: Request, start: int, n: int, query_rows: int) -> torch.Tensor:
-        """Per token of ``[start, n)``: how far its reused K and V (columns 0, 1) are from a
-        fresh computation at an early layer (the layers before it are computed for all tokens
-        and kept), and the attention the last ``query_rows`` rows pay it there (column 2)."""
+        """Per probe layer and token of ``[start, n)``: how far its reused K and V (columns
+        0, 1) are from a fresh computation at an early layer (the layers before the last probe
+        are computed for all tokens and kept), and the attention the last ``query_rows`` rows
+        pay it there (column 2): ``[probe layers, rows, 3]``."""
         rows = torch.arange(start, n)
         item = SparsePrefill(torch.from_numpy(req.token_ids[start:n].copy()), rows,
                              req.kv.slots[:n])  # fmt: skip
         batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        dev = self.model.kv_deviation(batch, self.pool, self.deviation_layer, query_rows)
+        dev = self.model.kv_deviation(
+            batch, self.pool, self.deviation_layer, query_rows, first=self.deviation_from
+        )
         return dev.float().cpu().clone()

@@ -204,9 +204,10 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def _layer(self, i: int, h: torch.Tensor, rope: RopeAt, batch: ForwardBatch, pool: KVPool):
+    def _layer(self, i: int, h: torch.Tensor, rope: RopeAt, batch: ForwardBatch, pool: KVPool,
+               qkv: tuple | None = None):  # fmt: skip
         layer = self.layers[i]
-        q, k, v = self._qkv(layer, h, rope)
+        q, k, v = qkv if qkv is not None else self._qkv(layer, h, rope)
         attn = paged_attention(i, q, k, v, batch, pool, self.scale)
         h = linear(attn.reshape(h.shape[0], -1), layer["o"], residual=h)
         x = self._rms_norm(h, layer["post_norm"])
@@ -214,25 +215,35 @@ class LlamaModel:
 
     @torch.inference_mode()
     def kv_deviation(
-        self, batch: ForwardBatch, pool: KVPool, layer: int, query_rows: int = 1
+        self, batch: ForwardBatch, pool: KVPool, layer: int, query_rows: int = 1, first: int = 0
     ) -> torch.Tensor:
-        """Run layers ``[0, layer)`` of ``batch`` (one sequence, writing their K/V), then
-        return, per row, the distance between the row's fresh K and what the pool holds for it
-        at ``layer``, the same for V, and the attention the row gets at ``layer`` from the
-        batch's last ``query_rows`` rows (summed over them and the heads; the batch's rows
-        only, causal): ``[rows, 3]``."""
-        if not 0 < layer < len(self.layers):
-            raise ValueError(f"the deviation layer must be in [1, {len(self.layers)})")
+        """Run layers ``[0, layer)`` of ``batch`` (one sequence, writing their K/V); at each
+        probe layer ``max(first, 1)`` to ``layer`` return, per row, the distance between the
+        row's fresh K and what the pool held for it there (before this call), the same for V,
+        and the attention the row gets there from the batch's last ``query_rows`` rows
+        (summed over them and the heads; the batch's rows only, causal):
+        ``[probe layers, rows, 3]``."""
+        if not 0 < layer < len(self.layers) or first > layer:
+            raise ValueError(
+                f"the deviation layers must be in [1, {len(self.layers)}), first <= last; "
+                f"got {first} to {layer}"
+            )
         h = self._embed(batch.input_ids)
         rope = self._rope(batch.positions)
-        for i in range(layer):
-            h = self._layer(i, h, rope, batch, pool)
-        q, k, v = self._qkv(self.layers[layer], h, rope)
-        old_k = pool.k[layer][:, batch.out_slots].transpose(0, 1)
-        old_v = pool.v[layer][:, batch.out_slots].transpose(0, 1)
-        dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
-        dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
-        return torch.stack([dk.sqrt(), dv.sqrt(), self._attention_from_last(q, k, query_rows)], 1)
+        out = []
+        for i in range(layer + 1):
+            qkv = self._qkv(self.layers[i], h, rope)
+            if i >= max(first, 1):
+                q, k, v = qkv
+                old_k = pool.k[i][:, batch.out_slots].transpose(0, 1)
+                old_v = pool.v[i][:, batch.out_slots].transpose(0, 1)
+                dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
+                dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
+                att = self._attention_from_last(q, k, query_rows)
+                out.append(torch.stack([dk.sqrt(), dv.sqrt(), att], 1))
+            if i < layer:
+                h = self._layer(i, h, rope, batch, pool, qkv)
+        return torch.stack(out)
 
     def _attention_from_last(self, q: torch.Tensor, k: torch.Tensor, m: int) -> torch.Tensor:
         t, group = k.shape[0], self.config.num_heads // self.config.num_kv_heads
