@@ -115,6 +115,7 @@ def main() -> None:
     text = loaded.tokenizer.decode
     store_all(blend, [items[k] for k in picked], one)  # before any variant: standalone
     seg = blend.engine.segments  # the selection knobs, set per variant (a measurement hook)
+    sel = seg.select
     for k in picked:
         item = items[k]
         ref = full.run(item["prompt"], params)
@@ -124,9 +125,10 @@ def main() -> None:
                "full_top2_logprob_gap": float(top.values[0] - top.values[1]),
                "by_variant": {}}  # fmt: skip
         for anchors, score, quota, prefix, first, layer, filt, keep in variants:
-            seg.first_tokens, seg.deviation_on, seg.quota = anchors, score, quota
-            seg.prefix_tokens, seg.deviation_from, seg.deviation_layer = prefix, first, layer
-            seg.filter_layer, seg.filter_keep = filt, keep
+            seg.prefix_tokens = prefix
+            sel.first_tokens, sel.deviation_on, sel.quota = anchors, score, quota
+            sel.deviation_from, sel.deviation_layer = first, layer
+            sel.filter_layer, sel.filter_keep = filt, keep
             res = {}
             for r in ratios:
                 got = blend.run(item["prompt"], params, segments=item["segments"],

@@ -213,11 +213,11 @@ def test_recompute_selection_picks_the_budget_from_the_reused_tokens(make_engine
     prompt, segments = rag_prompt([2, 0, 1], DOCS, HEAD, QUESTION)
     engine = make_engine()
     drive(engine, [("w", prompt, {"segments": segments})])
-    blender = engine.segments
-    blender.deviation_on, blender.quota = score, quota
+    select = engine.segments.select
+    select.deviation_on, select.quota = score, quota
     picks = []
-    pick = blender._pick
-    blender._pick = lambda *a: picks.append(pick(*a)) or picks[-1]  # a spy on the selection
+    pick = select.pick
+    select.pick = lambda *a: picks.append(pick(*a)) or picks[-1]  # a spy on the selection
     drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 0.3})])
     total = sum(e - s for s, e in segments)
     got = picks[0].tolist()
@@ -225,7 +225,7 @@ def test_recompute_selection_picks_the_budget_from_the_reused_tokens(make_engine
     per_segment = [[i for i in got if s <= i < e] for s, e in segments]
     assert sum(map(len, per_segment)) == len(got)  # nothing outside the reused segments
     for (s, _), mine in zip(segments, per_segment, strict=True):
-        assert set(range(s, s + blender.first_tokens)) <= set(mine)
+        assert set(range(s, s + select.first_tokens)) <= set(mine)
     if quota == "segment":
         for (s, e), mine in zip(segments, per_segment, strict=True):
             assert abs(len(mine) - len(got) * (e - s) / total) < 1 + 1e-9
@@ -295,18 +295,18 @@ def test_gradual_filtering_picks_the_budget_from_its_candidates(make_engine, dee
     engine = make_engine(deep_loaded)
     plain = drive(make_engine(deep_loaded, enable_prefix_caching=False), [("p", prompt, {})])
     drive(engine, [("w", prompt, {"segments": segments})])
-    blender = engine.segments
-    blender.deviation_from, blender.deviation_layer = 1, probe  # layers 1..probe, summed
-    blender.filter_layer, blender.filter_keep = 3, 1.5
+    select = engine.segments.select
+    select.deviation_from, select.deviation_layer = 1, probe  # layers 1..probe, summed
+    select.filter_layer, select.filter_keep = 3, 1.5
     picks, candidates = [], []
-    pick, refine = blender._pick, blender._refine
-    blender._pick = lambda *a: picks.append(pick(*a)) or picks[-1]  # spies on the selection
-    blender._refine = lambda *a: candidates.append(a[4]) or refine(*a)
+    pick, refine = select.pick, select._refine
+    select.pick = lambda *a: picks.append(pick(*a)) or picks[-1]  # spies on the selection
+    select._refine = lambda *a: candidates.append(a[4]) or refine(*a)
     drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 0.3})])
     total = sum(e - s for s, e in segments)
     got = picks[0].tolist()
     assert len(got) == len(set(got)) == int(np.ceil(0.3 * total))
-    anchors = {i for s, _ in segments for i in range(s, s + blender.first_tokens)}
+    anchors = {i for s, _ in segments for i in range(s, s + select.first_tokens)}
     rest = set(got) - anchors
     assert anchors <= set(got) and len(candidates[0]) == int(np.ceil(1.5 * len(rest)))
     assert rest <= set(candidates[0]) and all(any(s <= i < e for s, e in segments) for i in got)

@@ -16,7 +16,8 @@ Prefilling a request with segments (``SegmentBlender.prefill``), in one step:
    (``LlamaModel.reanchor``); the tree's copy stays at position 0;
 4. CacheBlend-style partial recomputation restores cross-segment attention: every token that
    is not reused is computed, plus ``ratio`` of the reused ones: the first tokens of each
-   segment, then those whose K/V at an early layer deviates most from the reused K/V;
+   segment, then those whose K/V at an early layer deviates most from the reused K/V
+   (``segment_select.py``);
 5. one sparse forward computes those rows over the whole context and gives the logits.
 
 The KV past the first reused token is approximate, so only the exact part before it is ever
@@ -36,6 +37,7 @@ import torch
 from radixserve.cache.base import PrefixCache
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
+from radixserve.engine.segment_select import RecomputeSelector
 from radixserve.model.attention import SparsePrefill, build_forward_batch
 
 SEGMENT_NAMESPACE = "rag-segment"
@@ -97,15 +99,8 @@ class SegmentBlender:
         self.cache = cache
         self.kv = kv
         self.ratio = ratio
-        self.first_tokens = first_tokens
-        self.deviation_layer = min(deviation_layer, len(model.layers) - 1)
-        self.deviation_from = self.deviation_layer  # the first probe layer (summed to the last)
-        # gradual filtering (off while filter_layer <= deviation_layer): the probe picks
-        # filter_keep x the budget, scored again at filter_layer with those rows computed
-        self.filter_layer = 0
-        self.filter_keep = 2.0
-        self.deviation_on = deviation_on  # "kv", "k", "v", "attention", "kvattn" or "position"
-        self.quota = quota  # "global" or "segment"
+        self.select = RecomputeSelector(model, pool, first_tokens, deviation_layer,
+                                        deviation_on, quota)  # fmt: skip
         self.prefix_tokens = prefix_tokens  # the prompt's first tokens a segment is stored after
         self.stats = SegmentStats()
 
@@ -215,7 +210,7 @@ class SegmentBlender:
         num_reused = int((~compute[start:]).sum())
         budget = min(num_reused, math.ceil(ratio * num_reused - 1e-9))
         if budget > 0:
-            picked = self._pick(req, start, n, reused, compute, budget)
+            picked = self.select.pick(req, start, n, reused, compute, budget)
             compute[picked] = True
         recomputed = budget
         req.segment_reused_tokens += num_reused - recomputed
@@ -223,98 +218,3 @@ class SegmentBlender:
         self.stats.reused_tokens += num_reused - recomputed
         self.stats.recomputed_tokens += recomputed
         return compute.nonzero().flatten()
-
-    def _pick(self, req, start, n, reused, compute, budget: int) -> torch.Tensor:
-        """``budget`` reused indices: the first tokens of each segment, then those whose K/V
-        deviates most, over all segments (``quota="global"``) or within each segment's share
-        of the budget, in proportion to its length (``quota="segment"``)."""
-        reusable = ~compute
-        reusable[:start] = False
-        picked: list[int] = []
-        for s, e in reused:
-            take = range(s, min(s + self.first_tokens, e))
-            picked.extend(i for i in take if reusable[i])
-        picked = picked[:budget]
-        reusable[picked] = False
-        rest = budget - len(picked)
-        if rest > 0 and rest >= int(reusable.sum()):
-            picked.extend(reusable.nonzero().flatten().tolist())
-        elif rest > 0:
-            score = torch.full((n,), -1.0)
-            score[start:] = self._score(req, start, n)
-            score[~reusable] = -1.0
-            if self.filter_layer > self.deviation_layer and self.deviation_on != "position":
-                keep = min(int(reusable.sum()), math.ceil(self.filter_keep * rest))
-                candidates = self._top(score, reusable, reused, keep)
-                score = self._refine(req, n, compute, picked + candidates, candidates, reusable)
-            picked.extend(self._top(score, reusable, reused, rest))
-        return torch.tensor(sorted(picked), dtype=torch.int64)
-
-    def _score(self, req: Request, start: int, n: int) -> torch.Tensor:
-        """Per token of ``[start, n)``: the deviation the selection ranks by; with several
-        probe layers, each layer's score over its mean, summed (their scales differ)."""
-        if self.deviation_on == "position":  # no probe: earliest in its segment first
-            return -torch.arange(start, n, dtype=torch.float32) / n
-        last_end = max(e for _, e in req.segments)
-        dev = self._deviation(req, start, n, query_rows=n - last_end)  # [layers, rows, 3]
-        score = self._rank(dev)
-        return (score / score.mean(dim=1, keepdim=True).clamp_min(1e-12)).sum(dim=0)
-
-    def _rank(self, dev: torch.Tensor) -> torch.Tensor:
-        """The score ``deviation_on`` names, per probe layer and row of ``dev [.., rows, 3]``."""
-        kv = dev[..., :2].square().sum(dim=-1).sqrt()
-        return {"attention": dev[..., 2], "k": dev[..., 0], "v": dev[..., 1], "kv": kv,
-                "kvattn": kv * dev[..., 2]}[self.deviation_on]  # fmt: skip
-
-    def _refine(self, req: Request, n: int, compute, fresh: list[int], candidates: list[int],
-                reusable) -> torch.Tensor:  # fmt: skip
-        """CacheBlend's gradual filtering, in two steps: compute the candidates (and every row
-        computed anyway) up to ``filter_layer``, keeping their K/V there, and score the
-        candidates again at that layer; the other reusable tokens rank after them."""
-        rows = compute.clone()
-        rows[fresh] = True
-        rows[: req.num_computed] = False
-        rows = rows.nonzero().flatten()
-        last_end = max(e for _, e in req.segments)
-        item = SparsePrefill(torch.from_numpy(req.token_ids[rows.numpy()]), rows,
-                             req.kv.slots[:n])  # fmt: skip
-        batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        dev = self.model.kv_deviation(batch, self.pool, self.filter_layer, n - last_end,
-                                      first=self.filter_layer)  # fmt: skip
-        again = self._rank(dev.float().cpu())[0]
-        score = torch.where(reusable, -0.5, -1.0)
-        is_candidate = torch.zeros(n, dtype=torch.bool)
-        is_candidate[candidates] = True
-        take = is_candidate[rows]
-        score[rows[take]] = again[take]
-        return score
-
-    def _top(self, score, reusable, reused, budget: int) -> list[int]:
-        if self.quota == "global":
-            return torch.topk(score, budget).indices.tolist()
-        # each segment's share of the budget, in proportion to what it has left to pick
-        left = [int(reusable[s:e].sum()) for s, e in reused]
-        exact = [budget * m / sum(left) for m in left]
-        share = [math.floor(x) for x in exact]
-        by_remainder = sorted(range(len(left)), key=lambda k: share[k] - exact[k])
-        for k in by_remainder[: budget - sum(share)]:
-            share[k] += 1
-        out: list[int] = []
-        for (s, e), k in zip(reused, share, strict=True):
-            if k:
-                out.extend((torch.topk(score[s:e], k).indices + s).tolist())
-        return out
-
-    def _deviation(self, req: Request, start: int, n: int, query_rows: int) -> torch.Tensor:
-        """Per probe layer and token of ``[start, n)``: how far its reused K and V (columns
-        0, 1) are from a fresh computation at an early layer (the layers before the last probe
-        are computed for all tokens and kept), and the attention the last ``query_rows`` rows
-        pay it there (column 2): ``[probe layers, rows, 3]``."""
-        rows = torch.arange(start, n)
-        item = SparsePrefill(torch.from_numpy(req.token_ids[start:n].copy()), rows,
-                             req.kv.slots[:n])  # fmt: skip
-        batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        dev = self.model.kv_deviation(
-            batch, self.pool, self.deviation_layer, query_rows, first=self.deviation_from
-        )
-        return dev.float().cpu().clone()
