@@ -102,7 +102,8 @@ def test_simulator_predicts_a_real_bench_run(tiny_model_dir, default_tokenizer, 
                                  **parts, **engine_times(trace, records))  # fmt: skip
     print(
         f"\ncalibration {calibration.summary()}; outside {timing.request_overhead * 1e3:.1f} "
-        f"ms + {timing.request_overhead_per_stream * 1e3:.1f} ms per stream; {results}"
+        f"ms + {timing.request_overhead_per_token * 1e6:.1f} us per prompt token + "
+        f"{timing.request_overhead_per_stream * 1e3:.1f} ms per stream; {results}"
     )
     for name, r in results.items():
         assert r["real_hit"] > 0.3, f"{name}: the workload should reuse prefixes: {r}"

@@ -66,11 +66,23 @@ def test_trace_is_off_by_default_and_a_torn_last_line_is_skipped(make_engine, tm
 def test_served_calibration_scales_steps_and_sets_the_outside_time():
     timing = TimingModel(overhead=1e-3, prefill_token=1e-4, decode_request=2e-4,
                          request_overhead=0.5, meta={"fit": 1})  # fmt: skip
-    cal = Calibration(served_scale=2.0, request_overhead=0.01, request_overhead_per_stream=0.004,
-                      steps=10, requests={1: 8, 4: 8}, outside_median={1: 0.01, 4: 0.022},
-                      streams_median={1: 0, 4: 3})  # fmt: skip
+    cal = Calibration(served_scale=2.0, request_overhead=0.01, request_overhead_per_token=1e-5,
+                      request_overhead_per_stream=0.004, steps=10, runs={})  # fmt: skip
     served = cal.apply(timing)
     assert served.step_time([(10, 0)], [5]) == pytest.approx(2 * timing.step_time([(10, 0)], [5]))
-    assert served.outside_time(0) == 0.01 and served.outside_time(3) == pytest.approx(0.022)
+    assert served.outside_time(0, 0) == 0.01
+    assert served.outside_time(100, 3) == pytest.approx(0.01 + 0.001 + 0.012)
     assert served.meta["fit"] == 1 and served.meta["served"]["served_scale"] == 2.0
     assert engine_request_id("chatcmpl-0123abcd") == "0123abcd-0"
+
+
+def test_serve_step_trace_flag_errors_name_it(capsys, tmp_path):
+    from radixserve.cli import main
+
+    for argv, needle in [
+        (["--step-trace", str(tmp_path / "no" / "dir" / "t.jsonl")], "--step-trace: cannot write"),
+        (["--step-trace", str(tmp_path / "t.jsonl"), "--dp", "2"], "cannot be combined with --dp"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["serve", *argv])
+        assert needle in capsys.readouterr().err

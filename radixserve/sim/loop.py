@@ -14,8 +14,9 @@ Events, in time order (ties in the order they were made):
 - KV events reach the router (after ``event_delay``; a lost batch never does).
 
 Times are seconds. A request's TTFT and latency are measured from its arrival at the engine
-plus its time outside the engine (``TimingModel.outside_time`` of the requests already in
-flight at its instance: the client-side round trip, tokenizing, the front end's streaming).
+plus its time outside the engine (``TimingModel.outside_time`` of its prompt and the requests
+already in flight at its instance: the client-side round trip, tokenizing, the front end's
+streaming).
 A turn whose prompt and output cannot fit one instance's pool fails, as the engine would
 refuse it, and ends its session.
 """
@@ -181,7 +182,7 @@ class Simulation:
             return
         i, ticket = self.router.route(turn.prompt, session.extra_key, session.id, t)
         inst = self.instances[i]
-        outside = self.timing.outside_time(inst.load() / self.config.pooled)
+        outside = self.timing.outside_time(len(turn.prompt), inst.load() / self.config.pooled)
         row = self.records.add(t, len(turn.prompt), len(turn.output), i, k, session_index, outside)
         req = SimRequest(str(row), turn.prompt, turn.output, session.extra_key, 0)
         req.tag = (row, session_index, k, ticket)

@@ -4,20 +4,23 @@
 served engine runs beside the HTTP process and the clients: every token it streams costs the
 front end work, which on a CPU machine competes with the engine's threads, and every request
 spends time outside the engine (HTTP, chat template, tokenizing, the hop to the engine
-process, streaming back) that grows with the streams the front end is serving at once.
+process, streaming back) that grows with its prompt and with the streams the front end is
+serving at once.
 
-``calibrate_served`` measures both on a running ``radixserve serve --step-trace PATH``: the
-bench's load generator sends short random prompts one at a time, then ``concurrency`` at a
-time, and the step trace (``engine/step_trace.py``) says when each request reached the engine,
-when its first token was computed and what every step computed. Then:
+``calibrate_served`` measures both on a running ``radixserve serve --step-trace PATH``. The
+bench's load generator sends random prompts: short ones one at a time, long ones one at a
+time, then short ones ``concurrency`` at a time; the step trace (``engine/step_trace.py``)
+says when each request reached the engine, when its first token was computed and what every
+step computed. Then:
 
 - ``served_scale``: the median over the traced steps of measured / predicted step time; every
   step coefficient is multiplied by it.
 - outside time of a request: its TTFT at the client minus its engine time (first-token step
-  end minus the moment the HTTP side sent it to the engine), matched by the response id;
-  ``request_overhead`` is its median one at a time, and ``request_overhead_per_stream`` how
-  much the median grows per request already in flight at the server when it was sent:
-  ``(median outside at concurrency C - request_overhead) / median streams in flight``.
+  end minus the moment the HTTP side sent it to the engine), matched by the response id.
+  One at a time, its medians for short and long prompts give ``request_overhead`` and
+  ``request_overhead_per_token`` (a line through the two); at ``concurrency``, how far its
+  median lies above that line, per request already in flight when it was sent (median), is
+  ``request_overhead_per_stream``.
 
 The calibration workload is unlike the ones a simulation is checked against (random prompts,
 no shared prefixes), so a check on other workloads is a prediction, not a refit.
@@ -33,8 +36,8 @@ from pathlib import Path
 from radixserve.engine.step_trace import StepTrace, read_step_trace
 from radixserve.sim.timing import TimingModel
 
-CALIBRATION_REQUESTS = 24  # per concurrency
-PROMPT_TOKENS = 32
+CALIBRATION_REQUESTS = 24  # per run
+SHORT_PROMPT, LONG_PROMPT = 32, 384  # words (about as many tokens)
 OUTPUT_TOKENS = 8
 
 
@@ -42,28 +45,22 @@ OUTPUT_TOKENS = 8
 class Calibration:
     served_scale: float
     request_overhead: float
+    request_overhead_per_token: float
     request_overhead_per_stream: float
     steps: int
-    requests: dict[int, int]  # concurrency -> requests matched in the trace
-    outside_median: dict[int, float]  # concurrency -> median outside time (s)
-    streams_median: dict[int, float]  # concurrency -> median requests in flight when sent
+    runs: dict[str, dict[str, float]]  # run -> requests, medians of outside time, prompt, streams
 
     def apply(self, timing: TimingModel) -> TimingModel:
         """``timing`` with its steps scaled and the request overheads measured here."""
         served = timing.scaled(self.served_scale)
         served.request_overhead = self.request_overhead
+        served.request_overhead_per_token = self.request_overhead_per_token
         served.request_overhead_per_stream = self.request_overhead_per_stream
         served.meta = {**timing.meta, "served": self.summary()}
         return served
 
     def summary(self) -> dict:
-        return {
-            "served_scale": self.served_scale,
-            "steps": self.steps,
-            "requests": self.requests,
-            "outside_median_s": self.outside_median,
-            "streams_median": self.streams_median,
-        }
+        return {"served_scale": self.served_scale, "steps": self.steps, "runs": self.runs}
 
 
 def engine_request_id(response_id: str) -> str:
@@ -71,12 +68,12 @@ def engine_request_id(response_id: str) -> str:
     return f"{response_id.rsplit('-', 1)[-1]}-0"
 
 
-def run_calibration_load(base_url: str, concurrency: int, seed: int):
+def run_calibration_load(base_url: str, concurrency: int, prompt_words: int, seed: int):
     from radixserve.bench.loadgen import LoadConfig, run_load
     from radixserve.bench.workloads import build_workload
 
     workload = build_workload(
-        "random", seed, num_prompts=CALIBRATION_REQUESTS, input_len=PROMPT_TOKENS,
+        "random", seed, num_prompts=CALIBRATION_REQUESTS, input_len=prompt_words,
         output_len=OUTPUT_TOKENS,
     )  # fmt: skip
     load = LoadConfig(base_url=base_url, max_concurrency=concurrency, warmup_requests=2,
@@ -105,28 +102,38 @@ def calibrate_served(
 ) -> Calibration:
     if concurrency < 2:
         raise ValueError(f"concurrency must be at least 2, got {concurrency}")
-    runs = {c: run_calibration_load(base_url, c, seed=c) for c in (1, concurrency)}
+    plan = {
+        "short": (1, SHORT_PROMPT),
+        "long": (1, LONG_PROMPT),
+        "busy": (concurrency, SHORT_PROMPT),
+    }
+    records = {name: run_calibration_load(base_url, c, words, seed=k)
+               for k, (name, (c, words)) in enumerate(plan.items())}  # fmt: skip
     trace = read_step_trace(trace_path)
     ratios = [s.seconds / timing.step_time(s.prefills, s.decodes) for s in trace.steps]
     if not ratios:
         raise RuntimeError(f"the step trace {trace_path} has no steps: is --step-trace on?")
-    scale = statistics.median(ratios)
     streams = streams_in_flight(trace)
-    outside: dict[int, list[float]] = {}
-    in_flight: dict[int, list[int]] = {}
-    for c, records in runs.items():
-        for r in records:
-            traced = trace.requests.get(engine_request_id(r.response_id or ""))
+    runs: dict[str, dict[str, float]] = {}
+    for name, recs in records.items():
+        rows = []
+        for r in recs:
+            rid = engine_request_id(r.response_id or "")
+            traced = trace.requests.get(rid)
             if traced is None or traced.first_token is None or r.ttft is None:
                 continue
-            outside.setdefault(c, []).append(r.ttft - (traced.first_token - traced.sent))
-            in_flight.setdefault(c, []).append(streams[engine_request_id(r.response_id)])
-    if set(outside) != set(runs):
-        raise RuntimeError("the step trace does not show the calibration requests")
-    med = {c: statistics.median(v) for c, v in outside.items()}
-    busy = {c: statistics.median(v) for c, v in in_flight.items()}
-    base = max(0.0, med[1])
-    extra = med[concurrency] - base
-    per_stream = max(0.0, extra / busy[concurrency]) if busy[concurrency] > 0 else 0.0
-    return Calibration(scale, base, per_stream, len(trace.steps),
-                       {c: len(v) for c, v in outside.items()}, med, busy)  # fmt: skip
+            outside = r.ttft - (traced.first_token - traced.sent)
+            rows.append((outside, r.prompt_tokens or 0, streams[rid]))
+        if not rows:
+            raise RuntimeError(f"the step trace does not show the {name!r} calibration requests")
+        outside, prompt, busy = (statistics.median(col) for col in zip(*rows, strict=True))
+        runs[name] = {"requests": len(rows), "outside_s": outside, "prompt_tokens": prompt,
+                      "streams": busy}  # fmt: skip
+    short, long, busy = runs["short"], runs["long"], runs["busy"]
+    span = long["prompt_tokens"] - short["prompt_tokens"]
+    per_token = max(0.0, (long["outside_s"] - short["outside_s"]) / span) if span > 0 else 0.0
+    base = max(0.0, short["outside_s"] - per_token * short["prompt_tokens"])
+    above = busy["outside_s"] - (base + per_token * busy["prompt_tokens"])
+    per_stream = max(0.0, above / busy["streams"]) if busy["streams"] > 0 else 0.0
+    return Calibration(statistics.median(ratios), base, per_token, per_stream,
+                       len(trace.steps), runs)  # fmt: skip

@@ -10,10 +10,11 @@ and decodes one token for each of ``B`` requests. Its duration is linear in six 
     C = prefill chunks (requests)       B = decoding requests
     S = sum of the decoding requests' context lengths
 
-``request_overhead + request_overhead_per_stream * S`` is added to every request's time to
-first token and latency, ``S`` being the requests already in flight at its instance when it
-arrives: what a request spends outside the engine's steps (HTTP, tokenizing, the engine process
-hop, streaming back), which grows with the streams the front end serves at once; both are
+``request_overhead + request_overhead_per_token * P + request_overhead_per_stream * S`` is
+added to every request's time to first token and latency, ``P`` being its prompt's length and
+``S`` the requests already in flight at its instance when it arrives: what a request spends
+outside the engine's steps (HTTP, chat template, tokenizing, the engine process hop, streaming
+back), which grows with its prompt and with the streams the front end serves at once; all are
 measured on a real server (``served.py``), which also scales the step coefficients to the
 engine as it serves. Coefficients are fitted (``fit_coefficients``, non-negative
 least squares) to steps measured on the real engine by ``radixserve simulate fit`` and saved
@@ -39,7 +40,7 @@ FEATURES = (
     "decode_request",
     "decode_attention",
 )
-OVERHEADS = ("request_overhead", "request_overhead_per_stream")
+OVERHEADS = ("request_overhead", "request_overhead_per_token", "request_overhead_per_stream")
 DEFAULT_PROFILE = "cpu-smollm2-135m"
 
 
@@ -52,6 +53,7 @@ class TimingModel:
     decode_request: float = 0.0
     decode_attention: float = 0.0
     request_overhead: float = 0.0
+    request_overhead_per_token: float = 0.0
     request_overhead_per_stream: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
 
@@ -86,10 +88,14 @@ class TimingModel:
         meta = {**self.meta, "scaled": factor}
         return TimingModel(**steps, **overheads, meta=meta)
 
-    def outside_time(self, streams: int) -> float:
-        """Seconds a request spends outside the engine's steps when ``streams`` other
-        requests are in flight at its instance."""
-        return self.request_overhead + self.request_overhead_per_stream * streams
+    def outside_time(self, prompt_tokens: int, streams: float) -> float:
+        """Seconds a request of ``prompt_tokens`` spends outside the engine's steps when
+        ``streams`` other requests are in flight at its instance."""
+        return (
+            self.request_overhead
+            + self.request_overhead_per_token * prompt_tokens
+            + self.request_overhead_per_stream * streams
+        )
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> None:
