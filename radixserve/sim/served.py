@@ -29,6 +29,7 @@ no shared prefixes), so a check on other workloads is a prediction, not a refit.
 from __future__ import annotations
 
 import statistics
+import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,7 @@ def calibrate_served(
 ) -> Calibration:
     if concurrency < 2:
         raise ValueError(f"concurrency must be at least 2, got {concurrency}")
+    since = time.monotonic()  # a trace may hold earlier traffic: only this calibration's steps
     plan = {
         "short": (1, SHORT_PROMPT),
         "long": (1, LONG_PROMPT),
@@ -110,7 +112,8 @@ def calibrate_served(
     records = {name: run_calibration_load(base_url, c, words, seed=k)
                for k, (name, (c, words)) in enumerate(plan.items())}  # fmt: skip
     trace = read_step_trace(trace_path)
-    ratios = [s.seconds / timing.step_time(s.prefills, s.decodes) for s in trace.steps]
+    steps = [s for s in trace.steps if s.start >= since]
+    ratios = [s.seconds / timing.step_time(s.prefills, s.decodes) for s in steps]
     if not ratios:
         raise RuntimeError(f"the step trace {trace_path} has no steps: is --step-trace on?")
     streams = streams_in_flight(trace)
@@ -136,4 +139,4 @@ def calibrate_served(
     above = busy["outside_s"] - (base + per_token * busy["prompt_tokens"])
     per_stream = max(0.0, above / busy["streams"]) if busy["streams"] > 0 else 0.0
     return Calibration(statistics.median(ratios), base, per_token, per_stream,
-                       len(trace.steps), runs)  # fmt: skip
+                       len(steps), runs)  # fmt: skip
