@@ -10,6 +10,9 @@ and decodes one token for each of ``B`` requests. Its duration is linear in six 
     C = prefill chunks (requests)       B = decoding requests
     S = sum of the decoding requests' context lengths
 
+In a step that also prefills, the decoding requests run in the prefill pass (the fast decode
+path takes only pure-decode steps) and count as one-token chunks in P, A and C instead.
+
 ``request_overhead + request_overhead_per_token * P + request_overhead_per_stream * S`` is
 added to every request's time to first token and latency, ``P`` being its prompt's length and
 ``S`` the requests already in flight at its instance when it arrives: what a request spends
@@ -128,6 +131,12 @@ def shipped_profiles() -> list[str]:
 
 
 def step_features(prefills: list[tuple[int, int]], decode_contexts: list[int]) -> np.ndarray:
+    """The six features of a step. A step that prefills computes its decoding requests in the
+    same pass, as one-token chunks (the engine's fast decode path runs only pure-decode
+    steps), so there they count as prefill chunks, not as decode requests."""
+    if prefills and decode_contexts:
+        prefills = [*prefills, *((1, s) for s in decode_contexts)]
+        decode_contexts = []
     tokens = sum(n for n, _ in prefills)
     attention = sum(n * s + n * (n + 1) / 2 for n, s in prefills)
     return np.array(
