@@ -83,6 +83,9 @@ class EngineConfig:
     storage_prefetch_min_tokens: int = 16  # a shorter storage hit is not fetched
     storage_prefetch_timeout: float = 2.0  # seconds a request waits for its pages, then computes
     seed: int = 0  # seeds requests that give no seed of their own
+    # serve: the engine process appends every step and admission, timed, to this file as JSON
+    # lines (engine/step_trace.py; what `simulate fit --server` measures); None: off
+    step_trace: str | None = None
     load_progress: bool = True
     # Prefill/decode disaggregation (radixserve/disagg): off, or this instance's role.
     disaggregation_mode: str = "off"

@@ -203,6 +203,11 @@ def _bench_parser():
         (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
         (["--max-concurrency", "two"], "--max-concurrency: invalid int value"),
+        (["--instance-host-kv-memory", "1GiB"], "applies to fleet-* and single-big systems"),
+        (
+            ["--systems", "fleet-round-robin", "--instance-host-kv-memory", "lots"],
+            "--instance-host-kv-memory: cannot read 'lots' as a memory size",
+        ),
     ],
 )
 def test_bad_options_give_argparse_errors_naming_the_option(argv, message, capsys):
@@ -211,6 +216,22 @@ def test_bad_options_give_argparse_errors_naming_the_option(argv, message, capsy
         args.func(args.parser, args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_host_tier_goes_to_every_instance_and_n_times_to_the_single_big_one():
+    settings = baselines.ServerSettings(
+        instances=3, instance_kv_tokens=1000, instance_host_kv_memory="64MiB"
+    )
+    fleet = baselines.command("fleet-cache-aware", settings)(8000)
+    big = baselines.command("single-big", settings)(8000)
+    assert fleet[fleet.index("--max-total-tokens") + 1] == "1000"
+    assert fleet[fleet.index("--host-kv-memory") + 1] == str(64 << 20)
+    assert big[big.index("--max-total-tokens") + 1] == "3000"
+    assert big[big.index("--host-kv-memory") + 1] == str(3 * (64 << 20))
+    plain = baselines.ServerSettings(instances=3, instance_kv_tokens=1000)
+    assert "--host-kv-memory" not in baselines.command("single-big", plain)(8000)
+    with pytest.raises(BenchError, match="not radix"):
+        baselines.command("radix", settings)
 
 
 # ---------------------------------------------------------------- failure modes (fake servers)

@@ -268,3 +268,26 @@ def test_untimed_trace_needs_a_load_shape():
     config = SimConfig(EngineConfig(max_total_tokens=3000))
     with pytest.raises(ValueError, match="give max_concurrency"):
         Simulation(trace, config, TIMING)
+
+
+def test_time_outside_the_engine_grows_with_the_streams_in_flight():
+    """Each request's TTFT carries request_overhead, request_overhead_per_token for every
+    prompt token and request_overhead_per_stream for every other request in flight at its
+    instance when it arrived; the engine part is unchanged."""
+    trace = small_trace(sessions=16, rate=4.0)
+    config = SimConfig(EngineConfig(max_total_tokens=4000, chunked_prefill_size=64), 1,
+                       max_concurrency=4, check_integrity=True)  # fmt: skip
+    base = Simulation(trace, config, TIMING).run().records
+    busier = TimingModel(**{**TIMING.__dict__, "request_overhead_per_stream": 0.25,
+                            "request_overhead_per_token": 1e-3})  # fmt: skip
+    rec = Simulation(trace, config, busier).run().records
+    np.testing.assert_array_equal(rec.cached, base.cached)
+    np.testing.assert_array_equal(rec.first_token, base.first_token)
+    assert np.all(base.outside == TIMING.request_overhead)
+    streams = (rec.outside - TIMING.request_overhead - 1e-3 * rec.prompt_len) / 0.25
+    # counted independently: earlier arrivals not finished when this one arrived
+    counted = [
+        sum(1 for j in range(i) if rec.finish[j] > rec.arrival[i]) for i in range(len(rec.arrival))
+    ]
+    np.testing.assert_allclose(streams, counted)
+    assert max(counted) >= 2

@@ -1,13 +1,17 @@
 """The simulator against a real run: same workloads, same engine settings, on this machine.
 
-Method: fit a timing model to the tiny model's engine in this process (``fit_engine``), start
-a real ``radixserve serve`` of the same model and settings, measure its request overhead
-(short one-at-a-time requests: a workload unlike the two compared), then run two
+Method: fit a timing model to the default model's engine in this process (``fit_engine``),
+start a real ``radixserve serve`` of the same model and settings with a step trace, calibrate
+the model to the engine as it serves (``calibrate_served``: short and long random prompts one
+at a time, short ones 4 at a time: a workload unlike the two compared), then run two
 ``radixserve bench`` workloads against it (shared system prompts; few-shot prompts) and
 simulate the same workloads. A trace carries what a request generates, so the simulated
 requests generate as many tokens as the real ones did; everything else (cache hits, queueing,
 step times) is the simulator's prediction. The issue's bar: hit rate within 2 percentage
-points and TTFT p50 within 20% of the real run.
+points and TTFT p50 within 20% of the real run. This shared machine's speed drifts by 10-40%
+from one minute to the next, so the whole cycle (calibration, then both workloads, each
+simulated with that calibration) runs three times and the medians over the rounds are
+compared; every round's hit rates must match.
 """
 
 from pathlib import Path
@@ -19,20 +23,22 @@ from radixserve.bench import baselines
 from radixserve.bench.loadgen import LoadConfig, run_load
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
+from radixserve.engine.step_trace import read_step_trace
 from radixserve.sim.fit import fit_engine
-from radixserve.sim.fit_cli import request_overhead_of
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
+from radixserve.sim.served import calibrate_served, engine_request_id
 from radixserve.sim.trace import Turn
 from radixserve.sim.workloads import bench_trace
 
 KV_TOKENS = 20_000
 CONCURRENCY = 4
+ROUNDS = 3  # calibration and both workloads, three times: the machine's speed drifts
 WORKLOADS = {
-    "shared-prefix": dict(num_groups=2, prompts_per_group=8, system_prompt_len=200,
+    "shared-prefix": dict(num_groups=2, prompts_per_group=14, system_prompt_len=200,
                           question_len=16, output_len=8),
     "few-shot": dict(dataset_path=str(Path(__file__).parent / "sim_fixtures/arithmetic.jsonl"),
-                     num_shots=4, num_questions=16, output_len=8),
+                     num_shots=4, num_questions=28, output_len=8),
 }  # fmt: skip
 
 
@@ -55,37 +61,70 @@ def simulated_run(tokenizer, name, params, records, timing, engine_config):
         s.turns = [Turn(t.prompt, t.output[: produced[(s.id, k + 1)]], t.think_time)
                    for k, t in enumerate(s.turns)]  # fmt: skip
     config = SimConfig(engine_config, 1, max_concurrency=CONCURRENCY, check_integrity=True)
-    row = summarize(Simulation(trace, config, timing).run())
-    return row["hit_rate"], row["ttft_p50_s"]
+    result = Simulation(trace, config, timing).run()
+    row, rec = summarize(result), result.records
+    parts = dict(sim_engine=float(np.median(rec.first_token - rec.arrival)),
+                 sim_outside=float(np.median(rec.outside)))  # fmt: skip
+    return row["hit_rate"], row["ttft_p50_s"], parts
+
+
+def engine_times(trace_path, records) -> dict:
+    """The real run's median engine part of TTFT (sent to the engine -> first token)."""
+    trace = read_step_trace(trace_path)
+    parts = [trace.requests[engine_request_id(r.response_id)] for r in records]
+    return dict(real_engine=float(np.median([p.first_token - p.sent for p in parts])))
 
 
 @pytest.fixture(scope="module")
-def fitted(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_total_tokens=KV_TOKENS,
+def validation_model(default_gguf) -> str:
+    """The default model, SmolLM2-135M: what the simulator's profiles are for. (The tiny test
+    model was tried too: its TTFT of about 40 ms is all front end and Python, and the real
+    run's own median moves by +-20% from one run to the next on this machine; see
+    docs/SIMULATOR.md.)"""
+    return str(default_gguf)
+
+
+@pytest.fixture(scope="module")
+def fitted(validation_model):
+    config = EngineConfig(model=validation_model, dtype="float32", max_total_tokens=KV_TOKENS,
                           load_progress=False)  # fmt: skip
     timing = fit_engine(Engine(config), 512, 1, statistic="median", plan="quick")
     return config, timing
 
 
 @pytest.mark.slow  # a fit, a real server and two bench runs: minutes on 2 cores
-def test_simulator_predicts_a_real_bench_run(tiny_model_dir, default_tokenizer, fitted, tmp_path):
+def test_simulator_predicts_a_real_bench_run(validation_model, default_tokenizer, fitted, tmp_path):
     engine_config, timing = fitted
+    trace = tmp_path / "steps.jsonl"
     settings = baselines.ServerSettings(
-        model=str(tiny_model_dir), slots=CONCURRENCY, log_dir=tmp_path,
-        radix_args=("--dtype", "float32", "--max-total-tokens", str(KV_TOKENS)),
+        model=validation_model, slots=CONCURRENCY, log_dir=tmp_path,
+        radix_args=("--dtype", "float32", "--max-total-tokens", str(KV_TOKENS),
+                    "--step-trace", str(trace)),
     )  # fmt: skip
-    results = {}
+    rounds: list[dict] = []
     with baselines.ManagedServer("sim-validation", baselines.command("radix", settings),
                                  settings) as server:  # fmt: skip
-        timing.request_overhead = request_overhead_of(server.base_url, timing)
-        for name, params in WORKLOADS.items():
-            records, hit, ttft = real_run(server.base_url, name, params)
-            sim_hit, sim_ttft = simulated_run(
-                default_tokenizer, name, params, records, timing, engine_config
-            )
-            results[name] = dict(real_hit=hit, sim_hit=sim_hit, real_ttft=ttft, sim_ttft=sim_ttft)
-    print(f"\nrequest overhead {timing.request_overhead * 1e3:.1f} ms; {results}")
-    for name, r in results.items():
-        assert r["real_hit"] > 0.3, f"{name}: the workload should reuse prefixes: {r}"
-        assert abs(r["sim_hit"] - r["real_hit"]) <= 0.02, f"{name}: hit rate {r}"
-        assert abs(r["sim_ttft"] - r["real_ttft"]) <= 0.2 * r["real_ttft"], f"{name}: TTFT {r}"
+        for _ in range(ROUNDS):
+            calibration = calibrate_served(server.base_url, trace, timing, CONCURRENCY)
+            served = calibration.apply(timing)
+            results = {"calibration": calibration.summary()}
+            for name, params in WORKLOADS.items():
+                records, hit, ttft = real_run(server.base_url, name, params)
+                sim_hit, sim_ttft, parts = simulated_run(
+                    default_tokenizer, name, params, records, served, engine_config
+                )
+                results[name] = dict(real_hit=hit, sim_hit=sim_hit, real_ttft=ttft,
+                                     sim_ttft=sim_ttft, **parts,
+                                     **engine_times(trace, records))  # fmt: skip
+            rounds.append(results)
+    for r in rounds:
+        print(f"\n{r}")
+    for name in WORKLOADS:
+        real_ttft = float(np.median([r[name]["real_ttft"] for r in rounds]))
+        sim_ttft = float(np.median([r[name]["sim_ttft"] for r in rounds]))
+        print(f"{name}: TTFT p50 real {real_ttft * 1e3:.1f} ms, simulated {sim_ttft * 1e3:.1f} ms")
+        for r in rounds:
+            got = r[name]
+            assert got["real_hit"] > 0.3, f"{name}: the workload should reuse prefixes: {got}"
+            assert abs(got["sim_hit"] - got["real_hit"]) <= 0.02, f"{name}: hit rate {got}"
+        assert abs(sim_ttft - real_ttft) <= 0.2 * real_ttft, f"{name}: TTFT {rounds}"

@@ -11,7 +11,9 @@
 | ``single-big`` | one instance whose KV pool is the fleet's total (N x per-instance pool) |
 
 Fleet systems take ``instances`` (N) and ``instance_kv_tokens`` (each instance's pool, so that
-routing is what decides); ``single-big`` is the optimum a fleet of N can hope for.
+routing is what decides); ``single-big`` is the optimum a fleet of N can hope for. With
+``instance_host_kv_memory`` every instance also gets a host tier of that size
+(``--host-kv-memory``), and ``single-big`` N times it, so the comparison stays even.
 
 Every server is a child process in its own session on a free loopback port (found by binding
 127.0.0.1:0), with its output in ``<log_dir>/<name>.log``. Startup waits for ``GET /health`` to
@@ -37,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from radixserve.bench.client import BenchError
+from radixserve.config import parse_bytes
 
 RADIX_SYSTEMS: dict[str, tuple[str, ...]] = {
     "radix": ("--schedule-policy", "lpm"),
@@ -62,6 +65,7 @@ class ServerSettings:
     log_dir: Path = Path(".")
     instances: int = 2  # fleet systems: N
     instance_kv_tokens: int | None = None  # KV pool of each fleet instance
+    instance_host_kv_memory: int | str | None = None  # host tier of each fleet instance
 
     def __post_init__(self) -> None:
         for name in ("slots", "context_length", "threads", "instances"):
@@ -69,6 +73,13 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.startup_timeout > 0:
             raise ValueError(f"startup_timeout must be > 0, got {self.startup_timeout}")
+        if self.instance_host_kv_memory is not None:
+            try:
+                self.instance_host_kv_memory = parse_bytes(self.instance_host_kv_memory)
+            except ValueError as e:
+                raise ValueError(f"instance_host_kv_memory: {e}") from e
+            if self.instance_host_kv_memory <= 0:
+                raise ValueError("instance_host_kv_memory must be positive")
 
 
 def free_port() -> int:
@@ -104,14 +115,18 @@ def command(system: str, settings: ServerSettings) -> Callable[[int], list[str]]
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     model = ("--model", settings.model) if settings.model else ()
-    pool = settings.instance_kv_tokens
+    pool, host = settings.instance_kv_tokens, settings.instance_host_kv_memory
     if system in FLEET_SYSTEMS:
         flags = ("--dp", str(settings.instances), "--router-policy", system.split("-", 1)[1])
         flags += ("--max-total-tokens", str(pool)) if pool else ()
+        flags += ("--host-kv-memory", str(host)) if host else ()
     elif system == "single-big":
         if pool is None:
             raise BenchError("single-big needs --instance-kv-tokens (its pool is N times that)")
         flags = ("--max-total-tokens", str(pool * settings.instances))
+        flags += ("--host-kv-memory", str(host * settings.instances)) if host else ()
+    elif host is not None:
+        raise BenchError(f"--instance-host-kv-memory is for fleet-* and single-big, not {system}")
     else:
         flags = RADIX_SYSTEMS[system]
     return lambda port: [

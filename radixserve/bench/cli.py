@@ -40,7 +40,8 @@ DEFAULT_SYSTEMS = {
 }
 # Options that only configure the servers the harness starts: meaningless with --base-url.
 SERVER_OPTIONS = ("systems", "model", "radix_args", "context_length", "llamacpp_threads",
-                  "startup_timeout", "instances", "instance_kv_tokens")  # fmt: skip
+                  "startup_timeout", "instances", "instance_kv_tokens",
+                  "instance_host_kv_memory")  # fmt: skip
 
 EPILOG = """\
 systems: radix (cache on, lpm), no-cache (--disable-prefix-caching), fcfs, dfs-weight
@@ -48,7 +49,8 @@ systems: radix (cache on, lpm), no-cache (--disable-prefix-caching), fcfs, dfs-w
 prompt cache on, one slot per concurrent request, --context-length tokens per slot),
 fleet-cache-aware, fleet-round-robin, fleet-least-load, fleet-consistent-hash,
 fleet-power-of-two (`serve --dp N` with that router policy, --instances N, each instance's
-pool --instance-kv-tokens), single-big (one instance with N times that pool: the optimum).
+pool --instance-kv-tokens, its host tier --instance-host-kv-memory), single-big (one
+instance with N times that pool and host tier: the optimum).
 A schedule policy only matters when requests queue inside the server: use a
 --max-concurrency above the server's --max-running-requests (e.g. --radix-args
 "--max-running-requests 2").
@@ -149,6 +151,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=int,
         help="fleet-* systems: KV pool of each instance in tokens (single-big gets N times it)",
     )
+    g.add_argument(
+        "--instance-host-kv-memory",
+        help="fleet-* systems: a host KV tier of this size (e.g. 96MiB) in each instance "
+        "(`serve --host-kv-memory`; single-big gets N times it); default: none",
+    )
     g = p.add_argument_group("load shape")
     g.add_argument(
         "--request-rate",
@@ -209,6 +216,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 # Error messages name dataclass fields; the user typed flags.
 SETTINGS_FLAGS = {"context_length": "--context-length", "threads": "--llamacpp-threads",
                   "instances": "--instances",
+                  "instance_host_kv_memory": "--instance-host-kv-memory",
                   "startup_timeout": "--startup-timeout", "slots": "--max-concurrency"}  # fmt: skip
 
 
@@ -252,6 +260,9 @@ def build_plan(
             parser.error(
                 f"--systems: unknown {system!r}; choose from {', '.join(baselines.SYSTEMS)}"
             )
+    tiered = (*baselines.FLEET_SYSTEMS, "single-big")
+    if args.instance_host_kv_memory is not None and not set(tiered) >= set(systems or ["-"]):
+        parser.error("--instance-host-kv-memory applies to fleet-* and single-big systems only")
     plan = []
     for name in names:
         fields = {f.name for f in dataclasses.fields(WORKLOADS[name][0])}
@@ -290,6 +301,7 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             model=args.model, context_length=args.context_length, threads=args.llamacpp_threads,
             startup_timeout=args.startup_timeout, instances=args.instances,
             instance_kv_tokens=args.instance_kv_tokens,
+            instance_host_kv_memory=args.instance_host_kv_memory,
             radix_args=tuple(shlex.split(args.radix_args)) if args.radix_args else None,
         )  # fmt: skip
         settings = baselines.ServerSettings(

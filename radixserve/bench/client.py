@@ -44,6 +44,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     output_tokens: int | None = None
     finish_reason: str | None = None
+    response_id: str | None = None  # the server's "id" of the response, where it gives one
 
     @property
     def end_time(self) -> float | None:
@@ -147,6 +148,7 @@ async def stream_request(
                     record.error = f"error event: {json.dumps(event['error'])[:500]}"
                     return "".join(parts)
                 usage = event.get("usage") or usage
+                record.response_id = record.response_id or event.get("id")
                 for choice in event.get("choices") or []:
                     if api == "chat":
                         piece = (choice.get("delta") or {}).get("content")

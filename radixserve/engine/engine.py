@@ -115,6 +115,10 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.last_step_evicted_tokens = 0  # for the per-step eviction histogram
         self.last_step_empty = False  # nothing could run: an engine loop may sleep a little
+        # (prompt chunks as (tokens, position), decode contexts) of the last step, kept when
+        # an engine loop writes a step trace (engine/step_trace.py)
+        self.record_step_shape = False
+        self.last_step_shape: tuple[list[tuple[int, int]], list[int]] | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -219,11 +223,17 @@ class Engine:
         step = self.scheduler.schedule()
         self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
         self.last_step_empty = step.empty
+        self.last_step_shape = None
         if step.empty:
             if self.scheduler.waiting:  # maybe waiting for pages: wait for a transfer, not spin
                 self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
             return []
         outputs, blended, blend_logits = self._blend(step)
+        if self.record_step_shape:
+            self.last_step_shape = (
+                [(n, r.num_computed) for r, n in step.prefills],
+                [r.num_computed for r in step.decodes],
+            )
         try:
             logits = self._forward(step) if not step.empty else None
         except Exception as e:

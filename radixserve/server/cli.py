@@ -44,6 +44,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--served-model-name", help="the model id clients send (default: the model file's name)"
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--step-trace",
+        metavar="PATH",
+        help="append every engine step and admission, timed, to this file as JSON lines "
+        "(what `radixserve simulate fit --server` measures); default: off",
+    )
     add_security_args(p)
     add_limit_args(p)
     add_engine_args(p)
@@ -161,10 +167,25 @@ def server_config_from_args(
         parser.error(message.replace("--api-keys", "--api-key"))
 
 
+def step_trace_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    if args.step_trace is None:
+        return None
+    if args.dp > 1:
+        parser.error("--step-trace traces one engine; it cannot be combined with --dp")
+    try:
+        with open(args.step_trace, "a"):
+            pass
+    except OSError as e:
+        parser.error(f"--step-trace: cannot write {args.step_trace}: {e.strerror}")
+    return os.path.abspath(args.step_trace)
+
+
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
-    config = engine_config_from_args(parser, args, **kv_event_options(parser, args))
+    config = engine_config_from_args(
+        parser, args, step_trace=step_trace_path(parser, args), **kv_event_options(parser, args)
+    )
     server_config = server_config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:

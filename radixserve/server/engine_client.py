@@ -280,6 +280,8 @@ class EngineClient:
         self._pending[("add", request_id)] = fut
         self._queues[request_id] = (queue, tag)
         options: dict[str, Any] = {"prefill_peer": prefill_peer} if prefill_peer else {}
+        if self.config.step_trace:  # the engine's trace records when the request left here
+            options["sent_at"] = time.monotonic()
         if segments:  # RAG segments: reusable prompt ranges (engine/segments.py)
             options.update(segments=segments, recompute_ratio=recompute_ratio)
         if not self._send(("add", request_id, prompt_ids, params, extra_key, options)):

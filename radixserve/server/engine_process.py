@@ -3,7 +3,8 @@
 Messages in (PULL, pickled tuples):
     ("add", request_id, prompt_ids, SamplingParams, extra_key, options)
                                                       -> ("added", id) or ("rejected", id, msg)
-        options (optional): more keyword arguments of Engine.add_request (prefill_peer)
+        options (optional): more keyword arguments of Engine.add_request (prefill_peer), and
+        "sent_at" (the HTTP side's monotonic clock) when the step trace is on
     ("abort", request_id, reason)                     -> the request's final output
     ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
     ("shutdown",)                                     -> the process exits
@@ -17,6 +18,9 @@ sleeps on the socket when idle. In a disaggregation mode it also wakes on KV tra
 traffic (``Engine.wake_fd``), and while every request waits for transferred KV it sleeps
 between looks instead of spinning. ``stats`` is an ``EngineStats`` snapshot (the engine's typed
 boundary), which the HTTP side turns into metrics.
+
+With ``EngineConfig.step_trace`` (``serve --step-trace PATH``) the loop writes every
+admission and every step, timed whole, to that file (``engine/step_trace.py``).
 
 The loop never dies on one message: a message that cannot be read or handled is logged with
 its traceback and answered with a short error for that request alone. A step that raises
@@ -32,6 +36,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 import traceback
 
 import zmq
@@ -40,6 +45,7 @@ from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
+from radixserve.engine.step_trace import StepTraceWriter
 from radixserve.kvevents.publisher import KVEventPublisher
 from radixserve.server.event_bridge import EventBridge
 
@@ -59,17 +65,28 @@ class _Shutdown(Exception):
 
 class EngineLoop:
     def __init__(
-        self, engine: Engine, pull: zmq.Socket, push: zmq.Socket, events: EventBridge | None = None
+        self,
+        engine: Engine,
+        pull: zmq.Socket,
+        push: zmq.Socket,
+        events: EventBridge | None = None,
+        trace: StepTraceWriter | None = None,
     ):
         self.engine, self.pull, self.push = engine, pull, push
         self.events = events
+        self.trace = trace  # --step-trace: every step and admission, timed (step_trace.py)
+        engine.record_step_shape = trace is not None
+        self._streaming: set[str] = set()  # traced requests that have had a token
         self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
             _, rid, prompt_ids, params, extra_key, *rest = msg
-            options = rest[0] if rest else {}
+            options = dict(rest[0]) if rest else {}
+            sent = options.pop("sent_at", None)  # the HTTP side's clock, with --step-trace
+            if self.trace is not None:
+                self.trace.added(rid, sent, time.monotonic())
             try:
                 self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key, **options)
             except ValueError as e:
@@ -83,6 +100,7 @@ class EngineLoop:
         elif kind == "abort":
             _, rid, reason = msg
             out = self.engine.abort_request(rid, reason)
+            self._streaming.discard(rid)
             if out is not None:
                 self.push.send_pyobj(("outputs", [out], self.engine.stats(), False))
         elif kind == "shutdown":
@@ -120,6 +138,7 @@ class EngineLoop:
             log.exception("handling a %r message failed", msg[0] if msg else None)
 
     def step(self) -> None:
+        start = time.monotonic() if self.trace is not None else 0.0
         try:
             outputs = self.engine.step()
         except Exception:
@@ -137,6 +156,17 @@ class EngineLoop:
         if outputs or not self.engine.last_step_empty or counts != self._counts:
             self.push.send_pyobj(("outputs", outputs, stats, True))
             self._counts = counts
+        shape = self.engine.last_step_shape
+        if self.trace is not None and shape is not None:
+            self._trace_step(start, shape, outputs)
+
+    def _trace_step(self, start: float, shape: tuple, outputs: list) -> None:
+        first = [o.request_id for o in outputs
+                 if o.new_token_ids and o.request_id not in self._streaming]  # fmt: skip
+        finished = [o.request_id for o in outputs if o.finished]
+        self._streaming.update(first)
+        self._streaming.difference_update(finished)
+        self.trace.step(start, time.monotonic(), *shape, first, finished)
 
     def _fail_unfinished(self) -> list:
         outputs = []
@@ -213,6 +243,7 @@ def run_engine_process(
     pull.connect(in_addr)
     publisher = None
     engine = None
+    trace = None
     try:
         engine = Engine(config)
         info, bridge = engine.info(), None
@@ -225,8 +256,10 @@ def run_engine_process(
                 info, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay
             )
             bridge = EventBridge(engine, publisher)
+        if config.step_trace:
+            trace = StepTraceWriter(config.step_trace)
         push.send_pyobj(("ready", info, os.getpid()))
-        EngineLoop(engine, pull, push, bridge).run()
+        EngineLoop(engine, pull, push, bridge, trace).run()
     except Exception:
         # the traceback goes to the HTTP process's log, never to a client
         push.send_pyobj(("fatal", traceback.format_exc()))
@@ -235,6 +268,8 @@ def run_engine_process(
     finally:
         if publisher is not None:
             publisher.close()
+        if trace is not None:
+            trace.close()
         if engine is not None:
             engine.close()  # storage writes finish (a warm restart needs them); KV transfer stops
         push.close(linger=0)

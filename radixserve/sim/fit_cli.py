@@ -1,24 +1,20 @@
 """``radixserve simulate fit``: measure this engine, fit a timing model, save it as JSON.
 
-The engine part (``fit.fit_engine``) runs in this process. With ``--server`` the request
-overhead is measured too (``measure_request_overhead``): a real ``radixserve serve`` with the
-same options is started on a free port and sent one short request at a time by the bench's
-load generator; each request's time to first token minus the fitted engine time of its
-prefill step is time spent outside the engine's steps (HTTP, tokenizing, the hop to the
-engine process and back, the engine loop noticing the request). The median is saved.
+The engine part (``fit.fit_engine``) runs in this process. With ``--server`` the model is then
+calibrated to the engine as it serves (``measure_served``): a real ``radixserve serve`` with
+the same options and a step trace is started on a free port and sent short requests, one at a
+time and ``--concurrency`` at a time; ``served.calibrate_served`` scales the step times to what
+the served engine took and measures the time requests spend outside the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from pathlib import Path
 
 from radixserve.sim.timing import TimingModel
-
-OVERHEAD_REQUESTS = 12
 
 
 def add_fit_args(p: argparse.ArgumentParser) -> None:
@@ -35,44 +31,38 @@ def add_fit_args(p: argparse.ArgumentParser) -> None:
         "--plan", default="full", choices=("full", "quick"),
         help="full: prompts to --max-len, batches to 32; quick: fewer, shorter steps",
     )  # fmt: skip
-    p.add_argument("--server", action="store_true", help="also measure the request overhead")
+    p.add_argument(
+        "--server", action="store_true",
+        help="also measure the engine as it serves: start `radixserve serve` with a step trace, "
+        "send short requests one at a time and --concurrency at a time, and calibrate the step "
+        "times and the time requests spend outside the engine (sim/served.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=int, default=4,
+        help="requests in flight in the second calibration run (>= 2); default %(default)s",
+    )  # fmt: skip
     p.add_argument("--output", default="timing.json", help="where the model goes (JSON)")
     p.set_defaults(func=cmd_fit, parser=p)
 
 
-def request_overhead_of(base_url: str, timing: TimingModel, requests: int = OVERHEAD_REQUESTS):
-    """The median of (TTFT - fitted prefill step time) over one-at-a-time short requests to
-    the running server at ``base_url``."""
-    from radixserve.bench.loadgen import LoadConfig, run_load
-    from radixserve.bench.workloads import build_workload
-
-    workload = build_workload("random", 0, num_prompts=requests, input_len=32, output_len=2)
-    load = LoadConfig(base_url=base_url, max_concurrency=1, warmup_requests=2,
-                      metrics_interval=0, progress=False)  # fmt: skip
-    result = run_load(workload, load)
-    gaps = [
-        r.ttft - timing.step_time([(r.prompt_tokens, 0)])
-        for r in result.records
-        if r.success and r.ttft is not None and r.prompt_tokens
-    ]
-    if not gaps:
-        raise RuntimeError("no request succeeded while measuring the request overhead")
-    return max(0.0, statistics.median(gaps))
-
-
-def measure_request_overhead(timing: TimingModel, model: str | None, dtype: str, device: str):
-    """Start ``radixserve serve`` with these options on a free port and measure it."""
+def measure_served(
+    timing: TimingModel, model: str | None, dtype: str, device: str, concurrency: int
+) -> TimingModel:
+    """Start ``radixserve serve`` with these options and a step trace on a free port,
+    calibrate ``timing`` on it (``served.calibrate_served``) and return the served model."""
     from radixserve.bench import baselines
+    from radixserve.sim.served import calibrate_served
 
     with tempfile.TemporaryDirectory() as logs:
+        trace = Path(logs) / "steps.jsonl"
         settings = baselines.ServerSettings(
             model=model,
-            slots=1,
+            slots=concurrency,
             log_dir=Path(logs),
-            radix_args=("--dtype", dtype, "--device", device),
+            radix_args=("--dtype", dtype, "--device", device, "--step-trace", str(trace)),
         )
         with baselines.ManagedServer("fit", baselines.command("radix", settings), settings) as srv:
-            return request_overhead_of(srv.base_url, timing)
+            return calibrate_served(srv.base_url, trace, timing, concurrency).apply(timing)
 
 
 def cmd_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -80,6 +70,8 @@ def cmd_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from radixserve.engine.engine import Engine
     from radixserve.sim.fit import fit_engine
 
+    if args.concurrency < 2:
+        parser.error(f"--concurrency must be at least 2, got {args.concurrency}")
     try:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device,
@@ -91,10 +83,7 @@ def cmd_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     timing = fit_engine(engine, args.max_len, args.repeats, plan=args.plan)
     del engine
     if args.server:
-        timing.request_overhead = measure_request_overhead(
-            timing, args.model, args.dtype, args.device
-        )
-        timing.meta["request_overhead_requests"] = OVERHEAD_REQUESTS
+        timing = measure_served(timing, args.model, args.dtype, args.device, args.concurrency)
     timing.save(args.output)
     print(json.dumps({"ok": True, "output": args.output, **timing.__dict__}, default=str))
     return 0

@@ -14,7 +14,9 @@ Events, in time order (ties in the order they were made):
 - KV events reach the router (after ``event_delay``; a lost batch never does).
 
 Times are seconds. A request's TTFT and latency are measured from its arrival at the engine
-plus the timing model's ``request_overhead`` (the client-side round trip and tokenizing).
+plus its time outside the engine (``TimingModel.outside_time`` of its prompt and the requests
+already in flight at its instance: the client-side round trip, tokenizing, the front end's
+streaming).
 A turn whose prompt and output cannot fit one instance's pool fails, as the engine would
 refuse it, and ends its session.
 """
@@ -77,6 +79,7 @@ class Records:
     instance: Any = field(default_factory=list)
     turn: Any = field(default_factory=list)
     session: Any = field(default_factory=list)  # index into the trace's sessions
+    outside: Any = field(default_factory=list)  # seconds outside the engine (added to TTFT)
 
     def add(
         self,
@@ -86,11 +89,12 @@ class Records:
         instance: int,
         turn: int,
         session: int = -1,
+        outside: float = 0.0,
     ) -> int:
         for name, value in (("arrival", arrival), ("first_token", math.nan), ("finish", math.nan),
                             ("prompt_len", prompt_len), ("cached", 0), ("output_len", output_len),
                             ("instance", instance), ("turn", turn),
-                            ("session", session)):  # fmt: skip
+                            ("session", session), ("outside", outside)):  # fmt: skip
             getattr(self, name).append(value)
         return len(self.arrival) - 1
 
@@ -178,7 +182,8 @@ class Simulation:
             return
         i, ticket = self.router.route(turn.prompt, session.extra_key, session.id, t)
         inst = self.instances[i]
-        row = self.records.add(t, len(turn.prompt), len(turn.output), i, k, session_index)
+        outside = self.timing.outside_time(len(turn.prompt), inst.load() / self.config.pooled)
+        row = self.records.add(t, len(turn.prompt), len(turn.output), i, k, session_index, outside)
         req = SimRequest(str(row), turn.prompt, turn.output, session.extra_key, 0)
         req.tag = (row, session_index, k, ticket)
         inst.add(req)

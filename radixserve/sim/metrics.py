@@ -1,9 +1,9 @@
 """What a simulation reports: hit rate, prefill saved, latency percentiles, load, evictions.
 
 ``hit_rate`` is the bench's: prompt tokens served from the cache at a request's first
-admission over all prompt tokens. TTFT and latency include the timing model's
-``request_overhead``. Load imbalance is max / mean over instances, of busy time (what an
-instance computes) and of requests served.
+admission over all prompt tokens. TTFT and latency include each request's time outside the
+engine (``TimingModel.outside_time``). Load imbalance is max / mean over instances, of busy
+time (what an instance computes) and of requests served.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def imbalance(values: list[float]) -> float | None:
 
 
 def summarize(result: SimResult) -> dict[str, Any]:
-    rec, cfg, timing = result.records, result.config, result.timing
+    rec, cfg = result.records, result.config
     done = ~np.isnan(rec.finish) if len(rec.arrival) else np.zeros(0, bool)
-    overhead = timing.request_overhead
+    overhead = rec.outside[done]
     ttft = rec.first_token[done] - rec.arrival[done] + overhead
     latency = rec.finish[done] - rec.arrival[done] + overhead
     prompt = int(rec.prompt_len[done].sum()) if len(rec.arrival) else 0

@@ -10,9 +10,16 @@ and decodes one token for each of ``B`` requests. Its duration is linear in six 
     C = prefill chunks (requests)       B = decoding requests
     S = sum of the decoding requests' context lengths
 
-``request_overhead`` is added to every request's time to first token and latency: what a
-request spends outside the engine's steps (HTTP, tokenizing, the engine process hop, streaming
-back), measured on a real server. Coefficients are fitted (``fit_coefficients``, non-negative
+In a step that also prefills, the decoding requests run in the prefill pass (the fast decode
+path takes only pure-decode steps) and count as one-token chunks in P, A and C instead.
+
+``request_overhead + request_overhead_per_token * P + request_overhead_per_stream * S`` is
+added to every request's time to first token and latency, ``P`` being its prompt's length and
+``S`` the requests already in flight at its instance when it arrives: what a request spends
+outside the engine's steps (HTTP, chat template, tokenizing, the engine process hop, streaming
+back), which grows with its prompt and with the streams the front end serves at once; all are
+measured on a real server (``served.py``), which also scales the step coefficients to the
+engine as it serves. Coefficients are fitted (``fit_coefficients``, non-negative
 least squares) to steps measured on the real engine by ``radixserve simulate fit`` and saved
 as JSON; ``profiles/`` holds the default model's profile for the CPU it was measured on.
 """
@@ -36,6 +43,7 @@ FEATURES = (
     "decode_request",
     "decode_attention",
 )
+OVERHEADS = ("request_overhead", "request_overhead_per_token", "request_overhead_per_stream")
 DEFAULT_PROFILE = "cpu-smollm2-135m"
 
 
@@ -48,10 +56,12 @@ class TimingModel:
     decode_request: float = 0.0
     decode_attention: float = 0.0
     request_overhead: float = 0.0
+    request_overhead_per_token: float = 0.0
+    request_overhead_per_stream: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
 
     def __post_init__(self) -> None:
-        for name in (*FEATURES, "request_overhead"):
+        for name in (*FEATURES, *OVERHEADS):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"timing model: {name} must be a number >= 0, got {value!r}")
@@ -74,11 +84,21 @@ class TimingModel:
         return j * per_step + self.decode_attention * (j * context_sum + batch * j * (j - 1) / 2)
 
     def scaled(self, factor: float) -> TimingModel:
-        """Every step ``factor`` times as long (``request_overhead`` unchanged): e.g. one
+        """Every step ``factor`` times as long (the request overheads unchanged): e.g. one
         instance as fast as ``N`` of these with ``factor = 1 / N``."""
         steps = {f: getattr(self, f) * factor for f in FEATURES}
+        overheads = {f: getattr(self, f) for f in OVERHEADS}
         meta = {**self.meta, "scaled": factor}
-        return TimingModel(**steps, request_overhead=self.request_overhead, meta=meta)
+        return TimingModel(**steps, **overheads, meta=meta)
+
+    def outside_time(self, prompt_tokens: int, streams: float) -> float:
+        """Seconds a request of ``prompt_tokens`` spends outside the engine's steps when
+        ``streams`` other requests are in flight at its instance."""
+        return (
+            self.request_overhead
+            + self.request_overhead_per_token * prompt_tokens
+            + self.request_overhead_per_stream * streams
+        )
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> None:
@@ -111,6 +131,12 @@ def shipped_profiles() -> list[str]:
 
 
 def step_features(prefills: list[tuple[int, int]], decode_contexts: list[int]) -> np.ndarray:
+    """The six features of a step. A step that prefills computes its decoding requests in the
+    same pass, as one-token chunks (the engine's fast decode path runs only pure-decode
+    steps), so there they count as prefill chunks, not as decode requests."""
+    if prefills and decode_contexts:
+        prefills = [*prefills, *((1, s) for s in decode_contexts)]
+        decode_contexts = []
     tokens = sum(n for n, _ in prefills)
     attention = sum(n * s + n * (n + 1) / 2 for n, s in prefills)
     return np.array(

@@ -1,0 +1,88 @@
+"""The step trace (``serve --step-trace``) and what the simulator's served calibration reads
+from it: the engine loop writes admissions and steps; the trace says what each step computed
+and when each request got its first token."""
+
+import time
+
+import pytest
+from test_validation import Recorder, outputs_of
+
+from radixserve.engine import SamplingParams
+from radixserve.engine.step_trace import StepTraceWriter, read_step_trace
+from radixserve.server.engine_process import EngineLoop
+from radixserve.sim.served import Calibration, engine_request_id, streams_in_flight
+from radixserve.sim.timing import TimingModel
+
+
+def run_traced(make_engine, path, requests):
+    engine = make_engine()
+    writer = StepTraceWriter(path)
+    push = Recorder()
+    loop = EngineLoop(engine, None, push, trace=writer)
+    sent = {}
+    for rid, prompt, max_tokens in requests:
+        sent[rid] = time.monotonic()
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        loop.handle(("add", rid, prompt, params, None, {"sent_at": sent[rid]}))
+    while engine.has_unfinished():
+        loop.step()
+    writer.close()
+    return read_step_trace(path), outputs_of(push.sent), sent
+
+
+def test_trace_records_what_every_step_computed_and_each_requests_times(make_engine, tmp_path):
+    trace, outputs, sent = run_traced(
+        make_engine, tmp_path / "t.jsonl", [("a", list(range(5, 25)), 3), ("b", [7, 8, 9], 2)]
+    )
+    # both prompts are prefilled in the first step, from position 0; then "a" and "b" decode
+    first = trace.steps[0]
+    assert sorted(first.prefills) == [(3, 0), (20, 0)] and first.decodes == []
+    assert sorted(trace.steps[1].decodes) == [3, 20]  # one token each, at their contexts
+    assert trace.steps[-1].decodes == [21]  # "a" alone: its third token
+    assert sum(len(s.decodes) for s in trace.steps) == (3 - 1) + (2 - 1)
+    assert all(s.end >= s.start for s in trace.steps)
+    a, b = trace.requests["a"], trace.requests["b"]
+    assert a.sent == sent["a"] and a.received >= a.sent
+    assert a.first_token == b.first_token == first.end
+    assert b.finished == trace.steps[1].end and a.finished == trace.steps[-1].end
+    assert [o.request_id for o in outputs if o.finished] == ["b", "a"]
+    # in flight when sent: "a" found nobody, "b" found "a"
+    assert streams_in_flight(trace) == {"a": 0, "b": 1}
+
+
+def test_trace_is_off_by_default_and_a_torn_last_line_is_skipped(make_engine, tmp_path):
+    engine = make_engine()
+    loop = EngineLoop(engine, None, Recorder())
+    assert engine.record_step_shape is False
+    loop.handle(("add", "x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), None))
+    loop.step()
+    assert engine.last_step_shape is None
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"add":"x","sent":1.0,"received":1.5}\n{"step":[2.0,')
+    trace = read_step_trace(path)
+    assert trace.requests["x"].sent == 1.0 and trace.steps == []
+
+
+def test_served_calibration_scales_steps_and_sets_the_outside_time():
+    timing = TimingModel(overhead=1e-3, prefill_token=1e-4, decode_request=2e-4,
+                         request_overhead=0.5, meta={"fit": 1})  # fmt: skip
+    cal = Calibration(served_scale=2.0, request_overhead=0.01, request_overhead_per_token=1e-5,
+                      request_overhead_per_stream=0.004, steps=10, runs={})  # fmt: skip
+    served = cal.apply(timing)
+    assert served.step_time([(10, 0)], [5]) == pytest.approx(2 * timing.step_time([(10, 0)], [5]))
+    assert served.outside_time(0, 0) == 0.01
+    assert served.outside_time(100, 3) == pytest.approx(0.01 + 0.001 + 0.012)
+    assert served.meta["fit"] == 1 and served.meta["served"]["served_scale"] == 2.0
+    assert engine_request_id("chatcmpl-0123abcd") == "0123abcd-0"
+
+
+def test_serve_step_trace_flag_errors_name_it(capsys, tmp_path):
+    from radixserve.cli import main
+
+    for argv, needle in [
+        (["--step-trace", str(tmp_path / "no" / "dir" / "t.jsonl")], "--step-trace: cannot write"),
+        (["--step-trace", str(tmp_path / "t.jsonl"), "--dp", "2"], "cannot be combined with --dp"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["serve", *argv])
+        assert needle in capsys.readouterr().err
