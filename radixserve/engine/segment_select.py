@@ -80,9 +80,8 @@ class RecomputeSelector:
         probe layers, each layer's score over its mean, summed (their scales differ)."""
         if self.deviation_on == "position":  # no probe: earliest in its segment first
             return -torch.arange(start, n, dtype=torch.float32) / n
-        last_end = max(e for _, e in req.segments)
-        dev = self._deviation(req, start, n, query_rows=n - last_end)  # [layers, rows, 3]
-        score = self._rank(dev)
+        rows = torch.arange(start, n)
+        score = self._rank(self._deviation(req, rows, n, self.deviation_from, self.deviation_layer))
         return (score / score.mean(dim=1, keepdim=True).clamp_min(1e-12)).sum(dim=0)
 
     def _rank(self, dev: torch.Tensor) -> torch.Tensor:
@@ -100,13 +99,8 @@ class RecomputeSelector:
         rows[fresh] = True
         rows[: req.num_computed] = False
         rows = rows.nonzero().flatten()
-        last_end = max(e for _, e in req.segments)
-        item = SparsePrefill(torch.from_numpy(req.token_ids[rows.numpy()]), rows,
-                             req.kv.slots[:n])  # fmt: skip
-        batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        dev = self.model.kv_deviation(batch, self.pool, self.filter_layer, n - last_end,
-                                      first=self.filter_layer)  # fmt: skip
-        again = self._rank(dev.float().cpu())[0]
+        dev = self._deviation(req, rows, n, self.filter_layer, self.filter_layer)
+        again = self._rank(dev)[0]
         score = torch.where(reusable, -0.5, -1.0)
         is_candidate = torch.zeros(n, dtype=torch.bool)
         is_candidate[candidates] = True
@@ -130,16 +124,14 @@ class RecomputeSelector:
                 out.extend((torch.topk(score[s:e], k).indices + s).tolist())
         return out
 
-    def _deviation(self, req: Request, start: int, n: int, query_rows: int) -> torch.Tensor:
-        """Per probe layer and token of ``[start, n)``: how far its reused K and V (columns
-        0, 1) are from a fresh computation at an early layer (the layers before the last probe
-        are computed for all tokens and kept), and the attention the last ``query_rows`` rows
-        pay it there (column 2): ``[probe layers, rows, 3]``."""
-        rows = torch.arange(start, n)
-        item = SparsePrefill(torch.from_numpy(req.token_ids[start:n].copy()), rows,
+    def _deviation(self, req: Request, rows: torch.Tensor, n: int, first: int, last: int):
+        """Per probe layer ``first..last`` and row of ``rows`` (context indices, computed up to
+        ``last`` and kept): how far its reused K and V (columns 0, 1) are from a fresh
+        computation, and the attention the question's rows (those after the last segment, all
+        in ``rows``) pay it (column 2): ``[probe layers, rows, 3]``."""
+        item = SparsePrefill(torch.from_numpy(req.token_ids[rows.numpy()]), rows,
                              req.kv.slots[:n])  # fmt: skip
         batch = build_forward_batch([], [item], self.model.device, self.pool.pad_slot)
-        dev = self.model.kv_deviation(
-            batch, self.pool, self.deviation_layer, query_rows, first=self.deviation_from
-        )
+        query_rows = n - max(e for _, e in req.segments)
+        dev = self.model.kv_deviation(batch, self.pool, last, query_rows, first=first)
         return dev.float().cpu().clone()
