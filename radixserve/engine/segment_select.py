@@ -4,12 +4,13 @@ Given the budget (the recompute ratio times the reused tokens), ``RecomputeSelec
 takes the first ``first_tokens`` of each reused segment, then ranks the rest by a score read
 at a probe layer: the layers before it are computed for every row (and kept), and at the
 probe each row's fresh K/V is compared with the reused K/V the pool holds
-(``LlamaModel.kv_deviation``). Scores (``deviation_on``): ``kv`` (K and V deviation
-together), ``k``, ``v`` (CacheBlend's criterion), ``attention`` (the attention the question's
-rows, those after the last segment, pay the token), ``kvattn`` (``kv`` times ``attention``),
-or ``position`` (no probe: each segment's earliest tokens). The top of the ranking is taken
-over all segments (``quota="global"``) or per segment in proportion to its length
-(``"segment"``).
+(``LlamaModel.kv_deviation``). Scores (``deviation_on``): ``kvattn``, the default (``kv``
+times ``attention``: a token both stale and read by the question; session 6 measured it best,
+docs/BENCHMARKS.md "RAG segments"), ``kv`` (K and V deviation together), ``k``, ``v``
+(CacheBlend's criterion), ``attention`` (the attention the question's rows, those after the
+last segment, pay the token), or ``position`` (no probe: each segment's earliest tokens).
+The top of the ranking is taken over all segments (``quota="global"``) or per segment in
+proportion to its length (``"segment"``).
 
 Two refinements, off by default and set as attributes (measurement hooks,
 ``benchmarks/rag_selection.py``): ``deviation_from`` < ``deviation_layer`` scores every
@@ -36,7 +37,7 @@ class RecomputeSelector:
         pool: Any,
         first_tokens: int,
         deviation_layer: int,
-        deviation_on: str = "kv",
+        deviation_on: str = "kvattn",
         quota: str = "global",
     ):
         self.model = model

@@ -16,8 +16,8 @@ Prefilling a request with segments (``SegmentBlender.prefill``), in one step:
    (``LlamaModel.reanchor``); the tree's copy stays at position 0;
 4. CacheBlend-style partial recomputation restores cross-segment attention: every token that
    is not reused is computed, plus ``ratio`` of the reused ones: the first tokens of each
-   segment, then those whose K/V at an early layer deviates most from the reused K/V
-   (``segment_select.py``);
+   segment, then those whose K/V at an early layer deviates most from the reused K/V,
+   weighted by the attention the question pays them there (``segment_select.py``);
 5. one sparse forward computes those rows over the whole context and gives the logits.
 
 The KV past the first reused token is approximate, so only the exact part before it is ever
@@ -90,7 +90,7 @@ class SegmentBlender:
         ratio: float,
         first_tokens: int,
         deviation_layer: int,
-        deviation_on: str = "kv",
+        deviation_on: str = "kvattn",
         quota: str = "global",
         prefix_tokens: int = 0,
     ):
