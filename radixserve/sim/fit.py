@@ -14,11 +14,11 @@ composition keeps the minimum of its timings (``statistic="min"``: interference 
 processes only adds time) or the median.
 
 Each ``engine.step()`` is timed whole (scheduling, forward, sampling, bookkeeping) and its
-composition read from the ``Step`` the scheduler returned. The first steps (kernel builds,
-allocator warm-up) are discarded. ``fit_coefficients`` then solves a non-negative least-squares
-fit of relative error. ``request_overhead`` (time outside the engine's steps) is measured on a
-real server by ``measure_request_overhead``: sequential one-at-a-time requests of short
-prompts, whose TTFT minus the model's predicted engine time is the overhead.
+composition read from the shape the engine keeps of it (``Engine.last_step_shape``). The first
+steps (kernel builds, allocator warm-up) are discarded. ``fit_coefficients`` then solves a
+non-negative least-squares fit of relative error. The request overheads (time outside the
+engine's steps) and the scale of the engine as it serves are measured on a real server by
+``served.calibrate_served`` (``radixserve simulate fit --server``).
 """
 
 from __future__ import annotations
@@ -45,32 +45,21 @@ PLANS = {
 
 
 def _record(engine: Engine, features: list, seconds: list) -> None:
-    """Run ``engine`` to completion, timing every step and reading what it computed."""
-    captured: list[np.ndarray] = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        step = schedule()
-        captured.append(
-            step_features(
-                [(n, r.num_computed) for r, n in step.prefills],
-                [r.num_computed for r in step.decodes],
-            )
-        )
-        return step
-
-    engine.scheduler.schedule = recording_schedule
+    """Run ``engine`` to completion, timing every step and reading what it computed (the
+    shape the engine keeps for a step trace, ``Engine.last_step_shape``)."""
+    recording = engine.record_step_shape
+    engine.record_step_shape = True
     try:
         while engine.has_unfinished():
-            captured.clear()
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
-            if captured and captured[0][1] + captured[0][4] > 0:
-                features.append(captured[0])
+            shape = engine.last_step_shape
+            if shape is not None and (shape[0] or shape[1]):
+                features.append(step_features(*shape))
                 seconds.append(dt)
     finally:
-        del engine.scheduler.schedule  # the bound method again
+        engine.record_step_shape = recording
 
 
 def _add(engine: Engine, rng: np.random.Generator, prompt: np.ndarray, max_tokens: int) -> None:
