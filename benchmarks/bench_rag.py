@@ -14,9 +14,11 @@ retrieval passages, so they are made from its expert explanations:
   label. So the whole set has ``--items`` distinct passages, each reused across items.
 
 Prompt: header, then label + passage for each document, then the question and "Answer:";
-every piece is tokenized on its own and the passages are marked as segments. All passages
-are stored once beforehand (each as a segment of a one-passage request), as a RAG server
-would have them from earlier prompts. Then, for each item, the reference is a full prefill
+every piece is tokenized on its own and the passages are marked as segments. With ``--chat``
+the same pieces (without "Answer:") make one user message in the model's chat template, each
+tokenized on its own as the server does for a chat completion's reusable content parts. All
+passages are stored once beforehand (each as a segment of a one-passage request), as a RAG
+server would have them from earlier prompts. Then, for each item, the reference is a full prefill
 (prefix caching off), and each ratio runs the same prompt with its segments reused. Metrics
 against the reference: first-token agreement; answer agreement (chosen option): the greedy
 outputs (``--max-tokens`` tokens) pick the same choice, read by ``rag_items.chosen_option``
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="prompts in the model's chat template")
     ap.add_argument("--prefix-tokens", type=int, default=0, help="segment_prefix_tokens")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -91,7 +94,7 @@ def main() -> None:
     clock = time.process_time if args.cpu_clock else time.perf_counter
     loaded = load_model(None, "cpu", args.dtype, progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
-                        args.seed)  # fmt: skip
+                        args.seed, chat=args.chat)  # fmt: skip
     first = 0
     if args.slice:
         a, b = (int(x) for x in args.slice.split(":"))

