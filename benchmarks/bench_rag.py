@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from rag_items import Runner, build_items, chosen_option, kl
+from rag_items import Runner, build_items, chosen_option, kl, sliced
 
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
@@ -95,12 +95,7 @@ def main() -> None:
     loaded = load_model(None, "cpu", args.dtype, progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed, chat=args.chat)  # fmt: skip
-    first = 0
-    if args.slice:
-        a, b = (int(x) for x in args.slice.split(":"))
-        if not 0 <= a < b <= len(items):
-            ap.error(f"--slice {args.slice}: need 0 <= A < B <= --items")
-        items, first = items[a:b], a
+    items, first = sliced(items, args.slice, ap.error)
     stored = args.items * (args.passage_tokens + 8)
     opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
     blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192,

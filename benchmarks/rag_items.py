@@ -1,9 +1,9 @@
-"""The RAG QA set and the measuring pieces shared by ``bench_rag.py`` and ``rag_selection.py``.
+"""The RAG QA set and the measuring pieces shared by the RAG benchmarks (``bench_rag.py`` etc.).
 
 ``build_items`` makes the retrieval QA set from GPQA-diamond (see ``bench_rag.py``'s docstring
 for how passages are made); ``Runner`` runs one request at a time on an engine and keeps its
 TTFT, first-token logits and greedy tokens; ``kl`` compares two next-token distributions;
-``chosen_option`` reads which choice (A-D) a greedy output picks.
+``chosen_option`` reads which choice (A-D) a greedy output picks; ``sliced`` applies ``--slice``.
 
 The option rule: the first capital A, B, C or D in the output that stands alone, i.e. is not
 part of a longer word ("B", " B)", "(C).", "answer is D" count; the "A" of "Assume" does not),
@@ -74,6 +74,17 @@ def build_items(
         prompt += enc(q + "Answer with the letter of the correct choice." + after)
         items.append({"prompt": prompt, "segments": segments, "docs": docs})
     return items
+
+
+def sliced(items: list, spec: str | None, error) -> tuple[list, int]:
+    """``--slice A:B``: items ``A..B-1`` and ``A`` (all of them and 0 when ``spec`` is None);
+    ``error``: the parser's ``error``, called with a message naming the option."""
+    if not spec:
+        return items, 0
+    a, b = (int(x) for x in spec.split(":"))
+    if not 0 <= a < b <= len(items):
+        error(f"--slice {spec}: need 0 <= A < B <= --items")
+    return items[a:b], a
 
 
 class Runner:

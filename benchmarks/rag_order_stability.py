@@ -19,7 +19,7 @@ import json
 import statistics
 
 import torch
-from rag_items import Runner, build_items, chosen_option, kl
+from rag_items import Runner, build_items, chosen_option, kl, sliced
 
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
@@ -52,12 +52,7 @@ def main() -> None:
     loaded = load_model(None, "cpu", "float32", progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed, chat=args.chat)  # fmt: skip
-    first = 0
-    if args.slice:
-        a, b = (int(x) for x in args.slice.split(":"))
-        if not 0 <= a < b <= len(items):
-            ap.error(f"--slice {args.slice}: need 0 <= A < B <= --items")
-        items, first = items[a:b], a
+    items, first = sliced(items, args.slice, ap.error)
     config = EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
                           load_progress=False, chunked_prefill_size=4096)  # fmt: skip
     full = Runner(Engine(config, loaded))
