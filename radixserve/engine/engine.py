@@ -40,6 +40,7 @@ from radixserve.engine.request import Request, RequestStatus, TokenLogprob
 from radixserve.engine.sampler import sample
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler, Step
+from radixserve.engine.segment_select import RecomputeSelector
 from radixserve.engine.segments import SegmentBlender, validate_ratio, validate_segments
 from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.model import LoadedModel, build_forward_batch, load_model, native
@@ -106,8 +107,9 @@ class Engine:
             self.cache,
             self.kv,
             config.segment_recompute_ratio,
-            config.segment_first_tokens,
-            config.segment_deviation_layer,
+            RecomputeSelector(
+                self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
+            ),
             prefix_tokens=config.segment_prefix_tokens,
         )
         self.requests: dict[str, Request] = {}

@@ -88,10 +88,7 @@ class SegmentBlender:
         cache: PrefixCache,
         kv: RequestKV,
         ratio: float,
-        first_tokens: int,
-        deviation_layer: int,
-        deviation_on: str = "kvattn",
-        quota: str = "global",
+        select: RecomputeSelector,
         prefix_tokens: int = 0,
     ):
         self.model = model
@@ -99,8 +96,7 @@ class SegmentBlender:
         self.cache = cache
         self.kv = kv
         self.ratio = ratio
-        self.select = RecomputeSelector(model, pool, first_tokens, deviation_layer,
-                                        deviation_on, quota)  # fmt: skip
+        self.select = select  # which reused tokens to recompute (engine/segment_select.py)
         self.prefix_tokens = prefix_tokens  # the prompt's first tokens a segment is stored after
         self.stats = SegmentStats()
 
