@@ -87,7 +87,7 @@ def test_instance_runs_the_engine_scheduler_step_for_step(make_engine):
     inst.scheduler.schedule = sim_recording
     result = sim.run()
     assert [s for s in steps_sim if s != ([], 0)] == [s for s in steps_real if s != ([], 0)]
-    assert result.records.cached.tolist() == [r.cached_tokens for r in reqs]
+    assert result.records.cached.tolist() == [r.usage.cached_tokens for r in reqs]
     assert sum(result.records.cached) > 0  # the shared prefix was reused
 
 
