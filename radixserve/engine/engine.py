@@ -32,6 +32,8 @@ from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
+from radixserve.engine.features import StepRecord, StepShape, TierTransfers
+from radixserve.engine.hooks import Feature
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
@@ -45,7 +47,6 @@ from radixserve.utils import default_kv_cache_bytes
 __all__ = ["Engine", "StepOutput"]
 
 log = logging.getLogger("radixserve")
-IDLE_TRANSFER_WAIT_S = 0.01
 
 
 class Engine:
@@ -81,14 +82,14 @@ class Engine:
             from radixserve.disagg.engine_side import Disaggregation
 
             self.disagg = Disaggregation(self)
+        self.record = StepRecord(self.cache)
+        features: list[Feature] = [self.record, TierTransfers(self.cache, self._has_waiting)]
+        if self.disagg is not None:
+            features.append(self.disagg)
         vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
-        self.core = EngineCore(
-            config,
-            self.kv,
-            Limits(self.max_model_len, vocab, eos),
-            self.disagg and self.disagg.source,
-            [self.disagg] if self.disagg is not None else [],
-        )
+        limits = Limits(self.max_model_len, vocab, eos)
+        source = self.disagg and self.disagg.source
+        self.core = EngineCore(config, self.kv, limits, source, features)
         self.scheduler, self.requests = self.core.scheduler, self.core.requests
         self.segments = SegmentBlender(
             self.model,
@@ -102,12 +103,6 @@ class Engine:
             prefix_tokens=config.segment_prefix_tokens,
         )
         self.executor = ModelExecutor(self.model, self.pool, self.segments)
-        self.last_step_evicted_tokens = 0  # for the per-step eviction histogram
-        self.last_step_empty = False  # nothing could run: an engine loop may sleep a little
-        # (prompt chunks as (tokens, position), decode contexts) of the last step, kept when
-        # an engine loop writes a step trace (engine/step_trace.py)
-        self.record_step_shape = False
-        self.last_step_shape: tuple[list[tuple[int, int]], list[int]] | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -134,22 +129,31 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
-        self.cache.poll_transfers()
-        evicted_before = self.cache.stats.evicted_tokens
         step = self.core.schedule()
-        self.last_step_evicted_tokens = self.cache.stats.evicted_tokens - evicted_before
-        self.last_step_empty = step.empty
-        self.last_step_shape = None
         if step.empty:
-            if self.scheduler.waiting:  # maybe waiting for pages: wait for a transfer, not spin
-                self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
             return []
-        if self.record_step_shape:
-            self.last_step_shape = (
-                [(n, r.num_computed) for r, n in step.prefills],
-                [r.num_computed for r in step.decodes],
-            )
         return self.core.postprocess(step, self.executor.run(step))
+
+    def _has_waiting(self) -> bool:
+        return bool(self.scheduler.waiting)
+
+    @property
+    def last_step_empty(self) -> bool:
+        """The last step could run nothing (an engine loop may sleep a little)."""
+        return self.record.empty
+
+    @property
+    def last_step_shape(self) -> StepShape | None:
+        """The last step's prompt chunks and decode contexts, while ``record_step_shape``."""
+        return self.record.shape
+
+    @property
+    def record_step_shape(self) -> bool:
+        return self.record.record_shape
+
+    @record_step_shape.setter
+    def record_step_shape(self, on: bool) -> None:
+        self.record.record_shape = on
 
     # ------------------------------------------------------------------ inspection
     def info(self) -> EngineInfo:
@@ -178,7 +182,7 @@ class Engine:
             cached_tokens=self.cache.total_size(),
             evictable_tokens=self.cache.evictable_size(),
             num_retractions=self.scheduler.num_retractions,
-            step_evicted_tokens=self.last_step_evicted_tokens,
+            step_evicted_tokens=self.record.evicted_tokens,
             cache=self.cache.stats.copy(),
             tiers=self.cache.tier_stats(),
             segments=dataclasses.replace(self.segments.stats),
