@@ -63,7 +63,7 @@ ENGINE_FLAGS = {
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
-    # RAG segments (README: "Reusing documents (RAG segments)")
+    # RAG segments (docs/rag-segments.md)
     "segment_recompute_ratio": dict(
         type=float,
         default=0.15,
@@ -87,7 +87,7 @@ ENGINE_FLAGS = {
         "(the shared system prompt; at most up to the first segment), so their K/V saw the "
         "prompt's real start; 0: standalone; default %(default)s",
     ),
-    # the hierarchical cache (README: "Hierarchical cache")
+    # the hierarchical cache (docs/caching.md)
     "host_kv_memory": dict(
         help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "
         "evicts is kept there and loaded back on a hit; default: no host tier"
@@ -119,7 +119,7 @@ ENGINE_FLAGS = {
         help="seconds a request waits for pages from storage before computing them; "
         "default %(default)s",
     ),
-    # prefill/decode disaggregation (README: "Prefill/decode disaggregation")
+    # prefill/decode disaggregation (docs/fleet.md)
     "disaggregation_mode": dict(
         default="off",
         choices=DISAGGREGATION_MODES,

@@ -94,7 +94,7 @@ class EngineConfig:
     kv_transfer_heartbeat: float = 1.0  # seconds; a peer silent for 5 of them is dead
     prefill_endpoint: str | None = None  # decode: the prefill instance when a request names none
     kv_transfer_timeout: float = 30.0  # decode: then the prompt is computed here instead
-    # decode: prompts with fewer uncached tokens are prefilled here (see docs/BENCHMARKS.md)
+    # decode: prompts with fewer uncached tokens are prefilled here (docs/benchmarks.md)
     remote_prefill_min_tokens: int = 64
     # RAG segments (engine/segments.py): share of reused segment tokens computed again, how
     # many leading tokens of each segment go first, and the layer whose K/V deviation ranks
