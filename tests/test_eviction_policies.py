@@ -8,7 +8,8 @@ import pytest
 
 from radixserve.cache import PagedAllocator, RadixCache
 from radixserve.cache.eviction import CostAwarePolicy, make_policy
-from radixserve.cli import build_parser, engine_config_from_args
+from radixserve.cli import build_parser
+from radixserve.cli_options import engine_config_from_args
 from radixserve.config import EngineConfig
 from tests.cache_helpers import cache_sequence
 

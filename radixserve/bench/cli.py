@@ -29,7 +29,7 @@ from radixserve.bench.data import DatasetError
 from radixserve.bench.loadgen import LoadConfig
 from radixserve.bench.runner import BASE_URL_SYSTEM, run_plan
 from radixserve.bench.workloads import WORKLOADS, Workload, build_workload
-from radixserve.cli import flag
+from radixserve.cli_options import flag
 
 DEFAULT_SYSTEMS = {
     "sharegpt-multiturn": ("radix", "no-cache", "llamacpp"),

@@ -14,7 +14,7 @@ import importlib.util
 import signal
 import time
 
-from radixserve.cli import ENGINE_FLAGS, add_engine_args, engine_config_from_args
+from radixserve.cli_options import ENGINE_FLAGS, add_engine_args, engine_config_from_args
 
 
 def add_ray_parser(sub: argparse._SubParsersAction) -> None:

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 
-from radixserve.cli import add_engine_args, engine_config_from_args
+from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
 from radixserve.server.config import ServerConfig, parse_sampling_overrides
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options

@@ -16,7 +16,7 @@ import json
 import sys
 
 from radixserve.config import EngineConfig
-from radixserve.sim.cli import _grid, _kv_pairs, _meta, _out_dir, _split, build_trace
+from radixserve.sim.cli_args import build_trace, cache_grid, kv_pairs, out_dir, run_meta, split_list
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
 from radixserve.sim.report import write_report
@@ -26,12 +26,12 @@ from radixserve.sim.timing import TimingModel
 
 def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
-        instances = _split(args.instances, int)
+        instances = split_list(args.instances, int)
     except ValueError as e:
         parser.error(f"--instances: {e}")
     configs = []  # every configuration is validated before anything runs
     for (kv, policy, threshold), n, routing in itertools.product(
-        _grid(parser, args), instances, _split(args.routing)
+        cache_grid(parser, args), instances, split_list(args.routing)
     ):
         try:
             engine = EngineConfig(
@@ -41,7 +41,7 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 max_running_requests=args.max_running_requests, load_progress=False,
             )  # fmt: skip
             route = RoutingConfig(routing, args.event_delay, args.event_loss, args.seed,
-                                  _kv_pairs(args.router_args))  # fmt: skip
+                                  kv_pairs(args.router_args))  # fmt: skip
             configs.append(SimConfig(engine, n, route, args.max_concurrency, args.session_rate,
                                      args.seed))  # fmt: skip
         except ValueError as e:
@@ -74,8 +74,8 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
               f"TTFT p50 {row['ttft_p50_s']:.3f} s ({row['wall_s']:.1f} s)",
               file=sys.stderr)  # fmt: skip
         rows.append(row)
-    meta = _meta(trace, timing=timing.__dict__)
-    out = write_report(_out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
+    meta = run_meta(trace, timing=timing.__dict__)
+    out = write_report(out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
     print(json.dumps({"ok": True, **out, "rows": len(rows)}))
     return 0
 
