@@ -15,7 +15,13 @@ from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.tiered_cache import WRITE_POLICIES
-from radixserve.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import (
+    DISAGGREGATION_MODES,
+    DTYPES,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+    TierConfig,
+)
 from radixserve.model.quant import QUANTIZATIONS
 
 ENGINE_FLAGS = {
@@ -107,17 +113,17 @@ ENGINE_FLAGS = {
     "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
     "load_back_min_tokens": dict(
         type=int,
-        default=EngineConfig.load_back_min_tokens,
+        default=TierConfig.load_back_min_tokens,
         help="a shorter host-tier hit is recomputed instead of loaded; default %(default)s",
     ),
     "storage_prefetch_min_tokens": dict(
         type=int,
-        default=EngineConfig.storage_prefetch_min_tokens,
+        default=TierConfig.storage_prefetch_min_tokens,
         help="a shorter storage hit is not fetched; default %(default)s",
     ),
     "storage_prefetch_timeout": dict(
         type=float,
-        default=EngineConfig.storage_prefetch_timeout,
+        default=TierConfig.storage_prefetch_timeout,
         help="seconds a request waits for pages from storage before computing them; "
         "default %(default)s",
     ),

@@ -127,7 +127,7 @@ def test_policies_by_name_and_bad_values():
         make_policy("mru")
     for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="cache_threshold must be in"):
-            EngineConfig(cache_threshold=bad)
+            EngineConfig.from_options(cache_threshold=bad)
 
 
 def test_serve_flags_select_policy_and_threshold():

@@ -255,8 +255,8 @@ async def serve(
         server_config.served_model_name,
         info.kv_capacity_tokens,
         info.kv_bytes / 2**30,
-        config.schedule_policy,
-        "on" if config.enable_prefix_caching else "off",
+        config.scheduler.schedule_policy,
+        "on" if config.cache.enable_prefix_caching else "off",
     )
     if info.disaggregation is not None:
         d = info.disaggregation

@@ -34,7 +34,7 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         cache_grid(parser, args), instances, split_list(args.routing)
     ):
         try:
-            engine = EngineConfig(
+            engine = EngineConfig.from_options(
                 max_total_tokens=kv, page_size=args.page_size, eviction_policy=policy,
                 cache_threshold=threshold, schedule_policy=args.schedule_policy,
                 chunked_prefill_size=args.chunked_prefill_size,
@@ -98,8 +98,8 @@ def flag_names(message: str) -> str:
 def pooled(config: SimConfig) -> SimConfig:
     """One instance holding what ``config``'s N instances hold, N times as fast."""
     n, e = config.instances, config.engine
-    engine = dataclasses.replace(e, max_total_tokens=n * e.max_total_tokens,
-                                 max_running_requests=n * e.max_running_requests)  # fmt: skip
+    engine = e.replace(max_total_tokens=n * e.cache.max_total_tokens,
+                       max_running_requests=n * e.scheduler.max_running_requests)  # fmt: skip
     return dataclasses.replace(config, engine=engine, instances=1, pooled=n,
                                routing=RoutingConfig(seed=config.seed))  # fmt: skip
 
