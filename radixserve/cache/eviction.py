@@ -231,10 +231,6 @@ def check_cache_threshold(value: float) -> None:
         raise ValueError(f"cache_threshold must be in (0, 1] (hits per request), got {value!r}")
 
 
-def get_eviction_policy(name: str) -> EvictionPolicy:
-    return make_policy(name)
-
-
 class LeafHeap:
     """Min-heap over the evictable leaves; validity is decided by the caller's ``is_live``."""
 

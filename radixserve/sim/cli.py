@@ -17,7 +17,7 @@ import json
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.config import SCHEDULE_POLICIES
-from radixserve.sim.cli_args import build_trace, out_dir, run_meta
+from radixserve.sim.cli_args import build_trace, check_plots, out_dir, run_meta
 
 EPILOG = """\
 traces (--trace):
@@ -134,6 +134,7 @@ def cmd_replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     from radixserve.sim.replay_cli import replay_rows
     from radixserve.sim.report import write_report
 
+    check_plots(parser, args)
     trace = build_trace(parser, args)
     order = replay_order(trace, args.max_concurrency, args.session_rate, args.seed)
     rows = replay_rows(parser, args, trace, order)

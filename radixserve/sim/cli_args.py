@@ -99,3 +99,11 @@ def cache_grid(parser, args) -> list[tuple[int, str, float | None]]:
     except ValueError as e:
         parser.error(f"--kv-tokens / --cache-threshold: {e}")
     return list(itertools.product(kv, split_list(args.eviction), thresholds))
+
+
+def check_plots(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop before a run whose plots could not be drawn."""
+    from radixserve.utils import PLOT_EXTRA, plots_available
+
+    if not args.no_plots and not plots_available():
+        parser.error(f"{PLOT_EXTRA}, or pass --no-plots")

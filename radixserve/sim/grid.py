@@ -16,7 +16,15 @@ import json
 import sys
 
 from radixserve.config import EngineConfig
-from radixserve.sim.cli_args import build_trace, cache_grid, kv_pairs, out_dir, run_meta, split_list
+from radixserve.sim.cli_args import (
+    build_trace,
+    cache_grid,
+    check_plots,
+    kv_pairs,
+    out_dir,
+    run_meta,
+    split_list,
+)
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
 from radixserve.sim.report import write_report
@@ -25,6 +33,7 @@ from radixserve.sim.timing import TimingModel
 
 
 def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_plots(parser, args)
     try:
         instances = split_list(args.instances, int)
     except ValueError as e:
