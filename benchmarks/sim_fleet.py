@@ -77,8 +77,9 @@ def main() -> None:
                          wall_s=time.perf_counter() - t0))  # fmt: skip
         policies = args.large_routing if n >= args.large else args.routing
         for policy in policies.split(",") if n > 1 else ["round-robin"]:
-            engine = EngineConfig(max_total_tokens=args.kv_tokens, chunked_prefill_size=256,
-                                  load_progress=False)  # fmt: skip
+            engine = EngineConfig.from_options(
+                max_total_tokens=args.kv_tokens, chunked_prefill_size=256, load_progress=False
+            )
             routing = RoutingConfig(policy, seed=args.seed, policy_args=router_args)
             result = Simulation(trace, SimConfig(engine, n, routing), timing).run()
             row = summarize(result)

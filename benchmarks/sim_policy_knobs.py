@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from radixserve.cache import eviction
-from radixserve.sim.cli import _tokenizer
+from radixserve.sim.cli_args import load_tokenizer
 from radixserve.sim.replay import replay, replay_order
 from radixserve.sim.workloads import ThinkTime, sharegpt_trace
 
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=118_784)
     p.add_argument("--output", default="sim_results/policy_knobs.json")
     args = p.parse_args()
-    trace = sharegpt_trace(_tokenizer(None), args.sessions, 8, 1024, ThinkTime(30.0))
+    trace = sharegpt_trace(load_tokenizer(None), args.sessions, 8, 1024, ThinkTime(30.0))
     order = replay_order(trace, None, 1.0, 0)
     rows: dict[str, float] = {}
 

@@ -193,7 +193,7 @@ def test_bad_quantization_is_an_error(capsys):
     assert "argument --quantization: invalid choice: 'int3'" in capsys.readouterr().err
     assert build_parser().parse_args(["serve"]).quantization == "auto"  # the file's own types
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(quantization="int3")
+        EngineConfig.from_options(quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):
         load_model(None, quantization="fp8")
 

@@ -86,8 +86,9 @@ def validation_model(default_gguf) -> str:
 
 @pytest.fixture(scope="module")
 def fitted(validation_model):
-    config = EngineConfig(model=validation_model, dtype="float32", max_total_tokens=KV_TOKENS,
-                          load_progress=False)  # fmt: skip
+    config = EngineConfig.from_options(
+        model=validation_model, dtype="float32", max_total_tokens=KV_TOKENS, load_progress=False
+    )
     timing = fit_engine(Engine(config), 512, 1, statistic="median", plan="quick")
     return config, timing
 

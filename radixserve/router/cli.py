@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 
-from radixserve.cli import flag
+from radixserve.cli_options import flag
 from radixserve.router.policy import POLICIES, PolicyConfig
 
 log = logging.getLogger("radixserve")

@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from radixserve.cli import flag
+from radixserve.cli_options import flag
 from radixserve.router.cli import api_keys_from_args, policy_config_from_args, serve_router
 from radixserve.router.policy import PolicyConfig
 from radixserve.server.engine_process import _die_with_parent

@@ -61,7 +61,9 @@ def create_app(
     app = FastAPI(title="radixserve", version="0.1.0")
     metrics = Metrics(served_model_name, client.info, lambda: client.num_restarts)
     client.on_stats = metrics.update_stats
-    serving = Serving(client, tokenizer, metrics, config, client.config.max_running_requests)
+    serving = Serving(
+        client, tokenizer, metrics, config, client.config.scheduler.max_running_requests
+    )
     app.add_middleware(Guard, config=config)
     install_error_handlers(app)
     app.state.serving = serving  # the server closes its tokenizer thread on the way out
