@@ -63,15 +63,13 @@ def build_cache(
     log.info("host KV tier: %d tokens (%.2f GiB), write policy %s",
              host.num_slots, host.nbytes() / 2**30, config.write_policy)  # fmt: skip
     if config.kv_storage is not None:
-        from radixserve.cache.storage_tier import attach_storage
-
         if config.page_size < SMALL_STORAGE_PAGE:
             log.warning("--kv-storage stores one entry per page of %d token(s): use --page-size "
                         "16 or more so the store is not millions of tiny pages",
                         config.page_size)  # fmt: skip
 
-        attach_storage(
-            cache, config.kv_storage, model_identity(model_path, model_name),
+        cache.attach_storage(
+            config.kv_storage, model_identity(model_path, model_name),
             config.kv_storage_size, config.storage_prefetch_min_tokens,
             config.storage_prefetch_timeout,
         )  # fmt: skip
