@@ -96,11 +96,12 @@ ENGINE_FLAGS = {
         choices=WRITE_POLICIES,
         help="when KV is copied to the host tier: once reused (write_through_selective), as "
         "soon as computed (write_through) or when evicted (write_back); default "
-        "write_through_selective, or write_through with --kv-storage",
+        "write_back, or write_through with --kv-storage",
     ),
     "kv_storage": dict(
-        help="storage tier (L3) below the host tier, shared by restarts and instances: "
-        "file:///absolute/path or redis://host:port/db"
+        help="storage tier (L3) below the host tier, shared by restarts and instances: a "
+        "directory, file:///absolute/path or redis://host:port/db; alone, it brings a host tier "
+        "sized from the device pool and free memory (logged at start-up)"
     ),
     "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
     "load_back_min_tokens": dict(
@@ -297,7 +298,7 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
     tiers = ""
-    if llm.config.host_kv_memory is not None:  # which tier the cached tokens came from
+    if llm.config.host_kv_memory or llm.config.kv_storage:  # which tier the cached tokens came from
         split = tracker.cached_by_tier().items()
         tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(

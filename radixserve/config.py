@@ -5,15 +5,19 @@ pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string
 ``"2GiB"``); with neither, by a share of the device's free memory.
 
 The hierarchical cache is off by default (exactly the single-tier cache): ``host_kv_memory``
-adds a host tier (L2) and ``kv_storage`` a storage tier below it (L3, which needs L2). Without
-an explicit ``write_policy``, pages are copied to the host once reused
-(``write_through_selective``), or, with a storage tier, as soon as they are computed
-(``write_through``): a store is for sharing and restarts, which need every computed page.
+adds a host tier (L2) and ``kv_storage`` a storage tier below it (L3; given alone, it brings a
+host tier sized by default, see ``engine/cache_setup.py``). ``kv_storage`` is a URL
+(``file:///path``, ``redis://host:port/db``) or a plain directory path (a file store). Without
+an explicit ``write_policy``, pages are copied to the host when the device evicts them
+(``write_back``: every page that would be lost, and no others), or, with a storage tier, as
+soon as they are computed (``write_through``): a store is for sharing and restarts, which need
+every computed page (docs/decisions.md says why).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -158,20 +162,17 @@ class EngineConfig:
                 setattr(self, name, parse_bytes(getattr(self, name)))
                 if getattr(self, name) <= 0:
                     raise ValueError(f"{name} must be positive")
-        if self.host_kv_memory is None:
-            for name in ("write_policy", "kv_storage"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} needs a host tier: give host_kv_memory too")
-        elif not self.enable_prefix_caching:
-            raise ValueError("host_kv_memory needs the prefix cache (it is disabled)")
+        tiered = self.host_kv_memory is not None or self.kv_storage is not None
+        if not tiered and self.write_policy is not None:
+            raise ValueError("write_policy needs a host tier: give host_kv_memory or kv_storage")
+        if tiered and not self.enable_prefix_caching:
+            raise ValueError("host_kv_memory and kv_storage need the prefix cache (it is disabled)")
         if self.kv_storage_size is not None and self.kv_storage is None:
             raise ValueError("kv_storage_size needs kv_storage")
-        if self.kv_storage is not None and not re.match(r"(file|redis)://", self.kv_storage):
-            raise ValueError(
-                f"kv_storage {self.kv_storage!r}: use file:///absolute/path or redis://host:port/db"
-            )
-        if self.write_policy is None and self.host_kv_memory is not None:
-            self.write_policy = "write_through" if self.kv_storage else "write_through_selective"
+        if self.kv_storage is not None:
+            self.kv_storage = storage_url(self.kv_storage)
+        if self.write_policy is None and tiered:
+            self.write_policy = "write_through" if self.kv_storage else "write_back"
         if self.write_policy is not None and self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"unknown write_policy {self.write_policy!r}; choose one of {WRITE_POLICIES}"
@@ -228,3 +229,16 @@ class EngineConfig:
                 f"valid options: {', '.join(sorted(known))}"
             )
         return cls(**options)
+
+
+def storage_url(value: str) -> str:
+    """A ``kv_storage`` value as a URL: ``file://`` and ``redis://`` URLs as they are, a plain
+    path (no scheme) as the file store in that directory."""
+    if re.match(r"(file|redis)://", value):
+        return value
+    if "://" in value or not value.strip():
+        raise ValueError(
+            f"kv_storage {value!r}: use file:///absolute/path or redis://host:port/db, or a "
+            "plain directory path"
+        )
+    return "file://" + os.path.abspath(os.path.expanduser(value))

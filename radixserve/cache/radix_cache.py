@@ -234,6 +234,13 @@ class RadixCache(PrefixCache):
             self._host_heap.push(node)
             self._host_heap.maybe_compact(self._host_leaves, len(self._host_leaves))
 
+    def split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut ``node``'s edge after ``n`` tokens (a page multiple); return the upper node.
+        Nothing cached changes: one node becomes two."""
+        if not 0 < n < len(node.key) or n % self.page_size:
+            raise ValueError(f"cannot split {node!r} after {n} tokens")
+        return self._split(node, n)
+
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
         parent = child.parent

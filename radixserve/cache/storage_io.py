@@ -135,6 +135,10 @@ class StorageIO:
         requests do not wait for it, so a hung store costs its timeout once, not per request."""
         return self._reads_out > 0 and time.monotonic() - self._last_read > self.timeout
 
+    def reads_in_flight(self) -> int:
+        """Lookups and fetches asked of the reader and not answered yet."""
+        return self._reads_out
+
     def _read(self, job: tuple) -> None:
         if self._reads_out == 0:
             self._last_read = time.monotonic()

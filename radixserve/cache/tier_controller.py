@@ -15,11 +15,14 @@ Write policies, i.e. when a node's KV is copied to the host:
 - ``write_back``: only when it is evicted from the device.
 
 A device leaf with host-only children is copied before it leaves whatever the policy (else
-they would hang below nothing), or, with the host full, deleted with them. ``load_back``
-copies a match's host part to freshly allocated device slots, all or nothing, and only from
-``load_back_min_tokens`` tokens up. Every page copied to the host is then written to storage
-(keys chained from the root); ``start_prefetch`` asks storage for the pages past a waiting
-request's cached prefix, and ``poll`` hangs what arrived below that prefix.
+they would hang below nothing), or, with the host full, deleted with them.
+
+``load_back`` copies a match's host part to freshly allocated device slots, only from
+``load_back_min_tokens`` tokens up: all of it, or, when the device pool cannot make room for
+all (running requests hold it), its longest leading part that fits, so a full pool still
+saves what it can. Every page copied to the host is then written to storage (keys chained
+from the root); ``start_prefetch`` asks storage for the pages past a waiting request's
+cached prefix, and ``poll`` hangs what arrived below that prefix.
 """
 
 from __future__ import annotations
@@ -100,7 +103,9 @@ class TierController:
         if slots is None:
             self.tiers.backup_failures += 1
             return False
+        start = time.perf_counter()
         self.host.backup(node.value, slots)
+        self.tiers.backup_seconds += time.perf_counter() - start
         self.tree.set_host(node, slots)
         if self.storage is not None:
             self.storage.write(self._storage_keys(node), slots, self._on_stored(node))
@@ -115,24 +120,22 @@ class TierController:
         return slots
 
     def load_back(self, match: MatchResult) -> MatchResult:
-        """Copy the host part of ``match`` onto the device (all or nothing); the match it
-        became, or ``match`` itself when too short or when the device has no room."""
+        """Copy the host part of ``match`` onto the device: all of it, or, when the device
+        cannot make room for all, its longest leading part that fits (a partial load); the
+        match it became, or ``match`` itself when what fits is under the minimum."""
         if match.host_len == 0 or match.host_len < self.load_back_min_tokens:
             return match
-        nodes: list[TreeNode] = []
-        node = match.lower_handle
-        while node is not match.handle:
-            nodes.append(node)
-            node = node.parent
-        nodes.reverse()
         with self.tree.pinned(match):
-            slots = self._alloc_device(match.host_len)
+            room = self.tree.allocator.free_size() + self.tree.evictable_size()
+            n = min(match.host_len, room - room % self.page_size)
+            slots = self._alloc_device(n) if n >= max(self.load_back_min_tokens, 1) else None
         if slots is None:
             self.tiers.load_failures += 1
             return match
+        nodes = self._host_path(match, n)
         start = time.perf_counter()
         try:
-            self.host.restore(torch.cat([n.host_value for n in nodes]), slots)
+            self.host.restore(torch.cat([node.host_value for node in nodes]), slots)
         except BaseException:
             self.tree.allocator.free(slots)
             raise
@@ -141,13 +144,36 @@ class TierController:
             self.tree.set_device(node, slots[offset : offset + len(node.key)])
             offset += len(node.key)
         self.tiers.loads += 1
+        self.tiers.partial_loads += n < match.host_len
         self.tiers.load_latency.observe(time.perf_counter() - start)
         return MatchResult(
             device_indices=torch.cat([match.device_indices, slots]),
             handle=nodes[-1],
-            device_len=match.device_len + match.host_len,
+            device_len=match.device_len + n,
+            host_len=match.host_len - n,
             storage_len=match.storage_len,
+            lower_handle=match.lower_handle if n < match.host_len else None,
         )
+
+    def _host_path(self, match: MatchResult, n: int) -> list[TreeNode]:
+        """The nodes holding the first ``n`` tokens of ``match``'s host part, from the top;
+        the last one is split so that it ends exactly there."""
+        nodes: list[TreeNode] = []
+        node = match.lower_handle
+        while node is not match.handle:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        taken, cut = 0, 0
+        while taken + len(nodes[cut].key) <= n:
+            taken += len(nodes[cut].key)
+            cut += 1
+            if cut == len(nodes):
+                return nodes
+        if taken < n:
+            nodes[cut] = self.tree.split(nodes[cut], n - taken)
+            cut += 1
+        return nodes[:cut]
 
     # ------------------------------------------------------------------ host <-> storage
     def attach_storage(self, url: str, model_id: str, capacity_bytes: int | None,
@@ -236,6 +262,7 @@ class TierController:
         t.pages_to_device, t.bytes_to_device = moved.pages_to_device, moved.bytes_to_device
         if self.storage is not None:
             t.storage = self.storage.backend.stats()
+            t.prefetches_in_flight = self.storage.reads_in_flight()
         return t.snapshot()
 
     def clear_storage(self) -> bool:
