@@ -104,11 +104,12 @@ ENGINE_FLAGS = {
         choices=WRITE_POLICIES,
         help="when KV is copied to the host tier: once reused (write_through_selective), as "
         "soon as computed (write_through) or when evicted (write_back); default "
-        "write_through_selective, or write_through with --kv-storage",
+        "write_back, or write_through with --kv-storage",
     ),
     "kv_storage": dict(
-        help="storage tier (L3) below the host tier, shared by restarts and instances: "
-        "file:///absolute/path or redis://host:port/db"
+        help="storage tier (L3) below the host tier, shared by restarts and instances: a "
+        "directory, file:///absolute/path or redis://host:port/db; alone, it brings a host tier "
+        "sized from the device pool and free memory (logged at start-up)"
     ),
     "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
     "load_back_min_tokens": dict(
