@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from fleet_helpers import pid_of_server, start_router, start_worker, stopping, wait_for
+from fleet_helpers import start_router, start_worker, stopping, wait_for
 
 from radixserve.server.guard import key_tenant
 
