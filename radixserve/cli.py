@@ -88,7 +88,7 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
     tiers = ""
-    if llm.config.tiers.host_kv_memory is not None:  # which tier the cached tokens came from
+    if llm.config.host_kv_memory or llm.config.kv_storage:  # which tier the cached tokens came from
         split = tracker.cached_by_tier().items()
         tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(

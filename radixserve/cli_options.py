@@ -71,7 +71,7 @@ ENGINE_FLAGS = {
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
-    # RAG segments (README: "Reusing documents (RAG segments)")
+    # RAG segments (docs/rag-segments.md)
     "segment_recompute_ratio": dict(
         type=float,
         default=0.15,
@@ -95,7 +95,7 @@ ENGINE_FLAGS = {
         "(the shared system prompt; at most up to the first segment), so their K/V saw the "
         "prompt's real start; 0: standalone; default %(default)s",
     ),
-    # the hierarchical cache (README: "Hierarchical cache")
+    # the hierarchical cache (docs/caching.md)
     "host_kv_memory": dict(
         help="host KV tier (L2) size, e.g. 8GiB, larger than the device pool: what the device "
         "evicts is kept there and loaded back on a hit; default: no host tier"
@@ -104,11 +104,12 @@ ENGINE_FLAGS = {
         choices=WRITE_POLICIES,
         help="when KV is copied to the host tier: once reused (write_through_selective), as "
         "soon as computed (write_through) or when evicted (write_back); default "
-        "write_through_selective, or write_through with --kv-storage",
+        "write_back, or write_through with --kv-storage",
     ),
     "kv_storage": dict(
-        help="storage tier (L3) below the host tier, shared by restarts and instances: "
-        "file:///absolute/path or redis://host:port/db"
+        help="storage tier (L3) below the host tier, shared by restarts and instances: a "
+        "directory, file:///absolute/path or redis://host:port/db; alone, it brings a host tier "
+        "sized from the device pool and free memory (logged at start-up)"
     ),
     "kv_storage_size": dict(help="file storage size cap, e.g. 50GiB (LRU); default unbounded"),
     "load_back_min_tokens": dict(
@@ -127,7 +128,7 @@ ENGINE_FLAGS = {
         help="seconds a request waits for pages from storage before computing them; "
         "default %(default)s",
     ),
-    # prefill/decode disaggregation (README: "Prefill/decode disaggregation")
+    # prefill/decode disaggregation (docs/fleet.md)
     "disaggregation_mode": dict(
         default="off",
         choices=DISAGGREGATION_MODES,

@@ -14,14 +14,18 @@ still answers from its group.
 The KV pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such
 as ``"2GiB"``); with neither, by a share of the device's free memory. The hierarchical cache
 is off by default: ``host_kv_memory`` adds a host tier (L2) and ``kv_storage`` a storage tier
-below it (L3, which needs L2). Without an explicit ``write_policy``, pages are copied to the
-host once reused (``write_through_selective``), or, with a storage tier, as soon as they are
-computed (``write_through``): a store is for sharing and restarts, which need every page.
+below it (L3; given alone, it brings a host tier sized by default, see
+``engine/cache_setup.py``). ``kv_storage`` is a URL (``file:///path``, ``redis://host:port/db``)
+or a plain directory path (a file store). Without an explicit ``write_policy``, pages are copied
+to the host when the device evicts them (``write_back``: every page that would be lost, and no
+others), or, with a storage tier, as soon as they are computed (``write_through``): a store is
+for sharing and restarts, which need every computed page (docs/decisions.md says why).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,11 +120,10 @@ class TierConfig:
         for name in ("host_kv_memory", "kv_storage_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
-        if self.host_kv_memory is None:
-            for name in ("write_policy", "kv_storage"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} needs a host tier: give host_kv_memory too")
-        else:
+        tiered = self.host_kv_memory is not None or self.kv_storage is not None
+        if not tiered and self.write_policy is not None:
+            raise ValueError("write_policy needs a host tier: give host_kv_memory or kv_storage")
+        if tiered:
             check_choice("write_policy", self.write_policy, WRITE_POLICIES)
         if self.kv_storage_size is not None and self.kv_storage is None:
             raise ValueError("kv_storage_size needs kv_storage")
@@ -141,7 +144,7 @@ class DisaggConfig:
     kv_transfer_heartbeat: float = 1.0  # seconds; a peer silent for 5 of them is dead
     prefill_endpoint: str | None = None  # decode: the prefill instance when a request names none
     kv_transfer_timeout: float = 30.0  # decode: then the prompt is computed here instead
-    # decode: prompts with fewer uncached tokens are prefilled here (docs/BENCHMARKS.md)
+    # decode: prompts with fewer uncached tokens are prefilled here (docs/benchmarks.md)
     remote_prefill_min_tokens: int = 64
 
     def __post_init__(self) -> None:
@@ -219,8 +222,9 @@ class EngineConfig:
                 f"kv_events_block_size must be a positive multiple of page_size ({page}), "
                 f"got {size!r}"
             )
-        if self.tiers.host_kv_memory is not None and not self.cache.enable_prefix_caching:
-            raise ValueError("host_kv_memory needs the prefix cache (it is disabled)")
+        tiered = self.tiers.host_kv_memory is not None or self.tiers.kv_storage is not None
+        if tiered and not self.cache.enable_prefix_caching:
+            raise ValueError("host_kv_memory and kv_storage need the prefix cache (it is disabled)")
 
     def __getattr__(self, name: str) -> Any:
         """A flat option name (``config.page_size``) reads its group's field."""
@@ -270,8 +274,22 @@ def resolve_defaults(options: dict[str, Any]) -> dict[str, Any]:
         out["chunked_prefill_size"] = (
             256 if str(out.get("device", "cpu")).startswith("cpu") else 2048
         )
-    if out.get("write_policy") is None and out.get("host_kv_memory") is not None:
-        out["write_policy"] = (
-            "write_through" if out.get("kv_storage") else "write_through_selective"
-        )
+    if out.get("kv_storage") is not None:
+        out["kv_storage"] = storage_url(out["kv_storage"])
+    tiered = out.get("host_kv_memory") is not None or out.get("kv_storage") is not None
+    if out.get("write_policy") is None and tiered:
+        out["write_policy"] = "write_through" if out.get("kv_storage") else "write_back"
     return out
+
+
+def storage_url(value: str) -> str:
+    """A ``kv_storage`` value as a URL: ``file://`` and ``redis://`` URLs as they are, a plain
+    path (no scheme) as the file store in that directory."""
+    if re.match(r"(file|redis)://", value):
+        return value
+    if "://" in value or not value.strip():
+        raise ValueError(
+            f"kv_storage {value!r}: use file:///absolute/path or redis://host:port/db, or a "
+            "plain directory path"
+        )
+    return "file://" + os.path.abspath(os.path.expanduser(value))

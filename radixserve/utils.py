@@ -12,6 +12,9 @@ import torch
 CPU_KV_SHARE = 0.25  # of available RAM
 CPU_KV_MAX_BYTES = 4 * 2**30
 GPU_KV_SHARE = 0.6  # of free device memory, after the weights are loaded
+HOST_KV_DEVICE_MULTIPLE = 8  # a default host tier holds this many device pools ...
+HOST_KV_MIN_BYTES = 4 * 2**30  # ... and at least this much ...
+HOST_KV_SHARE = 0.5  # ... but no more than this share of the RAM available now
 
 
 def available_ram_bytes() -> int:
@@ -32,6 +35,14 @@ def default_kv_cache_bytes(device: str) -> int:
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free * GPU_KV_SHARE)
     return int(min(CPU_KV_MAX_BYTES, available_ram_bytes() * CPU_KV_SHARE))
+
+
+def default_host_kv_bytes(device_pool_bytes: int) -> int:
+    """The host tier's size when only a storage tier was asked for: enough to keep what many
+    device pools evicted (the host tier's job is the live working set the device cannot
+    hold), within a share of the free RAM. Memory is committed only as pages are used."""
+    want = max(HOST_KV_DEVICE_MULTIPLE * device_pool_bytes, HOST_KV_MIN_BYTES)
+    return int(min(want, available_ram_bytes() * HOST_KV_SHARE))
 
 
 def cache_dir() -> Path:

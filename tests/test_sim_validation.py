@@ -80,7 +80,7 @@ def validation_model(default_gguf) -> str:
     """The default model, SmolLM2-135M: what the simulator's profiles are for. (The tiny test
     model was tried too: its TTFT of about 40 ms is all front end and Python, and the real
     run's own median moves by +-20% from one run to the next on this machine; see
-    docs/SIMULATOR.md.)"""
+    docs/decisions.md.)"""
     return str(default_gguf)
 
 

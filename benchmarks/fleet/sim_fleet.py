@@ -10,7 +10,7 @@ replay, ``sim/replay.py``; at large N a simulated N-times-faster instance would 
 Python for the same answer). Load imbalance is max / mean over instances of busy time (what
 each computed) and of requests served. Wall time per run is the simulator's speed.
 
-    python -m benchmarks.fleet.sim_fleet --instances 1,10,100,1000 --output-dir docs/simulator
+    python -m benchmarks.fleet.sim_fleet --instances 1,10,100,1000 --output-dir sim_results/fleet
 
 Prints one JSON line at the end; writes results.json, report.md and the plot into
 ``--output-dir``.

@@ -1,6 +1,6 @@
 """Eviction policies and their knobs against Belady at one pool size (cache-only replays).
 
-The trace is the one of docs/SIMULATOR.md: 300 ShareGPT chats (up to 8 turns, messages cut
+The trace is the one of docs/simulator.md: 300 ShareGPT chats (up to 8 turns, messages cut
 at 1024 tokens, the default model's chat template), Poisson session starts of 1 per second,
 think time exponential of mean 30 s. The pool is ``--kv-tokens`` (118,784 = 25% of that
 trace's distinct working set). Besides each policy at its default, it varies the knobs an
@@ -8,7 +8,7 @@ operator could turn: SLRU's protected share, the cost-aware policy's context sca
 a token's recompute cost grows with depth), and ``--cache-threshold`` R on LRU and
 cost-aware. Prints one line per replay and writes every hit rate to ``--output``.
 
-    python -m benchmarks.fleet.sim_policy_knobs --output docs/simulator/policies/knobs.json
+    python -m benchmarks.fleet.sim_policy_knobs --output sim_results/knobs.json
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (README: "Prefill/decode disaggregation").
+# the router sets it per request (docs/fleet.md).
 PREFILL_HEADER = "x-radixserve-prefill"
 
 

@@ -1,21 +1,22 @@
-"""StorageTier: the storage tier (L3) below a TieredRadixCache, reached through host pages.
+"""StorageIO: the storage tier's (L3) worker threads, queues and acknowledgements.
 
-Threads: the tree and both pools belong to the main (step) thread. Two worker threads make
-every backend call: a reader (``exists`` lookups and ``get`` fetches, for prefetches) and a
-writer (``set`` write-outs and ``clear``), each with its own queue; both post results to one
-queue that the main thread applies in ``poll``. Host pages a worker reads or writes are busy
-in the host pool meanwhile (freeing one defers until ``io_end``), and the pages allocated
-for a fetch are held by its ``Prefetch`` until ``poll`` hands them to the tree.
+The tier controller (``tier_controller.py``) owns one and is its only user; this module knows
+the host pool and a storage backend, never the tree. Threads: the tree and both pools belong
+to the main (step) thread. Two worker threads make every backend call: a reader (``exists``
+lookups and ``get`` fetches, for prefetches) and a writer (``set`` write-outs and ``clear``),
+each with its own queue; both post results to one queue that the main thread applies in
+``poll``. Host pages a worker reads or writes are busy in the host pool meanwhile (freeing one
+defers until ``io_end``), and the pages allocated for a fetch are held by its ``Prefetch``
+until ``poll`` hands them back to the controller.
 
-- Write-out: every page copied to the host tier is then written to storage, keys chained
-  from the root (``TieredRadixCache._storage_keys``); with more than ``max_pending_pages``
-  waiting, a write-out is skipped and counted: a step never waits for storage.
-- Prefetch: ``start_prefetch`` peeks the tree for a waiting request and, when at least
-  ``min_tokens`` of its prompt lie beyond the cached prefix, asks the reader how many of
-  those pages storage holds; ``poll`` allocates host pages for them and asks the reader to
-  fetch them, then hangs what arrived below the cached prefix (``attach_host``). The
-  scheduler admits the request once its ``Prefetch`` is done, or after ``timeout`` seconds
-  (then it computes those pages; a fetch that lands later still fills the tree).
+- Write-out: with more than ``max_pending_pages`` waiting, a write-out is skipped and
+  counted: a step never waits for storage.
+- Prefetch: ``lookup`` asks the reader how many of a prefetch's pages storage holds; ``poll``
+  allocates host pages for them (``alloc_host``, the controller's: it may evict host leaves)
+  and asks the reader to fetch them, then returns the finished fetches for the controller to
+  hang below the cached prefix. The scheduler admits the request once its ``Prefetch`` is
+  done, or after ``timeout`` seconds (then it computes those pages; a fetch that lands
+  later still fills the tree).
 - Failures: a backend returns short counts (and logs) when its store fails; a short count
   is a miss, so the tokens are computed. An exception from a backend is a bug: logged, and
   treated the same way, so the engine goes on.
@@ -34,14 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.cache.base import EMPTY_INDICES, TokenIds, as_token_array
-from radixserve.cache.storage import (
-    PageLayout,
-    StorageBackend,
-    StorageScope,
-    chain_page_keys,
-    open_backend,
-)
+from radixserve.cache.base import EMPTY_INDICES
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.storage import StorageBackend
 from radixserve.cache.tier_stats import TierStats
 
 log = logging.getLogger("radixserve")
@@ -52,7 +48,8 @@ CLOSE_DRAIN_SECONDS = 60.0  # at shutdown, how long pending write-outs may take 
 class Prefetch:
     """One waiting request's fetch from storage; the scheduler polls ``done``."""
 
-    tier: StorageTier
+    stats: TierStats
+    timeout: float
     token_ids: np.ndarray
     extra_key: Any
     start: int  # tokens cached (device or host) when it began: the fetch starts there
@@ -64,28 +61,38 @@ class Prefetch:
     timed_out: bool = False
 
     def expired(self, now: float) -> bool:
-        return not self.done and now - self.started > self.tier.timeout
+        return not self.done and now - self.started > self.timeout
 
     def give_up(self) -> None:
         """The request stops waiting (it computes instead); the fetch may still land."""
         if not self.timed_out:
             self.timed_out = True
-            self.tier.stats.prefetch_timeouts += 1
+            self.stats.prefetch_timeouts += 1
 
     def tokens_from_storage(self, lo: int, hi: int) -> int:
         """How many of the tokens ``[lo, hi)`` this fetch brought."""
         return max(0, min(hi, self.fetched[1]) - max(lo, self.fetched[0]))
 
 
-class StorageTier:
-    def __init__(self, cache: Any, backend: StorageBackend, scope: StorageScope, url: str,
-                 min_tokens: int, timeout: float, max_pending_pages: int):  # fmt: skip
-        self.cache, self.host, self.backend, self.scope = cache, cache.host, backend, scope
-        self.page_size = cache.page_size
+@dataclass
+class Fetched:
+    """A finished fetch: ``num_pages`` pages read into the first slots of ``host_slots`` (the
+    controller owns all of ``host_slots`` now)."""
+
+    prefetch: Prefetch
+    host_slots: torch.Tensor
+    num_pages: int
+
+
+class StorageIO:
+    def __init__(self, host: HostKVPool, backend: StorageBackend, stats: TierStats,
+                 alloc_host: Callable[[int], torch.Tensor | None], min_tokens: int,
+                 timeout: float, max_pending_pages: int):  # fmt: skip
+        self.host, self.backend, self.stats = host, backend, stats
+        self.alloc_host = alloc_host
+        self.page_size = host.page_size
         self.min_tokens, self.timeout = max(min_tokens, self.page_size), timeout
         self.max_pending_pages = max_pending_pages
-        self.stats = cache.tiers
-        self.stats.storage_url = url
         self._pending_pages = 0
         self._reads_out = 0  # reader jobs not answered yet
         self._last_read = time.monotonic()  # when the reader last answered (or went idle)
@@ -102,9 +109,6 @@ class StorageTier:
         for t in self._threads:
             t.start()
 
-    def page_keys(self, namespace: Any, tokens: np.ndarray, parent: bytes | None) -> list[bytes]:
-        return chain_page_keys(self.scope, parent, tokens, namespace)
-
     # ------------------------------------------------------------------ main thread
     def write(self, keys: list[bytes], host_slots: torch.Tensor,
               on_done: Callable[[int], None] | None = None) -> None:  # fmt: skip
@@ -117,14 +121,11 @@ class StorageTier:
         self.host.io_begin(pages)
         self._writes.put(("write", keys, pages, on_done))
 
-    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Prefetch | None:
-        key = as_token_array(token_ids)
-        start = self.cache.peek_prefix(key, extra_key).length
-        end = len(key) - len(key) % self.page_size
-        if end - start < self.min_tokens or self.stalled():
-            return None
-        keys = self.page_keys(extra_key, key[:end], None)[start // self.page_size :]
-        prefetch = Prefetch(self, key[:end].copy(), extra_key, start, keys)
+    def lookup(self, token_ids: np.ndarray, extra_key: Any, start: int,
+               keys: list[bytes]) -> Prefetch:  # fmt: skip
+        """Ask the store how many of ``keys`` (the pages from token ``start`` on) it holds,
+        then fetch them: the returned ``Prefetch`` is done once ``poll`` handed them over."""
+        prefetch = Prefetch(self.stats, self.timeout, token_ids, extra_key, start, keys)
         self.stats.prefetches += 1
         self._read(("lookup", prefetch))
         return prefetch
@@ -134,37 +135,42 @@ class StorageTier:
         requests do not wait for it, so a hung store costs its timeout once, not per request."""
         return self._reads_out > 0 and time.monotonic() - self._last_read > self.timeout
 
+    def reads_in_flight(self) -> int:
+        """Lookups and fetches asked of the reader and not answered yet."""
+        return self._reads_out
+
     def _read(self, job: tuple) -> None:
         if self._reads_out == 0:
             self._last_read = time.monotonic()
         self._reads_out += 1
         self._reads.put(job)
 
-    def poll(self, timeout: float = 0.0) -> None:
+    def poll(self, timeout: float = 0.0) -> list[Fetched]:
+        """Apply the workers' answers (waiting up to ``timeout`` s for the first); return the
+        fetches that finished, for the controller to hang in the tree."""
+        fetched: list[Fetched] = []
         try:
             result = (
                 self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait()
             )
         except queue.Empty:
-            return
+            return fetched
         while True:
             if result[0] in ("found", "fetched"):
                 self._reads_out -= 1
                 self._last_read = time.monotonic()
-            getattr(self, f"_on_{result[0]}")(*result[1:])
+            if result[0] == "fetched":
+                fetched.append(self._on_fetched(*result[1:]))
+            else:
+                getattr(self, f"_on_{result[0]}")(*result[1:])
             try:
                 result = self._results.get_nowait()
             except queue.Empty:
-                return
+                return fetched
 
     def _on_found(self, p: Prefetch, num_pages: int) -> None:
         n = num_pages * self.page_size
-        slots = None
-        if n >= self.min_tokens:
-            slots = self.host.alloc(n)
-            if slots is None:
-                self.cache.evict_host(n - self.host.allocator.free_size())
-                slots = self.host.alloc(n)
+        slots = self.alloc_host(n) if n >= self.min_tokens else None
         if slots is None:
             p.done = True
             return
@@ -174,20 +180,14 @@ class StorageTier:
         self.host.io_begin(pages)
         self._read(("fetch", p, pages))
 
-    def _on_fetched(self, p: Prefetch, pages: list[int], num_read: int) -> None:
+    def _on_fetched(self, p: Prefetch, pages: list[int], num_read: int) -> Fetched:
         self.host.io_end(pages)
         slots, p.host_slots = p.host_slots, None
         del self._held[id(p)]
-        got = num_read * self.page_size
-        if got:
-            added = self.cache.attach_host(
-                p.token_ids[: p.start + got], p.extra_key, p.start, slots[:got], p.keys[:num_read]
-            )
-            p.fetched = (p.start + got - added, p.start + got)
-            self.stats.pages_from_storage += num_read
-            self.stats.bytes_from_storage += num_read * self.host.page_nbytes
-        self.host.free(slots[got:])
+        self.stats.pages_from_storage += num_read
+        self.stats.bytes_from_storage += num_read * self.host.page_nbytes
         p.done = True
+        return Fetched(p, slots, num_read)
 
     def _on_written(self, pages: list[int], present: int, sent: int, on_done) -> None:
         self.host.io_end(pages)
@@ -203,28 +203,30 @@ class StorageTier:
     def held_host_slots(self) -> torch.Tensor:
         return torch.cat(list(self._held.values())) if self._held else EMPTY_INDICES
 
-    def fill_stats(self, stats: TierStats) -> None:
-        stats.storage = self.backend.stats()
-
-    def clear(self, timeout: float = 60.0) -> None:
-        """Delete every page of this model and layout from the store (waits for the writer)."""
+    def clear(self, timeout: float = 60.0) -> list[Fetched]:
+        """Delete every page of this model and layout from the store (waits for the writer);
+        returns the fetches that finished meanwhile."""
         done = threading.Event()
         self._writes.put(("clear", done))
         deadline = time.monotonic() + timeout
+        fetched: list[Fetched] = []
         while not done.is_set() and time.monotonic() < deadline:
-            self.poll(timeout=0.05)
+            fetched += self.poll(timeout=0.05)
         if not done.is_set():
             raise TimeoutError("the storage tier did not clear in time")
+        return fetched
 
-    def close(self) -> None:
-        """Finish the write-outs already queued (warm restarts need them), stop the threads."""
+    def close(self) -> list[Fetched]:
+        """Finish the write-outs already queued (warm restarts need them), stop the threads;
+        returns the fetches that finished meanwhile."""
         for q in (self._reads, self._writes):
             q.put(None)
         deadline = time.monotonic() + CLOSE_DRAIN_SECONDS
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        self.poll()
+        fetched = self.poll()
         self.backend.close()
+        return fetched
 
     # ------------------------------------------------------------------ worker threads
     def _work(self, jobs: queue.Queue) -> None:
@@ -265,16 +267,3 @@ class StorageTier:
         if kind == "write":
             return ("written", job[2], 0, 0, job[3])
         return ("cleared", job[1])
-
-
-def attach_storage(cache: Any, url: str, model_id: str, capacity_bytes: int | None,
-                   min_tokens: int, timeout: float) -> StorageTier:  # fmt: skip
-    """Open the backend for ``url`` and put it below ``cache`` (a TieredRadixCache).
-    At most a quarter of the host pool waits for write-outs at any time."""
-    scope = StorageScope(
-        model_id, PageLayout.from_shape(cache.host.device_pool.shape, cache.page_size)
-    )
-    backend = open_backend(url, scope, capacity_bytes)
-    max_pending = max(1, cache.host.allocator.num_pages // 4)
-    cache.storage = StorageTier(cache, backend, scope, url, min_tokens, timeout, max_pending)
-    return cache.storage
