@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fleet_helpers import start_router, start_worker, stopping, wait_for
 
-from radixserve.server.guard import key_tenant
+from radixserve.api.guard import key_tenant
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TENANTS = ["tenant-a", "tenant-b"]

@@ -9,7 +9,7 @@ from the router itself. Management endpoints: ``/metrics``, ``/flush_cache`` (ev
 Who may call what (``config.py``): with API keys, every endpoint but ``/health`` needs one,
 and the management endpoints need the admin key (closed when none is configured). Bodies
 over ``max_request_bytes`` are refused with 413 before they are read. Every error is in the
-OpenAI envelope, as the server's (``server/errors.py``).
+OpenAI envelope, as the server's (``api/errors.py``).
 
 ``/health``: 200 ``ok`` when every worker is healthy, 200 ``degraded`` when some are not
 (the fleet still serves), 503 ``error`` when none is; with the counts of each.
@@ -24,14 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.api.errors import ApiError, install_error_handlers
+from radixserve.api.guard import Guard
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.config import ADMIN_PATHS, RouterConfig
 from radixserve.router.forward import Forwarder
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.prompts import parse_body
 from radixserve.router.workers import WorkerError, WorkerPool
-from radixserve.server.errors import ApiError, install_error_handlers
-from radixserve.server.guard import Guard
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 

@@ -112,12 +112,12 @@ class RadixServeReplica:
     async def __init__(self, engine_options: dict[str, Any], served_model_name: str | None):
         import ray
 
+        from radixserve.api.config import ServerConfig
         from radixserve.config import EngineConfig
         from radixserve.model.generation_defaults import generation_defaults
         from radixserve.model.loader import resolve_model_path
         from radixserve.model.tokenizer import Tokenizer
         from radixserve.server.app import create_app
-        from radixserve.server.config import ServerConfig
         from radixserve.server.engine_client import EngineClient
 
         host = ray.util.get_node_ip_address()
