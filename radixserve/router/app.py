@@ -114,26 +114,31 @@ def create_router_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
-        total, failed = 0, []
-        for each in pools:
-            for worker in list(each.workers.values()):
-                try:
-                    r = await client.post(f"{worker.url}/flush_cache", timeout=60)
-                    if r.status_code == 200:
-                        total += int(r.json().get("flushed_tokens", 0))
-                    else:
-                        failed.append(f"{worker.url} answered {r.status_code}")
-                except (httpx.HTTPError, ValueError) as e:
-                    failed.append(f"{worker.url}: {type(e).__name__}")
-                each.policy.worker_lost_events(worker.url)  # events will tell what is left
-        if failed:
-            message = f"could not flush {'; '.join(failed)} (flushed {total} tokens elsewhere)"
-            raise ApiError(502, message, kind="server_error")
-        return JSONResponse({"flushed_tokens": total})
+        return JSONResponse({"flushed_tokens": await flush_workers(pools, client)})
 
     for path in INFERENCE_PATHS:
         app.add_api_route(path, _endpoint(forward, path), methods=["POST"])
     return app
+
+
+async def flush_workers(pools: list[WorkerPool], client: httpx.AsyncClient) -> int:
+    """Flush every worker's cache; the tokens flushed, or a 502 naming the workers that failed."""
+    total, failed = 0, []
+    for each in pools:
+        for worker in list(each.workers.values()):
+            try:
+                r = await client.post(f"{worker.url}/flush_cache", timeout=60)
+                if r.status_code == 200:
+                    total += int(r.json().get("flushed_tokens", 0))
+                else:
+                    failed.append(f"{worker.url} answered {r.status_code}")
+            except (httpx.HTTPError, ValueError) as e:
+                failed.append(f"{worker.url}: {type(e).__name__}")
+            each.policy.worker_lost_events(worker.url)  # events will tell what is left
+    if failed:
+        message = f"could not flush {'; '.join(failed)} (flushed {total} tokens elsewhere)"
+        raise ApiError(502, message, kind="server_error")
+    return total
 
 
 def _endpoint(forward: Forwarder, path: str):
