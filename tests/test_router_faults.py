@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from fleet_helpers import pid_of_server, start_router, start_worker, stopping, wait_for
+from fleet_helpers import start_router, start_worker, stopping, wait_for
 
 from radixserve.server.guard import key_tenant
 
@@ -267,11 +267,10 @@ def test_big_bodies_get_413_and_health_stays_fast(router):
 
 def test_a_hung_worker_is_routed_around(tiny_model_dir, router, workers):
     """Worker 1 stopped (SIGSTOP): requests sent to it are retried on worker 0 once it sent
-    nothing for --first-byte-timeout (2 s) or, with a long timeout, once health checks
-    mark it down."""
+    nothing for --first-byte-timeout (2 s) or, with the module router's long timeout, once
+    health checks mark it down."""
     short = start_router(tiny_model_dir, [w.url for w in workers],
                          *router_flags("--first-byte-timeout", "2"))  # fmt: skip
-    long = start_router(tiny_model_dir, [w.url for w in workers], *router_flags())
     pid = workers[1].proc.pid
 
     async def one(client, url, i):
@@ -282,10 +281,10 @@ def test_a_hung_worker_is_routed_around(tiny_model_dir, router, workers):
 
     async def main():
         async with httpx.AsyncClient(timeout=40) as client:
-            calls = [one(client, u, i) for u in (short.url, long.url) for i in range(4)]
+            calls = [one(client, u, i) for u in (short.url, router.url) for i in range(4)]
             return await asyncio.gather(*calls)
 
-    with stopping(short, long):
+    with stopping(short):
         os.kill(pid, signal.SIGSTOP)
         try:
             results = asyncio.run(main())
