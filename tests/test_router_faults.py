@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from fleet_helpers import start_router, start_worker, stopping, wait_for
+from fleet_helpers import idle, start_router, start_worker, stopping, wait_for
+from fuzz_helpers import fuzz_schema
 
 from radixserve.server.guard import key_tenant
 
@@ -263,6 +264,16 @@ def test_big_bodies_get_413_and_health_stays_fast(router):
         done.set()
         poller.join()
     assert len(stalls) > 3 and max(stalls) < 1.0, stalls
+
+
+def test_fuzz_the_router_openapi_schema_finds_no_5xx(router):
+    """Schema-driven bodies, valid and invalid, for every router endpoint (schemathesis),
+    with the admin key; the fleet is whole and idle afterwards."""
+    seen, failures = fuzz_schema(router.url, ADMIN, model_of(router.url))
+    assert not failures, failures
+    assert seen.get(200, 0) >= 10, seen  # the fuzzer did reach the workers
+    wait_fleet_ok(router.url)
+    wait_for(lambda: idle(router.url, ADMIN), timeout=60)
 
 
 def test_a_hung_worker_is_routed_around(tiny_model_dir, router, workers):

@@ -28,12 +28,13 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.config import ADMIN_PATHS, RouterConfig
 from radixserve.router.forward import Forwarder
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.openapi import BODIES, describe_bodies
 from radixserve.router.prompts import parse_body
 from radixserve.router.workers import WorkerError, WorkerPool
 from radixserve.server.errors import ApiError, install_error_handlers
 from radixserve.server.guard import Guard
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+INFERENCE_PATHS = tuple(BODIES)
 
 
 def fleet_health(pools: list[WorkerPool]) -> tuple[int, dict]:
@@ -133,6 +134,7 @@ def create_router_app(
 
     for path in INFERENCE_PATHS:
         app.add_api_route(path, _endpoint(forward, path), methods=["POST"])
+    describe_bodies(app)
     return app
 
 
