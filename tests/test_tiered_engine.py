@@ -57,7 +57,9 @@ def reference(tiny_loaded):
     from radixserve.engine import Engine
 
     engine = Engine(
-        EngineConfig(load_progress=False, enable_prefix_caching=False, max_total_tokens=1024),
+        EngineConfig.from_options(
+            load_progress=False, enable_prefix_caching=False, max_total_tokens=1024
+        ),
         tiny_loaded,
     )
     return {i: run(engine, SHARED + t, f"ref{i}")[1] for i, t in enumerate(TAILS)}
@@ -121,12 +123,12 @@ def test_a_short_host_hit_is_computed_not_loaded(engines, reference):
     assert engine.stats().tiers.loads == 0
 
 
-def storage_round_trip(engines, url: str, reference) -> tuple:
+def storage_round_trip(engines, url: str, reference, **options) -> tuple:
     """Engine 1 computes the prefix and writes it out; engine 2, fresh, fetches it."""
-    first = engines(kv_storage=url)
+    first = engines(kv_storage=url, **options)
     run(first, SHARED + TAILS[0], "a")
     first.close()  # drains the write-outs
-    second = engines(kv_storage=url)
+    second = engines(kv_storage=url, **options)
     out, tokens = run(second, SHARED + TAILS[1], "b")
     assert tokens == reference[1]
     return out, second
@@ -138,6 +140,20 @@ def test_a_file_store_serves_a_fresh_engine(engines, reference, tmp_path):
     assert out.cached_tokens == out.storage_cached_tokens  # nothing else was cached
     tiers = engine.stats().tiers
     assert tiers.pages_from_storage >= 9 and tiers.storage.pages_read >= 9
+
+
+def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
+    engines, reference, tmp_path, caplog
+):
+    with caplog.at_level(logging.INFO, logger="radixserve"):
+        out, engine = storage_round_trip(engines, str(tmp_path), reference, host_kv_memory=None)
+    assert out.storage_cached_tokens >= len(SHARED) - PAGE
+    assert engine.config.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
+    assert engine.config.write_policy == "write_through"
+    sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
+    assert len(sized) == 2  # each engine logged the size it chose
+    assert engine.stats().tiers.host_capacity_tokens > engine.config.max_total_tokens
+    engine.check_integrity()
 
 
 def test_redis_serves_another_engine(engines, reference):
@@ -216,7 +232,7 @@ def test_storage_writes_are_kv_events_of_medium_storage(engines, tmp_path):
     "options, message",
     [
         (dict(host_kv_memory="1KiB"), "host tier must be larger than the device pool"),
-        (dict(host_kv_memory=None, kv_storage="file:///tmp/x"), "needs a host tier"),
+        (dict(host_kv_memory=None, write_policy="write_back"), "needs a host tier"),
         (dict(kv_storage="ftp://host/x"), "use file:///absolute/path or redis://"),
         (dict(kv_storage="file://relative/path"), "three slashes"),
         (dict(kv_storage_size="1MiB"), "kv_storage_size needs kv_storage"),

@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Any
 
-from radixserve.cli import flag
+from radixserve.cli_options import flag
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import POLICIES, PolicyConfig
 

@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from radixserve.cli import flag
+from radixserve.cli_options import flag
 from radixserve.router.cli import policy_config_from_args, router_config_from_args, serve_router
 from radixserve.router.policy import PolicyConfig
 from radixserve.router.supervisor import Supervisor

@@ -38,6 +38,7 @@ import os
 import signal
 import time
 import traceback
+from typing import Any
 
 import zmq
 
@@ -45,7 +46,7 @@ from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
-from radixserve.engine.step_trace import StepTraceWriter
+from radixserve.engine.step_trace import StepTraceWriter, TierTrace
 from radixserve.kvevents.publisher import KVEventPublisher
 from radixserve.server.event_bridge import EventBridge
 
@@ -75,6 +76,7 @@ class EngineLoop:
         self.engine, self.pull, self.push = engine, pull, push
         self.events = events
         self.trace = trace  # --step-trace: every step and admission, timed (step_trace.py)
+        self._tiers_before: Any = None  # the tiers' counters at the last traced step
         engine.record_step_shape = trace is not None
         self._streaming: set[str] = set()  # traced requests that have had a token
         self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
@@ -158,15 +160,20 @@ class EngineLoop:
             self._counts = counts
         shape = self.engine.last_step_shape
         if self.trace is not None and shape is not None:
-            self._trace_step(start, shape, outputs)
+            self._trace_step(start, shape, outputs, stats.tiers)
 
-    def _trace_step(self, start: float, shape: tuple, outputs: list) -> None:
+    def _trace_step(self, start: float, shape: tuple, outputs: list, tiers: Any) -> None:
         first = [o.request_id for o in outputs
                  if o.new_token_ids and o.request_id not in self._streaming]  # fmt: skip
         finished = [o.request_id for o in outputs if o.finished]
         self._streaming.update(first)
         self._streaming.difference_update(finished)
-        self.trace.step(start, time.monotonic(), *shape, first, finished)
+        moved = None
+        if tiers is not None:  # what moved since the last traced step (this one's moves)
+            if self._tiers_before is not None:
+                moved = TierTrace.between(self._tiers_before, tiers)
+            self._tiers_before = tiers
+        self.trace.step(start, time.monotonic(), *shape, first, finished, moved)
 
     def _fail_unfinished(self) -> list:
         outputs = []
