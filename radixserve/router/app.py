@@ -30,10 +30,11 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.config import ADMIN_PATHS, RouterConfig
 from radixserve.router.forward import Forwarder
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.openapi import BODIES, describe_bodies
 from radixserve.router.prompts import parse_body
 from radixserve.router.workers import WorkerError, WorkerPool
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+INFERENCE_PATHS = tuple(BODIES)
 
 
 def fleet_health(pools: list[WorkerPool]) -> tuple[int, dict]:
@@ -118,6 +119,7 @@ def create_router_app(
 
     for path in INFERENCE_PATHS:
         app.add_api_route(path, _endpoint(forward, path), methods=["POST"])
+    describe_bodies(app)
     return app
 
 

@@ -25,7 +25,8 @@ import time
 import httpx
 
 from radixserve.cli_options import flag
-from radixserve.router.cli import policy_config_from_args, router_config_from_args, serve_router
+from radixserve.router.cli import policy_config_from_args, serve_router
+from radixserve.router.config import router_config_from_args
 from radixserve.router.policy import PolicyConfig
 from radixserve.server.engine_process import _die_with_parent
 from radixserve.server.supervisor import Supervisor

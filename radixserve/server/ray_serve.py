@@ -204,12 +204,16 @@ def _ingress_app():
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, path: str, request: Request) -> StreamingResponse:
             from radixserve.router.prompts import parse_body, route_request
+            from radixserve.server.errors import ApiError
 
             raw = await request.body()
             path = "/" + path
-            wanted = route_request(
-                path, parse_body(raw), dict(request.headers), self.tokenizer, self.block_size
-            )
+            try:
+                body = parse_body(raw)
+            except ApiError:
+                body = None  # the replica answers with its own 400 (or it is a GET)
+            wanted = route_request(path, body, dict(request.headers), self.tokenizer,
+                                   self.block_size)  # fmt: skip
             hints = {"block_hashes": list(wanted.block_hashes), "num_tokens": wanted.num_tokens,
                      "session_key": wanted.session_key}  # fmt: skip
             headers = [(k.encode(), v.encode()) for k, v in request.headers.items()
