@@ -152,7 +152,7 @@ def chat_ttft(llm: LLM, history: list[dict], max_tokens: int) -> tuple[float, st
     for _, tracker in llm.stream(history, params):
         if ttft is None and tracker.token_ids:
             ttft = time.perf_counter() - t0
-    return ttft, tracker.text, tracker.prompt_tokens
+    return ttft, tracker.text, tracker.usage.prompt_tokens
 
 
 def bench_multiturn(loaded, answer_tokens: int = 250) -> dict:

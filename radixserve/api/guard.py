@@ -33,7 +33,7 @@ def key_tenant(key: str) -> str:
 
 
 def cache_namespace(tenant: str | None, salt: str | None) -> str | None:
-    """The radix tree namespace (the engine's ``extra_key``) of a tenant's salted request;
+    """The cache namespace (``RequestSpec.namespace``) of a tenant's salted request;
     None is the shared namespace. Hashed, so the salt never shows in ``/cache``."""
     if tenant is None and salt is None:
         return None

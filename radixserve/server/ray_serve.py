@@ -203,8 +203,8 @@ def _ingress_app():
 
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, path: str, request: Request) -> StreamingResponse:
+            from radixserve.api.errors import ApiError
             from radixserve.router.prompts import parse_body, route_request
-            from radixserve.server.errors import ApiError
 
             raw = await request.body()
             path = "/" + path
