@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_router_parser(sub)
-        from radixserve.router.ray_cli import add_ray_parser
+        from radixserve.server.ray_cli import add_ray_parser  # Ray Serve: replicas and router
 
         add_ray_parser(sub)
     try:

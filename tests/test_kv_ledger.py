@@ -1,4 +1,4 @@
-"""The request KV ledger and the tier-shaped cache interface (issue 8 foundations).
+"""The request KV ledger and the tier-shaped cache interface.
 
 - ``release`` frees everything up to ``allocated``: a failure or abort between ``schedule()``
   and the end of a step leaks no slot, and the engine goes on serving.

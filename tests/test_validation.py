@@ -10,17 +10,17 @@ import pickle
 import gguf
 import pytest
 
+from radixserve.api.config import ServerConfig, parse_sampling_overrides
+from radixserve.api.protocol import ChatCompletionRequest, GenerateRequest, lone_surrogate_at
 from radixserve.engine import SamplingParams
 from radixserve.engine.spec import RequestSpec
 from radixserve.model.generation_defaults import generation_defaults
-from radixserve.server.config import ServerConfig, parse_sampling_overrides
 from radixserve.server.engine_process import STEP_ERROR, EngineLoop
 from radixserve.server.messages import Added, AddRequest, Outputs, Rejected
-from radixserve.server.protocol import ChatCompletionRequest, GenerateRequest, lone_surrogate_at
 
 BAD_PARAMS = [
-    ({"top_k": 10**20}, "top_k"),  # issue 13: killed the engine (int64 overflow in the sampler)
-    ({"logprobs": 2.5}, "logprobs"),  # issue 13: killed the engine
+    ({"top_k": 10**20}, "top_k"),  # once killed the engine (int64 overflow in the sampler)
+    ({"logprobs": 2.5}, "logprobs"),  # once killed the engine
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 0.5}, "logprobs"),
     ({"temperature": math.nan}, "temperature"),

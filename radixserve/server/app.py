@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI endpoints, native ``/generate``, cache tools, metrics.
 
-Errors always come back as OpenAI-style bodies (``errors.py``): 400 for bad input (malformed
+Errors always come back as OpenAI-style bodies (``api/errors.py``): 400 for bad input (malformed
 JSON, wrong types, unknown or unsupported parameters, prompts that do not fit), 401/403
-without the right key (``guard.py``), 404 for an unknown model or route, 413 for a body over
+without the right key (``api/guard.py``), 404 for an unknown model or route, 413 for a body over
 the limit, 503 with ``Retry-After`` while the engine restarts or the queue is full.
 ``/cache`` shows counts and hashes of the cached prefixes, their text only with
 ``debug_cache_text``; a request's ``cache_salt`` (and, with ``salt_from_api_key``, its key)
@@ -21,21 +21,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.api.config import ServerConfig
+from radixserve.api.errors import ApiError, install_error_handlers, unavailable
+from radixserve.api.guard import Guard, cache_namespace
+from radixserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineStats
 from radixserve.model.generation_defaults import GenerationDefaults
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.config import ServerConfig
 from radixserve.server.engine_client import EngineClient, EngineDeadError
-from radixserve.server.errors import ApiError, install_error_handlers, unavailable
-from radixserve.server.guard import Guard, cache_namespace
 from radixserve.server.metrics import Metrics
-from radixserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-)
 from radixserve.server.responses import (
     ChatStream,
     CompletionStream,
@@ -68,7 +68,7 @@ def create_app(
         client, tokenizer, metrics, config, client.config.scheduler.max_running_requests
     )
     app.add_middleware(Guard, config=config)
-    install_error_handlers(app)
+    install_error_handlers(app, retryable=(EngineDeadError,))
     app.state.serving = serving  # the server closes its tokenizer thread on the way out
     started = int(time.time())
 

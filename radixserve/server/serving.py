@@ -27,13 +27,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from radixserve.api.config import ServerConfig
+from radixserve.api.errors import ApiError, internal_error, unavailable
 from radixserve.engine import SamplingParams
 from radixserve.engine.output import OutputTracker
 from radixserve.engine.spec import RequestSpec
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.config import ServerConfig
 from radixserve.server.engine_client import EngineClient, EngineDeadError
-from radixserve.server.errors import ApiError, internal_error, unavailable
 from radixserve.server.metrics import Metrics
 
 DISCONNECT_POLL_SECONDS = 0.2

@@ -20,7 +20,7 @@ they build), all float32.
   integer kernels). The relative change of perplexity against the reference is the figure
   (target: within 1%).
 
-Prints one JSON line. Usage: ``python benchmarks/eval_quantization.py [--prompts 100]``.
+Prints one JSON line. Usage: ``python -m benchmarks.engine.eval_quantization [--prompts 100]``.
 """
 
 from __future__ import annotations

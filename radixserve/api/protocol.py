@@ -15,12 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from radixserve.api.errors import ApiError
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
-from radixserve.server.errors import ApiError
-from radixserve.server.segments import PLACEHOLDER
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_SALT_CHARS = 256
+
+PLACEHOLDER = "\x00reusable\x00"  # where ChatMessage.text puts a reusable part's text
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
@@ -171,7 +172,7 @@ class ChatMessage(BaseModel):
 
     def text(self, mark_reusable: bool = False) -> str:
         """The content as text; with ``mark_reusable``, each reusable part (the extension
-        ``"reusable": true``, a RAG segment) replaced by ``segments.PLACEHOLDER``."""
+        ``"reusable": true``, a RAG segment) replaced by ``PLACEHOLDER``."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):

@@ -10,7 +10,7 @@
    publisher, with a publisher nobody subscribes to, and with a subscriber draining the
    stream; reports engine step time per mode (interleaved runs, best of each).
 
-Usage: python benchmarks/bench_router.py [--conversations 40] [--skip-engine]
+Usage: python -m benchmarks.fleet.bench_router [--conversations 40] [--skip-engine]
 """
 
 from __future__ import annotations

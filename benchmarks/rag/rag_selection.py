@@ -28,7 +28,7 @@ it picks (``rag_items.chosen_option``) with the reference's.
 
 Prints a JSON line per item, then one summary line per variant and ratio;
 ``--from-log LOG [LOG ...]`` summarizes the item lines of earlier runs.
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/rag_selection.py --slice 0:6
+Usage: ``OMP_NUM_THREADS=1 python -m benchmarks.rag.rag_selection --slice 0:6
 --variants 4:kv:global,0:v:global --ratios 0.05,0.1,0.15``.
 """
 
@@ -40,9 +40,9 @@ import statistics
 from pathlib import Path
 
 import torch
-from bench_rag import store_all
-from rag_items import Runner, build_items, chosen_option, kl
 
+from benchmarks.rag.bench_rag import store_all
+from benchmarks.rag.rag_items import Runner, build_items, chosen_option, kl
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine

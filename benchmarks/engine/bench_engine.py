@@ -15,9 +15,9 @@
    with the cache on (the model writes each 250-token answer, as in a real chat) and off
    (the same five prompts, the answers replayed). Reports turns 2 and 5 and the speed-ups.
 
-Prints one JSON line. Usage: ``python benchmarks/bench_engine.py [--repeat 3] [--dtype float32]
-[--quantization auto] [--prefill-only]`` (the engine's ``--quantization``; transformers
-always runs the dequantized weights; ``--prefill-only``: part 1 without transformers).
+Prints one JSON line. Usage: ``python -m benchmarks.engine.bench_engine [--repeat 3]
+[--dtype float32] [--quantization auto] [--prefill-only]`` (the engine's ``--quantization``;
+transformers always runs the dequantized weights; ``--prefill-only``: part 1 without transformers).
 """
 
 from __future__ import annotations

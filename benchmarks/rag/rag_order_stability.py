@@ -9,7 +9,7 @@ option (``rag_items.chosen_option``), KL(as built || reversed) of the first next
 distribution, and the as-built prompt's top-2 log-prob gap (how near a tie its first token is).
 
 Prints a JSON line per item, then the summary line. Usage:
-``OMP_NUM_THREADS=1 python benchmarks/rag_order_stability.py --items 30 --slice 0:15``.
+``OMP_NUM_THREADS=1 python -m benchmarks.rag.rag_order_stability --items 30 --slice 0:15``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import json
 import statistics
 
 import torch
-from rag_items import Runner, build_items, chosen_option, kl, sliced
 
+from benchmarks.rag.rag_items import Runner, build_items, chosen_option, kl, sliced
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine

@@ -1,4 +1,4 @@
-"""Every error the server answers, in OpenAI's envelope, with a short message.
+"""Every error the server and the router answer, in OpenAI's envelope, with a short message.
 
 ``{"error": {"message", "type", "param", "code"}}`` for every 4xx and 5xx: our own
 ``ApiError``s, FastAPI's validation errors, Starlette's 404/405/400 (unknown route, wrong
@@ -15,8 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from radixserve.server.engine_client import EngineDeadError
 
 log = logging.getLogger("radixserve.server")
 
@@ -93,7 +91,10 @@ def _from_validation_error(e: RequestValidationError) -> ApiError:
     return ApiError(400, message, param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, retryable: tuple[type[Exception], ...] = ()) -> None:
+    """Answer every error in the envelope; the ``retryable`` exceptions (a dead or restarting
+    engine) as 503 with ``Retry-After``."""
+
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         return e.response()
@@ -106,9 +107,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return _from_http_exception(e).response()
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_gone(_: Request, e: EngineDeadError) -> JSONResponse:
+    async def retry_later(_: Request, e: Exception) -> JSONResponse:
         return unavailable(str(e)).response()
+
+    for kind in retryable:
+        app.add_exception_handler(kind, retry_later)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:

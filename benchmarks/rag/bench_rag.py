@@ -36,7 +36,7 @@ run), so a long run can be split into pieces, or run in parallel, and summarized
 fewer items timed on a quiet machine, while the quality runs shared it); a ratio those runs
 did not time gets no TTFT. ``--cpu-clock`` (with ``--threads 1``) times TTFT in the process's
 CPU seconds instead of wall seconds: the work done, nearly independent of a busy machine.
-Usage: ``python benchmarks/bench_rag.py --items 30 --ratios 0,0.05,0.1,0.15,0.25,0.5,1``.
+Usage: ``python -m benchmarks.rag.bench_rag --items 30 --ratios 0,0.05,0.1,0.15,0.25,0.5,1``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 
 import torch
-from rag_items import Runner, build_items, chosen_option, kl, sliced
 
+from benchmarks.rag.rag_items import Runner, build_items, chosen_option, kl, sliced
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
@@ -258,7 +258,7 @@ def plot(result: dict, path: Path) -> None:
     timed = [p for p in c if p["ttft_over_full"] is not None]
     ax2.plot([p["ratio"] for p in timed], [p["ttft_over_full"] for p in timed], "o-")
     ax2.axhline(1.0, color="gray", lw=0.8)
-    ax2.axhline(0.4, color="red", lw=0.8, ls=":")  # issue 14's target
+    ax2.axhline(0.4, color="red", lw=0.8, ls=":")  # the TTFT target
     ax2.set_xlabel("recompute ratio")
     ax2.set_ylabel("TTFT / full prefill (median)")
     note = f", {result['ttft_label']}" if result.get("ttft_label") else ""

@@ -112,12 +112,12 @@ class RadixServeReplica:
     async def __init__(self, engine_options: dict[str, Any], served_model_name: str | None):
         import ray
 
+        from radixserve.api.config import ServerConfig
         from radixserve.config import EngineConfig
         from radixserve.model.generation_defaults import generation_defaults
         from radixserve.model.loader import resolve_model_path
         from radixserve.model.tokenizer import Tokenizer
         from radixserve.server.app import create_app
-        from radixserve.server.config import ServerConfig
         from radixserve.server.engine_client import EngineClient
 
         host = ray.util.get_node_ip_address()
@@ -203,13 +203,17 @@ def _ingress_app():
 
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(self, path: str, request: Request) -> StreamingResponse:
+            from radixserve.api.errors import ApiError
             from radixserve.router.prompts import parse_body, route_request
 
             raw = await request.body()
             path = "/" + path
-            wanted = route_request(
-                path, parse_body(raw), dict(request.headers), self.tokenizer, self.block_size
-            )
+            try:
+                body = parse_body(raw)
+            except ApiError:
+                body = None  # the replica answers with its own 400 (or it is a GET)
+            wanted = route_request(path, body, dict(request.headers), self.tokenizer,
+                                   self.block_size)  # fmt: skip
             hints = {"block_hashes": list(wanted.block_hashes), "num_tokens": wanted.num_tokens,
                      "session_key": wanted.session_key}  # fmt: skip
             headers = [(k.encode(), v.encode()) for k, v in request.headers.items()

@@ -18,7 +18,7 @@ prompt each time, so no prompt cache helps), greedy, ``ignore_eos``:
 
 Prints one JSON line: each figure for both servers and our/llama.cpp ratios. Extra flags for
 ``radixserve serve`` go in ``--radix-args`` (e.g. ``--radix-args "--quantization none"``).
-Usage: ``python benchmarks/bench_decode_vs_llamacpp.py [--repeat 3] [--streams 16]``.
+Usage: ``python -m benchmarks.engine.bench_decode_vs_llamacpp [--repeat 3] [--streams 16]``.
 """
 
 from __future__ import annotations

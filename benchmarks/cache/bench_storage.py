@@ -18,7 +18,7 @@ page load is worth it when ``recompute_over_slowest_load`` > 1 (recompute time o
 slowest of the load figures). The 1-minute load average before and after is printed: on a
 shared machine compute suffers from other tenants far more than a page read does.
 
-Prints one JSON line. Usage: ``python benchmarks/bench_storage.py [--repeat 5]``.
+Prints one JSON line. Usage: ``python -m benchmarks.cache.bench_storage [--repeat 5]``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.common import median_seconds
 from radixserve import SamplingParams
 from radixserve.cache.storage import (
     FileBackend,
@@ -49,14 +50,7 @@ from radixserve.model import load_model
 
 
 def median_ms(fn, repeat: int, setup=None) -> float:
-    samples = []
-    for _ in range(repeat + 1):  # the first run warms up
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples[1:])
+    return 1e3 * median_seconds(fn, repeat, setup, warmup=1)  # the first run warms up
 
 
 def drop_from_page_cache(backend: FileBackend) -> None:

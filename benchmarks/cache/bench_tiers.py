@@ -28,7 +28,7 @@ cost of each tier.
    store (page cache warm) and from Redis, each the median of ``--repeat`` runs.
 
 Prints one JSON line (and, with ``--markdown``, the tables). Usage:
-``python benchmarks/bench_tiers.py [--conversations 48 --turns 4 --device-tokens 4000]``.
+``python -m benchmarks.cache.bench_tiers [--conversations 48 --turns 4 --device-tokens 4000]``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from pathlib import Path
 
 import httpx
 import torch
-from bench_tier_pages import page_costs  # the sibling script
 
+from benchmarks.cache.bench_tier_pages import page_costs
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import build_workload, words

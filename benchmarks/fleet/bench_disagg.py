@@ -19,7 +19,7 @@ gives the KV bytes moved. Workloads: ``sharegpt-multiturn`` and ``doc-mix`` (lon
 arriving while chats run; ITL of the chats is read from the report's ``by_group``). Prints
 one JSON line; ``--out DIR`` keeps every bench report.
 
-Usage: ``python benchmarks/bench_disagg.py [--deployments colocated,dp2,pd,pd-resend]
+Usage: ``python -m benchmarks.fleet.bench_disagg [--deployments colocated,dp2,pd,pd-resend]
 [--workloads sharegpt-multiturn,doc-mix] [--model PATH] [--quick] [--split-tokens N]
 [--workload-args 'WORKLOAD=FLAGS']``
 """

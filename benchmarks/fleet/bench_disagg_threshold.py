@@ -15,7 +15,7 @@ here for its logits), and costs the request a round trip. On the default model, 
 Steps are timed interleaved, median of ``--repeat``. The threshold is the largest ``k`` whose
 local prefill adds at most one decode step to the step (running requests see at most one
 doubled inter-token gap): below it the decode instance computes the prompt itself. Prints
-one JSON line. Usage: ``python benchmarks/bench_disagg_threshold.py [--repeat 15]``.
+one JSON line. Usage: ``python -m benchmarks.fleet.bench_disagg_threshold [--repeat 15]``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.common import median_seconds
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.disagg import wire
@@ -36,12 +37,6 @@ from radixserve.engine import Engine
 from radixserve.model import load_model
 
 SIZES = (8, 16, 32, 48, 64, 96, 128, 192, 256)
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -75,7 +70,7 @@ def main() -> None:
     def decode_only() -> float:
         sched.running.remove(spare)  # the batch without the spare row
         try:
-            return timed(engine.step)
+            return median_seconds(engine.step)
         finally:
             sched.running.append(spare)
 
@@ -84,7 +79,7 @@ def main() -> None:
         engine.add_request(rid, rng.integers(100, 40000, k).tolist(), SamplingParams(max_tokens=1))
         sched.running.remove(spare)
         try:
-            return timed(engine.step)
+            return median_seconds(engine.step)
         finally:
             sched.running.append(spare)
             engine.abort_request(rid)
@@ -92,13 +87,13 @@ def main() -> None:
     def remote(k: int) -> float:
         slots = torch.arange(30000, 30000 + k)  # free slots, far from the running requests
         frame = np.zeros(layout.num_layers * k * per_layer, dtype=np.uint8)
-        landing = timed(
+        landing = median_seconds(
             lambda: wire.scatter(
                 engine.pool, slots, 0, layout.num_layers, memoryview(frame), memoryview(frame),
                 layout,
             )
         )  # fmt: skip
-        return landing + timed(engine.step)  # the full batch: the spare is the extra row
+        return landing + median_seconds(engine.step)  # the full batch: the spare is the extra row
 
     samples: dict[str, list[float]] = {"decode_step": []}
     for _ in range(args.repeat):

@@ -10,20 +10,19 @@ model (SmolLM2-135M-Instruct, ``--dtype auto``) on this machine.
 
 Each figure is the median of ``repeat`` runs. A tier that loads a page slower than the model
 recomputes it must not be used; these figures set the defaults of ``load_back_min_tokens`` and
-``storage_prefetch_min_tokens``. Usage: ``python benchmarks/bench_tier_pages.py [--repeat 5]``;
-prints one JSON line.
+``storage_prefetch_min_tokens``. Prints one JSON line. Usage:
+``python -m benchmarks.cache.bench_tier_pages [--repeat 5]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 
 import numpy as np
 
+from benchmarks.common import median_seconds
 from radixserve import SamplingParams
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.storage import FileBackend, PageLayout, StorageScope, chain_page_keys
@@ -38,12 +37,7 @@ PAGES = 64
 
 
 def median_ms(fn, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1000
+    return 1e3 * median_seconds(fn, repeat)
 
 
 def page_costs(repeat: int = 5) -> dict:

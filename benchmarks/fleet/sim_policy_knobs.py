@@ -8,7 +8,7 @@ operator could turn: SLRU's protected share, the cost-aware policy's context sca
 a token's recompute cost grows with depth), and ``--cache-threshold`` R on LRU and
 cost-aware. Prints one line per replay and writes every hit rate to ``--output``.
 
-    python benchmarks/sim_policy_knobs.py --output sim_results/knobs.json
+    python -m benchmarks.fleet.sim_policy_knobs --output sim_results/knobs.json
 """
 
 from __future__ import annotations

@@ -25,10 +25,11 @@ import time
 import httpx
 
 from radixserve.cli_options import flag
-from radixserve.router.cli import policy_config_from_args, router_config_from_args, serve_router
+from radixserve.router.cli import policy_config_from_args, serve_router
+from radixserve.router.config import router_config_from_args
 from radixserve.router.policy import PolicyConfig
-from radixserve.router.supervisor import Supervisor
 from radixserve.server.engine_process import _die_with_parent
+from radixserve.server.supervisor import Supervisor
 
 PLACEMENT_FLAGS = {"--dp", "--port", "--host", "--device", "--router-policy", "--admin-key",
                    "--kv-events-endpoint", "--kv-events-replay-endpoint"}  # fmt: skip

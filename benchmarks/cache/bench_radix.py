@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.common import median_seconds
 from radixserve.cache import PagedAllocator, RadixCache
 
 RNG = np.random.default_rng(0)
@@ -35,12 +36,7 @@ def tokens(n: int) -> np.ndarray:
 
 
 def timed(fn, repeat: int = 7) -> float:
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return round(statistics.median(samples), 2)
+    return round(1e6 * median_seconds(fn, repeat), 2)  # microseconds
 
 
 def insert_new(cache: RadixCache, seq: np.ndarray) -> None:

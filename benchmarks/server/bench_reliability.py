@@ -1,4 +1,4 @@
-"""Reliability figures of issue 13 on the default model, against a real server.
+"""Reliability figures on the default model, against a real server.
 
 1. ``/health`` latency (max and p99 of back-to-back probes) while a 10 MB prompt is being
    refused (413 by its Content-Length) and while a 4 MB prompt, just under the default
@@ -7,7 +7,7 @@
 3. ``kill -9`` of the engine process while two requests run: seconds until the clients get
    their error, and until ``/health`` answers 200 again (the engine restarted).
 
-Prints one JSON line. Usage: ``python benchmarks/bench_reliability.py [--model PATH]``.
+Prints one JSON line. Usage: ``python -m benchmarks.server.bench_reliability [--model PATH]``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ replay, ``sim/replay.py``; at large N a simulated N-times-faster instance would 
 Python for the same answer). Load imbalance is max / mean over instances of busy time (what
 each computed) and of requests served. Wall time per run is the simulator's speed.
 
-    python benchmarks/sim_fleet.py --instances 1,10,100,1000 --output-dir sim_results/fleet
+    python -m benchmarks.fleet.sim_fleet --instances 1,10,100,1000 --output-dir sim_results/fleet
 
 Prints one JSON line at the end; writes results.json, report.md and the plot into
 ``--output-dir``.
@@ -92,7 +92,7 @@ def main() -> None:
                   f"{row['load_imbalance_requests']:.2f}, {row['requests']} requests in "
                   f"{row['wall_s']:.0f} s", flush=True)  # fmt: skip
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
-    command = f"python benchmarks/sim_fleet.py {flags}"
+    command = f"python -m benchmarks.fleet.sim_fleet {flags}"
     meta = {"command": command, "timing": timing.meta}
     if args.merge:
         rows, meta = merged(Path(args.output_dir), rows, command, meta)

@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from radixserve.server.config import ServerConfig
-from radixserve.server.errors import ApiError
+from radixserve.api.config import ServerConfig
+from radixserve.api.errors import ApiError
 
 OPEN_PATHS = ("/health",)
 ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/")

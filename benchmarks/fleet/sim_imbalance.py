@@ -1,6 +1,6 @@
 """Where a simulated fleet's load imbalance comes from, and the floor no router can beat.
 
-Runs ``benchmarks/sim_fleet.py``'s workload (the same trace for the same N and seed) under
+Runs ``benchmarks/fleet/sim_fleet.py``'s workload (the same trace for the same N and seed) under
 one routing policy and breaks the imbalance down:
 
 - max / mean over instances of busy time (what ``sim_fleet.py`` reports), requests served,
@@ -14,7 +14,7 @@ one routing policy and breaks the imbalance down:
   home, the number of conversations equal), and when conversations are placed at random
   (consistent hashing). Each is the median over 20 deals.
 
-    python benchmarks/sim_imbalance.py --instances 100 --routing cache-aware
+    python -m benchmarks.fleet.sim_imbalance --instances 100 --routing cache-aware
 
 Prints one JSON object.
 """
@@ -26,8 +26,8 @@ import json
 from collections import Counter
 
 import numpy as np
-from sim_fleet import parse_value
 
+from benchmarks.fleet.sim_fleet import parse_value
 from radixserve.config import EngineConfig
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.routing import RoutingConfig

@@ -15,7 +15,8 @@ replayed (its inputs copied into the captured tensors, the context padded to the
 length, so one graph serves every step); the greedy tokens are checked against the eager
 steps'. On CPU the same padded static step runs without capture (a check of the padding).
 Prints one JSON line. Usage:
-``python benchmarks/bench_random_weights.py --device cuda [--dtype bfloat16] [--cuda-graphs]``.
+``python -m benchmarks.engine.bench_random_weights --device cuda [--dtype bfloat16]
+[--cuda-graphs]``.
 """
 
 from __future__ import annotations
