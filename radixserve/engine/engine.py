@@ -70,21 +70,7 @@ class Engine:
         self.model_name = loaded.name
         model_len = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        shape = self.model.kv_shape()
-        if config.max_total_tokens is not None:
-            num_slots = config.max_total_tokens
-        else:
-            budget = config.kv_cache_memory or default_kv_cache_bytes(config.device)
-            num_slots = shape.slots_for_memory(int(budget), config.page_size)
-        if torch.device(config.device).type == "cpu":
-            native.paged_ops()  # build (first run) or load the kernels now, not mid-request
-        self.allocator = PagedAllocator(num_slots, config.page_size)
-        self.pool = KVPool(shape, self.allocator.num_slots, config.device)
-        self.kv_events = KVEventQueue() if config.enable_kv_events else None
-        self.cache = build_cache(
-            config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
-        )
-        self.kv = RequestKV(self.cache, self.allocator)
+        self._build_kv(config, loaded)
         self.disagg: KVTransfer | None = None
         if config.disaggregation_mode != "off":
             if transfer is None:
@@ -102,18 +88,31 @@ class Engine:
         source = self.disagg and self.disagg.kv_source
         self.core = EngineCore(config, self.kv, limits, source, features)
         self.scheduler, self.requests = self.core.scheduler, self.core.requests
-        self.segments = SegmentBlender(
-            self.model,
-            self.pool,
-            self.cache,
-            self.kv,
-            config.segment_recompute_ratio,
-            RecomputeSelector(
-                self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
-            ),
-            prefix_tokens=config.segment_prefix_tokens,
+        select = RecomputeSelector(
+            self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
         )
+        self.segments = SegmentBlender(self.model, self.pool, self.cache, self.kv,
+                                       config.segment_recompute_ratio, select,
+                                       prefix_tokens=config.segment_prefix_tokens)  # fmt: skip
         self.executor = ModelExecutor(self.model, self.pool, self.segments)
+
+    def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
+        shape = self.model.kv_shape()
+        if config.max_total_tokens is not None:
+            num_slots = config.max_total_tokens
+        else:
+            budget = config.kv_cache_memory or default_kv_cache_bytes(config.device)
+            num_slots = shape.slots_for_memory(int(budget), config.page_size)
+        if torch.device(config.device).type == "cpu":
+            native.paged_ops()  # build (first run) or load the kernels now, not mid-request
+        self.allocator = PagedAllocator(num_slots, config.page_size)
+        self.pool = KVPool(shape, self.allocator.num_slots, config.device)
+        self.kv_events = KVEventQueue() if config.enable_kv_events else None
+        self.cache = build_cache(
+            config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
+        )
+        self.kv = RequestKV(self.cache, self.allocator)
 
     # ------------------------------------------------------------------ requests
     def add_request(
