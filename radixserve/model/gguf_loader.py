@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.model.config import ModelConfig, RopeScaling
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.quant import (
     GGUF_FORMATS,
     QuantizedWeight,
@@ -120,7 +121,7 @@ def load_gguf(
     import gguf
 
     path = Path(path)
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     config = read_config(reader, name=path.stem)
     permute = _field(reader, "general.architecture") == "llama"
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
