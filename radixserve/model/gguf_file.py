@@ -6,11 +6,13 @@ over arrays, decoding an array's items only when ``contents()`` asks for them. I
 part of the reader's interface the loaders use: ``fields[key].contents()``, ``len(field.data)``
 for arrays, and ``tensors`` with ``name``, ``shape`` (GGUF's order: inputs first),
 ``tensor_type`` and ``data``, a view of the mapped file shaped as the reader shapes it (a
-quantized type's rows as their bytes), so nothing is read before it is used.
+quantized type's rows as their bytes), so nothing is read before it is used; ``release``
+drops a copied tensor's pages from the process's resident memory.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,8 @@ class Tensor:
     shape: np.ndarray  # GGUF's order: the inputs (ne0) first
     tensor_type: GGMLQuantizationType
     data: np.ndarray
+    start: int  # where its bytes lie in the file
+    nbytes: int
 
 
 class GGUFFile:
@@ -136,4 +140,14 @@ class GGUFFile:
             data = raw.view(_DTYPES[kind]).reshape(shape)
         else:  # the rows as their bytes
             data = raw.reshape(*shape[:-1], shape[-1] // inputs * size)
-        return Tensor(name, dims, kind, data)
+        return Tensor(name, dims, kind, data, start + offset, nbytes)
+
+    def release(self, tensor: Tensor) -> None:
+        """The tensor was copied out: let the OS drop its pages of the map from this process
+        (they stay in the page cache; a later read of ``tensor.data`` reads them again)."""
+        page = mmap.PAGESIZE
+        lo = (tensor.start + page - 1) // page * page
+        hi = (tensor.start + tensor.nbytes) // page * page
+        handle = getattr(self.buf, "_mmap", None)
+        if hi > lo and handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+            handle.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
