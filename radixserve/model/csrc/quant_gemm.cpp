@@ -1,5 +1,6 @@
-// y = x @ W^T with W kept block-quantized (Q8_0, Q4_1) or dense float, for the small row
-// counts of decode steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
+// y = x @ W^T with W kept block-quantized (Q8_0, Q4_1 here; GGUF's block formats in
+// block_formats.cpp), a Stack of those, or dense float, for the small row counts of decode
+// steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
 //
 // Three paths, all splitting W's rows over threads (at::parallel_for):
 //   few rows (AVX2, quantized W; see qgemm for the thresholds): integer dot products, x's rows 4 at a time against each row
