@@ -85,11 +85,12 @@ def stream_answer(llm, history: list[dict[str, str]], params):
         print(text, end="", flush=True)
     end = time.perf_counter()
     first = first or end
-    n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
+    n, usage = len(tracker.token_ids), tracker.usage
+    prompt, cached = usage.prompt_tokens, usage.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
     tiers = ""
     if llm.config.host_kv_memory or llm.config.kv_storage:  # which tier the cached tokens came from
-        split = tracker.cached_by_tier().items()
+        split = usage.cached_by_tier().items()
         tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(
         f"\n[prompt {prompt} tokens: {cached} from the cache{tiers}, {prompt - cached} computed; "
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_router_parser(sub)
-        from radixserve.router.ray_cli import add_ray_parser
+        from radixserve.server.ray_cli import add_ray_parser  # Ray Serve: replicas and router
 
         add_ray_parser(sub)
     try:

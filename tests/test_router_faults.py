@@ -21,7 +21,7 @@ import pytest
 from fleet_helpers import idle, start_router, start_worker, stopping, wait_for
 from fuzz_helpers import fuzz_schema
 
-from radixserve.server.guard import key_tenant
+from radixserve.api.guard import key_tenant
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TENANTS = ["tenant-a", "tenant-b"]

@@ -43,6 +43,9 @@ import numpy as np
 import torch
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+# A cache namespace: None (shared), a tenant's, or one derived from a tenant's (a RAG segment
+# store: ``("rag-segment", tenant)``). Namespaces never share nodes; hashes salt with its repr.
+Namespace = str | tuple[str, str | None] | None
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 CacheHandle = Any  # opaque to callers: whatever the cache needs to find the matched prefix
 

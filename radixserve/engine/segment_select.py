@@ -13,7 +13,7 @@ The top of the ranking is taken over all segments (``quota="global"``) or per se
 proportion to its length (``"segment"``).
 
 Two refinements, off by default and set as attributes (measurement hooks,
-``benchmarks/rag_selection.py``): ``deviation_from`` < ``deviation_layer`` scores every
+``benchmarks/rag/rag_selection.py``): ``deviation_from`` < ``deviation_layer`` scores every
 layer of that range, each over its mean, summed; ``filter_layer`` > ``deviation_layer`` is
 CacheBlend's gradual filtering in two steps: the probe picks ``filter_keep`` x the budget as
 candidates, which are computed up to ``filter_layer`` and scored again there.

@@ -1,7 +1,7 @@
 """RouterConfig: who may call the router, how it calls its workers, and its limits; and
 the ``router`` flags that set it (also read by ``serve --dp``).
 
-Keys, as on the server (``server/guard.py`` enforces both): any of ``api_keys`` (tenants)
+Keys, as on the server (``api/guard.py`` enforces both): any of ``api_keys`` (tenants)
 opens the inference endpoints (``/v1/*``, ``/generate``); ``admin_key`` alone opens the
 management endpoints (``/workers``, ``/flush_cache``, ``/metrics``), which are closed
 whenever keys are configured and it is not. Without any key everything is open.
@@ -25,10 +25,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.api.config import ServerConfig
+from radixserve.api.guard import TENANT_HEADER
 from radixserve.cli_options import flag
 from radixserve.config import parse_bytes
-from radixserve.server.config import ServerConfig
-from radixserve.server.guard import TENANT_HEADER
 
 ADMIN_PATHS = ("/workers", "/flush_cache", "/metrics")
 

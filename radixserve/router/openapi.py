@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,

@@ -1,6 +1,6 @@
 """From an HTTP request body to what the policy routes on: the prompt's token ids, hashed.
 
-Tokenization is the server's own code: the same request models (``server/protocol.py``) turn
+Tokenization is the server's own code: the same request models (``api/protocol.py``) turn
 a body into a conversation or prompts, and the same ``Tokenizer`` applies the chat template,
 so the router names exactly the blocks the worker will cache. A body that is not a JSON
 object is the router's own 400; any other body the server would reject (token ids outside
@@ -16,11 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from radixserve.api.guard import cache_namespace
+from radixserve.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.policy import RouteRequest
-from radixserve.server.guard import cache_namespace
-from radixserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 SESSION_HEADER = "x-session-id"
 
