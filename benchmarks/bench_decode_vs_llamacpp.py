@@ -164,11 +164,11 @@ def main() -> None:
             server = baselines.ManagedServer(name, baselines.command(name, settings), settings)
             managed[name] = stack.enter_context(server)
         servers = {name: server.base_url for name, server in managed.items()}
+        agreement = asyncio.run(check_agreement(servers)) if args.agreement else None
         result = asyncio.run(measure(servers, args))
         for name, server in managed.items():
             result[name]["startup_s"] = round(server.startup_s or 0.0, 1)
             result[name]["rss_mb"] = round(server.rss_bytes() / 2**20)
-        agreement = asyncio.run(check_agreement(servers)) if args.agreement else None
     out = {
         "bench": "decode_vs_llamacpp",
         "threads": args.threads,
