@@ -100,5 +100,7 @@ def test_qwen_05b_template_and_prompt_tokens_match_transformers(qwen_05b):
     assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
     assert text.endswith("<|im_start|>assistant\n")
     ref = AutoTokenizer.from_pretrained(str(qwen_05b.parent), gguf_file=qwen_05b.name)
-    expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     assert ours.encode_chat(messages) == list(expected)
