@@ -13,14 +13,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from radixserve.api.errors import ApiError
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
 
 # a token id as a request may give it: beyond int32 no vocabulary reaches, and the engine's
 # messages carry 64-bit integers at most, so a bigger number is a 400 here
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+MAX_TOKEN_ID = 2**31
+
+
+def _token_id(v: int) -> int:
+    if not 0 <= v < MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, 2^31), got {v}")
+    return v
+
+
+TokenId = Annotated[int, AfterValidator(_token_id)]
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_SALT_CHARS = 256
