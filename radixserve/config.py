@@ -85,6 +85,9 @@ class EngineConfig:
     kv_storage_size: int | str | None = None  # file storage cap in bytes; None: unbounded
     load_back_min_tokens: int = 16  # a shorter host hit is recomputed, not loaded
     storage_prefetch_min_tokens: int = 16  # a shorter storage hit is not fetched
+    # storage keeps KV in blocks of this many tokens (rounded up to a page multiple), whatever
+    # the page size: one file or key per block, not per page
+    kv_storage_block_tokens: int = 64
     storage_prefetch_timeout: float = 2.0  # seconds a request waits for its pages, then computes
     seed: int = 0  # seeds requests that give no seed of their own
     # serve: the engine process appends every step and admission, timed, to this file as JSON
@@ -177,6 +180,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown write_policy {self.write_policy!r}; choose one of {WRITE_POLICIES}"
             )
+        if not isinstance(self.kv_storage_block_tokens, int) or self.kv_storage_block_tokens < 1:
+            raise ValueError("kv_storage_block_tokens must be a positive integer")
         for name in ("load_back_min_tokens", "storage_prefetch_min_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative integer")

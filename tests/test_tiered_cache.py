@@ -137,8 +137,7 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
             for layer in range(SHAPE.num_layers):  # straight into host pages, as a fetch does
                 host.data[pages, layer, 0, 0, offsets, 0] = values + layer
                 host.data[pages, layer, 1, 0, offsets, 0] = -(values + layer)
-            keys = [b"k"] * ((aligned - start) // page_size)
-            added = self.cache.attach_host(tokens[:aligned], ns, start, slots, keys)
+            added = self.cache.attach_host(tokens[:aligned], ns, start, slots)
             assert added == aligned - start
             for end in range(start + page_size, aligned + 1, page_size):
                 self.ref.add((ns, tuple(tokens[:end])))

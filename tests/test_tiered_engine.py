@@ -27,8 +27,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 RNG = np.random.default_rng(5)
 SHARED = RNG.integers(100, 40000, 10 * PAGE).tolist()  # 160 tokens: 10 pages
 TAILS = [RNG.integers(100, 40000, 7).tolist() for _ in range(3)]
+# a stored block per page: the storage tests below count pages
 TIERS = dict(page_size=PAGE, max_total_tokens=16 * PAGE, host_kv_memory="1MiB",
-             chunked_prefill_size=64, load_back_min_tokens=PAGE)  # fmt: skip
+             chunked_prefill_size=64, load_back_min_tokens=PAGE,
+             kv_storage_block_tokens=PAGE)  # fmt: skip
 
 
 def filler(i: int) -> list[int]:
@@ -151,6 +153,21 @@ def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
     sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
     assert len(sized) == 2  # each engine logged the size it chose
     assert engine.stats().tiers.host_capacity_tokens > engine.config.max_total_tokens
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, PAGE])
+def test_storage_keeps_blocks_of_64_tokens_whatever_the_page_size(
+    engines, reference, tmp_path, page_size
+):
+    options = dict(page_size=page_size, kv_storage_block_tokens=64, load_back_min_tokens=1)
+    out, engine = storage_round_trip(engines, str(tmp_path), reference, **options)
+    blocks = (len(SHARED) + len(TAILS[0]) - 1) // 64  # whole blocks of the first prompt
+    assert len(list(Path(tmp_path).rglob("*.kv"))) == blocks == 2  # not one file per page
+    assert out.storage_cached_tokens == blocks * 64  # the shared prefix's whole blocks
+    tiers = engine.stats().tiers
+    assert tiers.storage.pages_read == blocks
+    assert tiers.pages_from_storage == blocks * 64 // page_size  # host pages filled
     engine.check_integrity()
 
 

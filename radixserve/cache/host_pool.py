@@ -114,8 +114,10 @@ class HostKVPool:
         """One page's bytes (every layer's K and V), a view: storage reads and writes it."""
         return memoryview(self.data[page].view(torch.uint8).numpy()).cast("B")
 
-    def pages(self, pages: list[int]) -> PageBatch:
-        return PageBatch(self, pages)
+    def pages(self, pages: list[int], per_block: int = 1) -> PageBatch | BlockBatch:
+        """Host pages as a storage backend reads and writes them: one stored page per host
+        page, or (``per_block > 1``) one stored block per ``per_block`` consecutive pages."""
+        return PageBatch(self, pages) if per_block == 1 else BlockBatch(self, pages, per_block)
 
     # ------------------------------------------------------------------ copies
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
@@ -206,3 +208,34 @@ class PageBatch:
 
     def write_page(self, i: int, data: memoryview) -> None:
         self.pool.page_buffer(self.page_ids[i])[:] = memoryview(data).cast("B")
+
+
+class BlockBatch:
+    """Host pages grouped into storage blocks (``storage.base.HostPages``): block j is pages
+    ``pages[j * k : (j + 1) * k]``, its tokens theirs in order, its payload in the layer-major
+    layout of a page of ``k * page_size`` tokens (``page_format``). So a block is the same
+    bytes whatever the host page size that wrote it. Reading or writing one copies it."""
+
+    def __init__(self, pool: HostKVPool, pages: list[int], per_block: int):
+        if len(pages) % per_block:
+            raise ValueError(f"{len(pages)} pages do not make whole blocks of {per_block}")
+        self.pool, self.page_ids, self.per_block = pool, pages, per_block
+        self.page_nbytes = pool.page_nbytes * per_block
+
+    def __len__(self) -> int:
+        return len(self.page_ids) // self.per_block
+
+    def _ids(self, i: int) -> torch.Tensor:
+        k = self.per_block
+        return torch.tensor(self.page_ids[i * k : (i + 1) * k], dtype=torch.int64)
+
+    def read_page(self, i: int) -> memoryview:
+        block = self.pool.data[self._ids(i)]  # [k, layers, 2, heads, page, dim]
+        block = block.permute(1, 2, 3, 0, 4, 5).contiguous()  # [layers, 2, heads, k * page, dim]
+        return memoryview(block.view(torch.uint8).numpy()).cast("B")
+
+    def write_page(self, i: int, data: memoryview) -> None:
+        _, layers, two, heads, page, dim = self.pool.data.shape
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.pool.data.dtype)
+        block = raw.view(layers, two, heads, self.per_block, page, dim)
+        self.pool.data[self._ids(i)] = block.permute(3, 0, 1, 2, 4, 5)

@@ -250,9 +250,6 @@ class RadixCache(PrefixCache):
             mid.value, child.value = child.value[:n], child.value[n:]
         if child.host_value is not None:
             mid.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
-        if child.storage_keys is not None:
-            keys, cut = child.storage_keys, n // self.page_size
-            mid.storage_keys, child.storage_keys = keys[:cut], keys[cut:]
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
@@ -562,8 +559,9 @@ class RadixCache(PrefixCache):
         self._host_leaves.add(node)  # a leaf now, whatever the heap says
         self._delete_host_leaf(node)
 
-    def attach_host(self, token_ids: TokenIds, extra_key: Any, start: int,
-                    host_slots: torch.Tensor, keys: list[bytes]) -> int:  # fmt: skip
+    def attach_host(
+        self, token_ids: TokenIds, extra_key: Any, start: int, host_slots: torch.Tensor
+    ) -> int:
         """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
         cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
         the tokens added (0 if the prefix is no longer cached)."""
@@ -577,7 +575,6 @@ class RadixCache(PrefixCache):
         parent = match.lower_handle or match.handle or self._root(extra_key)
         leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
         leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
-        leaf.storage_keys = keys[(pos - start) // self.page_size :]
         leaf.last_access = self._clock
         leaf.depth = parent.depth + len(leaf.key)
         parent.children[self._child_key(leaf.key)] = leaf

@@ -9,6 +9,8 @@ each with its own queue; both post results to one queue that the main thread app
 defers until ``io_end``), and the pages allocated for a fetch are held by its ``Prefetch``
 until ``poll`` hands them back to the controller.
 
+- Blocks: the store keeps KV in blocks of ``block_tokens`` (whole host pages, any number),
+  one key each, so a small page size does not mean one file or key per page.
 - Write-out: with more than ``max_pending_pages`` waiting, a write-out is skipped and
   counted: a step never waits for storage.
 - Prefetch: ``lookup`` asks the reader how many of a prefetch's pages storage holds; ``poll``
@@ -86,12 +88,15 @@ class Fetched:
 
 class StorageIO:
     def __init__(self, host: HostKVPool, backend: StorageBackend, stats: TierStats,
-                 alloc_host: Callable[[int], torch.Tensor | None], min_tokens: int,
-                 timeout: float, max_pending_pages: int):  # fmt: skip
+                 alloc_host: Callable[[int], torch.Tensor | None], block_tokens: int,
+                 min_tokens: int, timeout: float, max_pending_pages: int):  # fmt: skip
+        if block_tokens % host.page_size:
+            raise ValueError(f"a storage block ({block_tokens} tokens) is not whole pages")
         self.host, self.backend, self.stats = host, backend, stats
         self.alloc_host = alloc_host
-        self.page_size = host.page_size
-        self.min_tokens, self.timeout = max(min_tokens, self.page_size), timeout
+        self.block_tokens = block_tokens
+        self.per_block = block_tokens // host.page_size  # host pages per stored block
+        self.min_tokens, self.timeout = max(min_tokens, block_tokens), timeout
         self.max_pending_pages = max_pending_pages
         self._pending_pages = 0
         self._reads_out = 0  # reader jobs not answered yet
@@ -112,7 +117,8 @@ class StorageIO:
     # ------------------------------------------------------------------ main thread
     def write(self, keys: list[bytes], host_slots: torch.Tensor,
               on_done: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """Write these host pages out, asynchronously; ``on_done(pages written)`` in poll."""
+        """Write these host slots out as blocks under ``keys`` (one per block), asynchronously;
+        ``on_done(leading blocks now in the store)`` in poll."""
         pages = self.host.pages_of(host_slots).tolist()
         if self._pending_pages + len(pages) > self.max_pending_pages:
             self.stats.storage_write_skipped_pages += len(pages)
@@ -123,7 +129,7 @@ class StorageIO:
 
     def lookup(self, token_ids: np.ndarray, extra_key: Any, start: int,
                keys: list[bytes]) -> Prefetch:  # fmt: skip
-        """Ask the store how many of ``keys`` (the pages from token ``start`` on) it holds,
+        """Ask the store how many of ``keys`` (the blocks from token ``start`` on) it holds,
         then fetch them: the returned ``Prefetch`` is done once ``poll`` handed them over."""
         prefetch = Prefetch(self.stats, self.timeout, token_ids, extra_key, start, keys)
         self.stats.prefetches += 1
@@ -168,8 +174,8 @@ class StorageIO:
             except queue.Empty:
                 return fetched
 
-    def _on_found(self, p: Prefetch, num_pages: int) -> None:
-        n = num_pages * self.page_size
+    def _on_found(self, p: Prefetch, num_blocks: int) -> None:
+        n = num_blocks * self.block_tokens
         slots = self.alloc_host(n) if n >= self.min_tokens else None
         if slots is None:
             p.done = True
@@ -184,16 +190,16 @@ class StorageIO:
         self.host.io_end(pages)
         slots, p.host_slots = p.host_slots, None
         del self._held[id(p)]
-        self.stats.pages_from_storage += num_read
-        self.stats.bytes_from_storage += num_read * self.host.page_nbytes
+        self.stats.pages_from_storage += num_read * self.per_block
+        self.stats.bytes_from_storage += num_read * self.per_block * self.host.page_nbytes
         p.done = True
         return Fetched(p, slots, num_read)
 
     def _on_written(self, pages: list[int], present: int, sent: int, on_done) -> None:
         self.host.io_end(pages)
         self._pending_pages -= len(pages)
-        self.stats.pages_to_storage += sent
-        self.stats.bytes_to_storage += sent * self.host.page_nbytes
+        self.stats.pages_to_storage += sent * self.per_block
+        self.stats.bytes_to_storage += sent * self.per_block * self.host.page_nbytes
         if on_done is not None and present + sent:
             on_done(present + sent)
 
@@ -243,16 +249,13 @@ class StorageIO:
             return ("found", job[1], self.backend.exists(job[1].keys))
         if kind == "fetch":
             p, pages = job[1], job[2]
-            return (
-                "fetched",
-                p,
-                pages,
-                self.backend.get(p.keys[: len(pages)], self.host.pages(pages)),
-            )
-        if kind == "write":  # pages stored already (another instance's) are not sent again
+            blocks = self.host.pages(pages, self.per_block)
+            return ("fetched", p, pages, self.backend.get(p.keys[: len(blocks)], blocks))
+        if kind == "write":  # blocks stored already (another instance's) are not sent again
             _, keys, pages, on_done = job
             present = self.backend.exists(keys)
-            sent = self.backend.set(keys[present:], self.host.pages(pages[present:]))
+            rest = self.host.pages(pages[present * self.per_block :], self.per_block)
+            sent = self.backend.set(keys[present:], rest)
             return ("written", pages, present, sent, on_done)
         self.backend.clear()
         return ("cleared", job[1])
