@@ -25,6 +25,7 @@ serve: setup
 
 test: setup
 	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/python -m pytest -q
 
 test-all: setup
@@ -34,6 +35,7 @@ test-all: setup
 lint: setup
 	$(BIN)/ruff check radixserve tests benchmarks
 	$(BIN)/ruff format --check radixserve tests benchmarks
+	$(BIN)/lint-imports --no-logo
 
 format: setup
 	$(BIN)/ruff check --fix radixserve tests benchmarks

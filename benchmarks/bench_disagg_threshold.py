@@ -54,7 +54,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(None, progress=False)
     engine = Engine(
-        EngineConfig(load_progress=False, max_total_tokens=32768, chunked_prefill_size=4096),
+        EngineConfig.from_options(
+            load_progress=False, max_total_tokens=32768, chunked_prefill_size=4096
+        ),
         loaded,
     )
     rng = np.random.default_rng(0)

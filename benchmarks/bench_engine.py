@@ -84,7 +84,7 @@ def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
     ids = rng.integers(100, 40000, n).tolist()
 
     def make_engine(chunk: int) -> Engine:
-        config = EngineConfig(load_progress=False, chunked_prefill_size=chunk,
+        config = EngineConfig.from_options(load_progress=False, chunked_prefill_size=chunk,
                               enable_prefix_caching=False, max_total_tokens=n + 64)  # fmt: skip
         return Engine(config, loaded)
 
@@ -126,7 +126,7 @@ def bench_prefill(loaded, reference, repeat: int, n: int = 2048) -> dict:
 def bench_decode(loaded, batch: int, prompt_len: int = 128, new_tokens: int = 64) -> dict:
     rng = np.random.default_rng(batch)
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_options(
             load_progress=False,
             max_total_tokens=batch * 256 + 256,
             chunked_prefill_size=batch * prompt_len,
@@ -160,7 +160,7 @@ def bench_multiturn(loaded, answer_tokens: int = 250) -> dict:
     answer; then the same five prompts (those answers replayed) with the cache off."""
 
     def make_llm(caching: bool) -> LLM:
-        config = EngineConfig(
+        config = EngineConfig.from_options(
             load_progress=False,
             max_total_tokens=16384,
             enable_prefix_caching=caching,

@@ -98,11 +98,16 @@ def main() -> None:
     items, first = sliced(items, args.slice, ap.error)
     stored = args.items * (args.passage_tokens + 8)
     opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
-    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192,
+    blend = Runner(Engine(EngineConfig.from_options(max_total_tokens=stored + 8192,
                                        segment_prefix_tokens=args.prefix_tokens, **opts),
                           loaded), clock)  # fmt: skip
-    full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
-                                      **opts), loaded), clock)  # fmt: skip
+    full = Runner(
+        Engine(
+            EngineConfig.from_options(enable_prefix_caching=False, max_total_tokens=8192, **opts),
+            loaded,
+        ),
+        clock,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1)
     store_all(blend, items, one)

@@ -82,7 +82,9 @@ def engine_modes(rounds: int = 2) -> dict:
     from radixserve.kvevents.publisher import KVEventPublisher
     from radixserve.server.event_bridge import EventBridge
 
-    engine = Engine(EngineConfig(dtype="float32", max_total_tokens=6000, load_progress=False))
+    engine = Engine(
+        EngineConfig.from_options(dtype="float32", max_total_tokens=6000, load_progress=False)
+    )
     words = " ".join(f"word{i}" for i in range(150))
     prompts = [engine.tokenizer.encode(f"{i} {words} {i}") for i in range(12)]
     results: dict[str, list[float]] = {"no-publisher": [], "no-subscriber": [], "subscriber": []}

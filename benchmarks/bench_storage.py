@@ -116,7 +116,7 @@ def time_backend(name: str, backend, src: TensorPages, repeat: int) -> dict:
 def bench_recompute(loaded, page_size: int, context: int, repeat: int, dtype: str) -> float:
     """Marginal ms to compute one page after ``context`` cached tokens (median)."""
     engine = Engine(
-        EngineConfig(
+        EngineConfig.from_options(
             load_progress=False,
             page_size=page_size,
             dtype=dtype,

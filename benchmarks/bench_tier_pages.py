@@ -48,7 +48,7 @@ def median_ms(fn, repeat: int) -> float:
 
 def page_costs(repeat: int = 5) -> dict:
     loaded = load_model(None, dtype="auto", progress=False)
-    config = EngineConfig(load_progress=False, page_size=PAGE, max_total_tokens=16384,
+    config = EngineConfig.from_options(load_progress=False, page_size=PAGE, max_total_tokens=16384,
                           chunked_prefill_size=512)  # fmt: skip
     engine = Engine(config, loaded)
     rng = np.random.default_rng(0)

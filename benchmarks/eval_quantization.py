@@ -62,8 +62,12 @@ def held_text(skip: int, tokenizer, num_tokens: int) -> list[int]:
 
 
 def greedy(loaded: LoadedModel, chats: list[list[dict]], new_tokens: int) -> list[list[int]]:
-    config = EngineConfig(load_progress=False, max_total_tokens=65536, max_running_requests=32,
-                          enable_prefix_caching=False)  # fmt: skip
+    config = EngineConfig.from_options(
+        load_progress=False,
+        max_total_tokens=65536,
+        max_running_requests=32,
+        enable_prefix_caching=False,
+    )
     llm = LLM.from_engine(Engine(config, loaded))
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     return [out.token_ids for out in llm.chat(chats, params)]

@@ -53,7 +53,7 @@ def main() -> None:
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed, chat=args.chat)  # fmt: skip
     items, first = sliced(items, args.slice, ap.error)
-    config = EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
+    config = EngineConfig.from_options(enable_prefix_caching=False, max_total_tokens=8192,
                           load_progress=False, chunked_prefill_size=4096)  # fmt: skip
     full = Runner(Engine(config, loaded))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

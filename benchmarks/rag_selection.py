@@ -108,9 +108,15 @@ def main() -> None:
         ap.error(f"--slice/--pick: items must be in [0, {len(items)})")
     opts = dict(load_progress=False, dtype="float32", chunked_prefill_size=4096)
     stored = args.items * (args.passage_tokens + 8)
-    blend = Runner(Engine(EngineConfig(max_total_tokens=stored + 8192, **opts), loaded))
-    full = Runner(Engine(EngineConfig(enable_prefix_caching=False, max_total_tokens=8192,
-                                      **opts), loaded))  # fmt: skip
+    blend = Runner(
+        Engine(EngineConfig.from_options(max_total_tokens=stored + 8192, **opts), loaded)
+    )
+    full = Runner(
+        Engine(
+            EngineConfig.from_options(enable_prefix_caching=False, max_total_tokens=8192, **opts),
+            loaded,
+        )
+    )
     one = SamplingParams(temperature=0, max_tokens=1)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     text = loaded.tokenizer.decode

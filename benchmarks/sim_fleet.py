@@ -10,7 +10,7 @@ replay, ``sim/replay.py``; at large N a simulated N-times-faster instance would 
 Python for the same answer). Load imbalance is max / mean over instances of busy time (what
 each computed) and of requests served. Wall time per run is the simulator's speed.
 
-    python benchmarks/sim_fleet.py --instances 1,10,100,1000 --output-dir docs/simulator
+    python benchmarks/sim_fleet.py --instances 1,10,100,1000 --output-dir sim_results/fleet
 
 Prints one JSON line at the end; writes results.json, report.md and the plot into
 ``--output-dir``.
@@ -77,8 +77,9 @@ def main() -> None:
                          wall_s=time.perf_counter() - t0))  # fmt: skip
         policies = args.large_routing if n >= args.large else args.routing
         for policy in policies.split(",") if n > 1 else ["round-robin"]:
-            engine = EngineConfig(max_total_tokens=args.kv_tokens, chunked_prefill_size=256,
-                                  load_progress=False)  # fmt: skip
+            engine = EngineConfig.from_options(
+                max_total_tokens=args.kv_tokens, chunked_prefill_size=256, load_progress=False
+            )
             routing = RoutingConfig(policy, seed=args.seed, policy_args=router_args)
             result = Simulation(trace, SimConfig(engine, n, routing), timing).run()
             row = summarize(result)

@@ -87,7 +87,7 @@ def main() -> None:
     for item in filter(None, args.router_args.split(",")):
         key, _, value = item.partition("=")
         router_args[key] = parse_value(value)
-    engine = EngineConfig(max_total_tokens=args.kv_tokens, chunked_prefill_size=256,
+    engine = EngineConfig.from_options(max_total_tokens=args.kv_tokens, chunked_prefill_size=256,
                           load_progress=False)  # fmt: skip
     routing = RoutingConfig(args.routing, seed=args.seed, policy_args=router_args)
     timing = TimingModel.load("cpu-smollm2-135m")

@@ -1,6 +1,6 @@
 """Eviction policies and their knobs against Belady at one pool size (cache-only replays).
 
-The trace is the one of docs/SIMULATOR.md: 300 ShareGPT chats (up to 8 turns, messages cut
+The trace is the one of docs/simulator.md: 300 ShareGPT chats (up to 8 turns, messages cut
 at 1024 tokens, the default model's chat template), Poisson session starts of 1 per second,
 think time exponential of mean 30 s. The pool is ``--kv-tokens`` (118,784 = 25% of that
 trace's distinct working set). Besides each policy at its default, it varies the knobs an
@@ -8,7 +8,7 @@ operator could turn: SLRU's protected share, the cost-aware policy's context sca
 a token's recompute cost grows with depth), and ``--cache-threshold`` R on LRU and
 cost-aware. Prints one line per replay and writes every hit rate to ``--output``.
 
-    python benchmarks/sim_policy_knobs.py --output docs/simulator/policies/knobs.json
+    python benchmarks/sim_policy_knobs.py --output sim_results/knobs.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from radixserve.cache import eviction
-from radixserve.sim.cli import _tokenizer
+from radixserve.sim.cli_args import load_tokenizer
 from radixserve.sim.replay import replay, replay_order
 from radixserve.sim.workloads import ThinkTime, sharegpt_trace
 
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=118_784)
     p.add_argument("--output", default="sim_results/policy_knobs.json")
     args = p.parse_args()
-    trace = sharegpt_trace(_tokenizer(None), args.sessions, 8, 1024, ThinkTime(30.0))
+    trace = sharegpt_trace(load_tokenizer(None), args.sessions, 8, 1024, ThinkTime(30.0))
     order = replay_order(trace, None, 1.0, 0)
     rows: dict[str, float] = {}
 

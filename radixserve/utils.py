@@ -1,7 +1,9 @@
-"""Small helpers with no better home: memory probes for sizing the KV pool, the cache dir."""
+"""Small helpers with no better home: memory probes for sizing the KV pool, the cache dir, and
+the check that the optional plotting package is installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -50,3 +52,11 @@ def cache_dir() -> Path:
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixserve"
+
+
+PLOT_EXTRA = "plots need matplotlib: pip install 'radixserve[plot]'"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib (the ``plot`` extra) is installed; modules that draw import it lazily."""
+    return importlib.util.find_spec("matplotlib") is not None

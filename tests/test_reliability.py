@@ -1,8 +1,9 @@
-"""Issue 13 against a real server: every reported case fails alone with a short 400, errors
+"""Reliability against a real server: every known bad case fails alone with a short 400, errors
 are OpenAI envelopes everywhere, limits hold, disconnects abort, tenants are isolated, a
 schema-driven fuzzer finds no 5xx, a randomized soak leaves nothing held, SIGTERM is bounded.
 
-One server (tiny model) serves the whole module; the last test stops it with SIGTERM.
+One server (tiny model) serves the module; the SIGTERM test starts and stops its own, so the
+tests pass in any order.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ CHAT = [{"role": "user", "content": "Tell me about radix trees."}]
 MAX_REQUEST_BYTES = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    flags = f"""--model {tiny_model_dir} --dtype float32 --served-model-name tiny
+def server_flags(model_dir) -> list[str]:
+    return f"""--model {model_dir} --dtype float32 --served-model-name tiny
         --max-total-tokens 1024 --chunked-prefill-size 64 --max-running-requests 8
         --api-key {KEYS[0]} --api-key {KEYS[1]} --admin-key {ADMIN_KEY} --salt-from-api-key
         --max-request-bytes {MAX_REQUEST_BYTES} --max-request-sequences 8
-        --max-queued-requests 8 --shutdown-timeout 2 --default-sampling max_tokens=8"""
-    with started_server(*flags.split()) as server:
+        --max-queued-requests 8 --shutdown-timeout 2 --default-sampling max_tokens=8""".split()
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir):
+    with started_server(*server_flags(tiny_model_dir)) as server:
         yield server
 
 
@@ -339,8 +343,16 @@ def test_long_soak_ends_with_nothing_held(url):
     assert m["engine_restarts_total"] == 0 and m["radix_retracted_requests_total"] > 0
 
 
-def test_sigterm_waits_at_most_the_shutdown_timeout(srv):
-    """Last: stops the module's server. Running requests hold shutdown 2 s, no more."""
+@pytest.fixture
+def own_srv(tiny_model_dir):
+    """A server of this test's own, which the test stops (the module's server stays up)."""
+    with started_server(*server_flags(tiny_model_dir)) as server:
+        yield server
+
+
+def test_sigterm_waits_at_most_the_shutdown_timeout(own_srv):
+    """Running requests hold shutdown 2 s, no more."""
+    srv = own_srv
     before = read_metrics(srv.url, A)["generation_tokens_total"]
     sock = send_raw(srv.url, CMPL, LONG, A)
     wait_generating(srv.url, before)

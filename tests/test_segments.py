@@ -198,7 +198,7 @@ def test_bad_segments_are_clear_errors(make_engine):
 
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="segment_prefix_tokens"):
-            EngineConfig(segment_prefix_tokens=bad)
+            EngineConfig.from_options(segment_prefix_tokens=bad)
 
 
 SELECTIONS = [("kv", "global"), ("k", "segment"), ("v", "global"), ("attention", "segment"),

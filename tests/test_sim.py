@@ -40,9 +40,12 @@ def small_trace(seed=0, sessions=40, rate=1.0):
 
 def run(trace, kv=4000, instances=1, routing="cache-aware", decode_runs=True, **engine):
     config = SimConfig(
-        EngineConfig(max_total_tokens=kv, chunked_prefill_size=64, **engine), instances,
-        RoutingConfig(routing), max_concurrency=4, check_integrity=True,
-    )  # fmt: skip
+        EngineConfig.from_options(max_total_tokens=kv, chunked_prefill_size=64, **engine),
+        instances,
+        RoutingConfig(routing),
+        max_concurrency=4,
+        check_integrity=True,
+    )
     return Simulation(trace, config, TIMING, decode_runs=decode_runs).run()
 
 
@@ -123,7 +126,7 @@ def test_every_routing_policy_runs_and_cache_aware_beats_round_robin():
 
 def test_lost_events_are_counted_and_delayed_events_arrive():
     trace = small_trace(sessions=20, rate=4.0)
-    config = SimConfig(EngineConfig(max_total_tokens=3000), 3,
+    config = SimConfig(EngineConfig.from_options(max_total_tokens=3000), 3,
                        RoutingConfig("cache-aware", event_delay=0.5, event_loss=0.5))  # fmt: skip
     result = Simulation(trace, config, TIMING).run()
     stats = result.router.stats()
@@ -265,7 +268,7 @@ def test_replay_cli_compares_designs_and_finds_memory_for_a_target(tmp_path, cap
 
 def test_untimed_trace_needs_a_load_shape():
     trace = small_trace(sessions=3, rate=None)
-    config = SimConfig(EngineConfig(max_total_tokens=3000))
+    config = SimConfig(EngineConfig.from_options(max_total_tokens=3000))
     with pytest.raises(ValueError, match="give max_concurrency"):
         Simulation(trace, config, TIMING)
 
@@ -275,7 +278,7 @@ def test_time_outside_the_engine_grows_with_the_streams_in_flight():
     prompt token and request_overhead_per_stream for every other request in flight at its
     instance when it arrived; the engine part is unchanged."""
     trace = small_trace(sessions=16, rate=4.0)
-    config = SimConfig(EngineConfig(max_total_tokens=4000, chunked_prefill_size=64), 1,
+    config = SimConfig(EngineConfig.from_options(max_total_tokens=4000, chunked_prefill_size=64), 1,
                        max_concurrency=4, check_integrity=True)  # fmt: skip
     base = Simulation(trace, config, TIMING).run().records
     busier = TimingModel(**{**TIMING.__dict__, "request_overhead_per_stream": 0.25,

@@ -59,7 +59,9 @@ def reference(tiny_loaded):
     from radixserve.engine import Engine
 
     engine = Engine(
-        EngineConfig(load_progress=False, enable_prefix_caching=False, max_total_tokens=1024),
+        EngineConfig.from_options(
+            load_progress=False, enable_prefix_caching=False, max_total_tokens=1024
+        ),
         tiny_loaded,
     )
     return {i: run(engine, SHARED + t, f"ref{i}")[1] for i, t in enumerate(TAILS)}

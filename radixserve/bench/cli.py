@@ -29,7 +29,8 @@ from radixserve.bench.data import DatasetError
 from radixserve.bench.loadgen import LoadConfig
 from radixserve.bench.runner import BASE_URL_SYSTEM, run_plan
 from radixserve.bench.workloads import WORKLOADS, Workload, build_workload
-from radixserve.cli import flag
+from radixserve.cli_options import flag
+from radixserve.utils import PLOT_EXTRA, plots_available
 
 DEFAULT_SYSTEMS = {
     "sharegpt-multiturn": ("radix", "no-cache", "llamacpp"),
@@ -284,6 +285,8 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not plots_available():  # before any server starts, not after the runs
+        parser.error(f"radixserve bench writes plots, and {PLOT_EXTRA}")
     plan = build_plan(parser, args)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     out_dir = Path(args.output_dir or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")

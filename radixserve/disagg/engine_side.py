@@ -33,8 +33,7 @@ def _weight_sample(w) -> list[torch.Tensor]:
     """A few rows of a weight, plain or quantized (its format and scales included: two
     quantizations of one model write different KV and must not pair)."""
     if isinstance(w, QuantizedWeight):
-        parts = (w.qs, w.d) if w.m is None else (w.qs, w.d, w.m)
-        return [torch.tensor(list(w.fmt.encode()))] + [t[:8] for t in parts]
+        return [torch.tensor(list(w.fmt.encode()))] + [t[:8] for t in w.tensors()]
     return [w[:8]]
 
 

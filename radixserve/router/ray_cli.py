@@ -14,7 +14,7 @@ import importlib.util
 import signal
 import time
 
-from radixserve.cli import ENGINE_FLAGS, add_engine_args, engine_config_from_args
+from radixserve.cli_options import ENGINE_FLAGS, add_engine_args, engine_config_from_args
 
 
 def add_ray_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +41,7 @@ def add_ray_parser(sub: argparse._SubParsersAction) -> None:
 def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     config = engine_config_from_args(parser, args)  # validates every flag here, not in Ray
     names = [*ENGINE_FLAGS, "enable_prefix_caching"]
-    return {k: v for k, v in dataclasses.asdict(config).items() if k in names}
+    return {k: v for k, v in config.options().items() if k in names}
 
 
 def cmd_ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -45,7 +45,7 @@ from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (README: "Prefill/decode disaggregation").
+# the router sets it per request (docs/fleet.md).
 PREFILL_HEADER = "x-radixserve-prefill"
 
 
@@ -61,7 +61,9 @@ def create_app(
     app = FastAPI(title="radixserve", version="0.1.0")
     metrics = Metrics(served_model_name, client.info, lambda: client.num_restarts)
     client.on_stats = metrics.update_stats
-    serving = Serving(client, tokenizer, metrics, config, client.config.max_running_requests)
+    serving = Serving(
+        client, tokenizer, metrics, config, client.config.scheduler.max_running_requests
+    )
     app.add_middleware(Guard, config=config)
     install_error_handlers(app)
     app.state.serving = serving  # the server closes its tokenizer thread on the way out

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 
-from radixserve.cli import add_engine_args, engine_config_from_args
+from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
 from radixserve.server.config import ServerConfig, parse_sampling_overrides
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options
@@ -255,8 +255,8 @@ async def serve(
         server_config.served_model_name,
         info.kv_capacity_tokens,
         info.kv_bytes / 2**30,
-        config.schedule_policy,
-        "on" if config.enable_prefix_caching else "off",
+        config.scheduler.schedule_policy,
+        "on" if config.cache.enable_prefix_caching else "off",
     )
     if info.disaggregation is not None:
         d = info.disaggregation

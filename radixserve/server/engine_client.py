@@ -18,7 +18,6 @@ next. Sends never block: with no engine to take a message, the request fails at 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -130,7 +129,7 @@ class EngineClient:
         disagg = self.info.disaggregation
         if disagg is not None and disagg.endpoint:  # a restarted engine keeps its KV port,
             port = int(disagg.endpoint.rsplit(":", 1)[1])  # where decode instances look
-            self.config = dataclasses.replace(self.config, kv_transfer_port=port)
+            self.config = self.config.replace(kv_transfer_port=port)
         self.state = "ready"
         self._supervisor = asyncio.create_task(self._supervise())
         return self.info

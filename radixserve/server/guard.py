@@ -5,7 +5,10 @@ disconnect from the handler, so a non-streaming request whose client left could 
 aborted). It answers itself, in the OpenAI error envelope, when a request is refused:
 401 without a valid key (``/health`` needs none), 403 on the admin paths without the admin
 key, 413 for a body over the limit: by its ``Content-Length`` before a byte is read, or as
-soon as a chunked body passes it. The request's tenant goes into ``scope["state"]``.
+soon as a chunked body passes it. The request's tenant goes into ``scope["state"]``: the
+caller's key's, or, from the holder of the admin key (a router in front), the tenant named in
+``X-Radixserve-Tenant`` (anyone else's header is ignored). The router uses the same gate
+with its own admin paths.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from radixserve.server.errors import ApiError
 
 OPEN_PATHS = ("/health",)
 ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/")
+TENANT_HEADER = "x-radixserve-tenant"  # a router's caller, trusted from the admin key only
 
 
 def key_tenant(key: str) -> str:
@@ -38,8 +42,8 @@ def cache_namespace(tenant: str | None, salt: str | None) -> str | None:
 
 
 class Guard:
-    def __init__(self, app: Any, config: ServerConfig):
-        self.app, self.config = app, config
+    def __init__(self, app: Any, config: ServerConfig, admin_paths: tuple[str, ...] = ADMIN_PATHS):
+        self.app, self.config, self.admin_paths = app, config, admin_paths
         self._keys = [(k.encode(), key_tenant(k)) for k in config.api_keys]
         self._admin = config.admin_key.encode() if config.admin_key else None
 
@@ -59,7 +63,7 @@ class Guard:
         ok, admin, tenant = self._who(headers)
         refusal = None
         if self.config.auth_required and path not in OPEN_PATHS:
-            if path.startswith(ADMIN_PATHS) and not admin:
+            if path.startswith(self.admin_paths) and not admin:
                 refusal = (
                     ApiError(403, "this endpoint needs the admin key", kind="permission_error")
                     if self._admin is not None
@@ -78,6 +82,9 @@ class Guard:
         if refusal is not None:
             return await refusal.response()(scope, receive, send)
         state = scope.setdefault("state", {})
+        if admin:
+            named = next((v for k, v in headers if k == TENANT_HEADER.encode()), None)
+            tenant = named.decode("latin-1") if named else tenant
         state["tenant"] = tenant if self.config.salt_from_api_key else None
         state["admin"] = admin
         await self.app(scope, _limited(receive, limit), send)

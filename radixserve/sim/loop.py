@@ -58,8 +58,8 @@ class SimConfig:
             raise ValueError(f"instances must be a positive integer, got {self.instances!r}")
         if self.pooled > 1 and self.instances != 1:
             raise ValueError("a pooled configuration is one instance")
-        if self.engine.max_total_tokens is None:
-            raise ValueError("engine.max_total_tokens (the KV pool per instance) is required")
+        if self.engine.cache.max_total_tokens is None:
+            raise ValueError("max_total_tokens (the KV pool per instance) is required")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.session_rate is not None and not self.session_rate > 0:

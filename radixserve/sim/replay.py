@@ -87,9 +87,6 @@ class ReplayResult:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "hit_rate": self.hit_rate}
-
 
 def computed(turn: Turn) -> np.ndarray:
     """What a finished request leaves in the tree: prompt and output but the last token."""

@@ -82,21 +82,6 @@ class Trace:
         return Trace(self.name, kept, {**self.params, "num_requests": n})
 
 
-def session_from_chat(
-    session_id: str,
-    tokens: np.ndarray,
-    turns: list[tuple[int, int, int]],
-    think_times: list[float],
-    arrival: float | None = None,
-) -> Session:
-    """A session over one conversation buffer; ``turns`` are (prompt end, output start, output
-    end) offsets into ``tokens``."""
-    out = []
-    for (p_end, o_start, o_end), think in zip(turns, think_times, strict=True):
-        out.append(Turn(tokens[:p_end], tokens[o_start:o_end], think))
-    return Session(session_id, out, arrival)
-
-
 def block_tokens(hash_id: int, block_size: int, salt: int = 0) -> np.ndarray:
     rng = np.random.default_rng([int(hash_id) & (2**63 - 1), salt])
     return rng.integers(3, SYNTHETIC_VOCAB, block_size, dtype=np.int32)
