@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +172,38 @@ def test_storage_keeps_blocks_of_64_tokens_whatever_the_page_size(
     assert tiers.storage.pages_read == blocks
     assert tiers.pages_from_storage == blocks * 64 // page_size  # host pages filled
     engine.check_integrity()
+
+
+def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, tmp_path):
+    first = engines(kv_storage=str(tmp_path))
+    run(first, SHARED + TAILS[0], "a")
+    first.close()
+    second = engines(kv_storage=str(tmp_path), storage_prefetch_timeout=60)
+    backend, gate = second.cache.storage.backend, threading.Event()
+    real_exists, calls = backend.exists, []
+
+    def exists(keys):  # a store slow to answer the first lookup: "b"'s
+        calls.append(keys)
+        if len(calls) == 1:
+            gate.wait(60)
+        return real_exists(keys)
+
+    backend.exists = exists
+    second.add_request("b", SHARED + TAILS[1], GREEDY)  # its lookup hangs in the store
+    out, _ = run(second, filler(0), "c")  # admitted, computed and finished meanwhile
+    assert out.finished and "b" in second.requests
+    assert second.requests["b"].num_computed == 0  # still waiting for its pages
+    gate.set()
+    tokens, last = [], None
+    for _ in range(500):
+        for o in second.step():
+            tokens += o.new_token_ids if o.request_id == "b" else []
+            last = o if o.request_id == "b" else last
+        if last is not None and last.finished:
+            break
+    assert tokens == reference[1]
+    assert last.storage_cached_tokens >= len(SHARED) - PAGE  # it got them, then ran
+    second.check_integrity()
 
 
 def test_redis_serves_another_engine(engines, reference):

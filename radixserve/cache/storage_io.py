@@ -2,12 +2,13 @@
 
 The tier controller (``tier_controller.py``) owns one and is its only user; this module knows
 the host pool and a storage backend, never the tree. Threads: the tree and both pools belong
-to the main (step) thread. Two worker threads make every backend call: a reader (``exists``
-lookups and ``get`` fetches, for prefetches) and a writer (``set`` write-outs and ``clear``),
-each with its own queue; both post results to one queue that the main thread applies in
-``poll``. Host pages a worker reads or writes are busy in the host pool meanwhile (freeing one
-defers until ``io_end``), and the pages allocated for a fetch are held by its ``Prefetch``
-until ``poll`` hands them back to the controller.
+to the main (step) thread. Worker threads make every backend call: ``READERS`` readers
+(``exists`` lookups and ``get`` fetches, for prefetches; several, so that one request's slow
+read does not make the next requests wait for theirs) sharing one queue, and a writer
+(``set`` write-outs and ``clear``) with its own; all post results to one queue that the main
+thread applies in ``poll``. Host pages a worker reads or writes are busy in the host pool
+meanwhile (freeing one defers until ``io_end``), and the pages allocated for a fetch are held
+by its ``Prefetch`` until ``poll`` hands them back to the controller.
 
 - Blocks: the store keeps KV in blocks of ``block_tokens`` (whole host pages, any number),
   one key each, so a small page size does not mean one file or key per page.
@@ -44,6 +45,7 @@ from radixserve.cache.tier_stats import TierStats
 
 log = logging.getLogger("radixserve")
 CLOSE_DRAIN_SECONDS = 60.0  # at shutdown, how long pending write-outs may take to finish
+READERS = 4  # reader threads: a slow lookup or fetch does not hold up the next request's
 
 
 @dataclass
@@ -105,11 +107,12 @@ class StorageIO:
         self._results: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
+        queues = [(self._reads, f"reader{i}") for i in range(READERS)]
         self._threads = [
             threading.Thread(
                 target=self._work, args=(q,), name=f"radixserve-storage-{name}", daemon=True
             )  # fmt: skip
-            for q, name in ((self._reads, "reader"), (self._writes, "writer"))
+            for q, name in [*queues, (self._writes, "writer")]
         ]
         for t in self._threads:
             t.start()
@@ -225,8 +228,9 @@ class StorageIO:
     def close(self) -> list[Fetched]:
         """Finish the write-outs already queued (warm restarts need them), stop the threads;
         returns the fetches that finished meanwhile."""
-        for q in (self._reads, self._writes):
-            q.put(None)
+        for _ in range(READERS):
+            self._reads.put(None)
+        self._writes.put(None)
         deadline = time.monotonic() + CLOSE_DRAIN_SECONDS
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
