@@ -121,19 +121,19 @@ class HostKVPool:
 
     # ------------------------------------------------------------------ copies
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """Copy the KV of ``device_slots`` into ``host_slots`` (same length, whole pages)."""
+        """Copy the KV of ``device_slots`` into ``host_slots`` (same length, whole pages): one
+        gather over every layer, not one per layer (a copy costs a few tensor operations)."""
         pool, ps = self.device_pool, self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
         if self._stream is not None:  # the slots may be the target of a load still running
             torch.cuda.current_stream(pool.device).wait_stream(self._stream)
         dev_slots = device_slots.to(pool.device, non_blocking=True)
-        for layer in range(pool.shape.num_layers):
-            kv = torch.stack(
-                [pool.k[layer].index_select(1, dev_slots), pool.v[layer].index_select(1, dev_slots)]
-            )  # [2, heads, n * ps, dim]
-            kv = kv.view(2, kv.shape[1], n, ps, kv.shape[-1]).permute(2, 0, 1, 3, 4)
-            self.data[pages, layer] = kv.to("cpu")  # a synchronous copy on CUDA
+        kv = torch.stack([pool.k.index_select(2, dev_slots), pool.v.index_select(2, dev_slots)],
+                         dim=1)  # fmt: skip  # [layers, 2, heads, n * ps, dim]
+        layers, _, heads, _, dim = kv.shape
+        kv = kv.view(layers, 2, heads, n, ps, dim).permute(3, 0, 1, 2, 4, 5)
+        self.data[pages] = kv.to("cpu")  # a synchronous copy on CUDA
         self.stats.pages_to_host += n
         self.stats.bytes_to_host += n * self.page_nbytes
 
@@ -142,9 +142,11 @@ class HostKVPool:
         pool, ps = self.device_pool, self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
-        if self._stream is None:
-            for layer in range(pool.shape.num_layers):
-                self._restore_layer(self.data[pages, layer], device_slots, layer, n, ps)
+        if self._stream is None:  # one scatter over every layer
+            kv = self.data[pages].permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, ps, dim]
+            kv = kv.reshape(*kv.shape[:3], n * ps, kv.shape[-1])
+            pool.k.index_copy_(2, device_slots, kv[:, 0])
+            pool.v.index_copy_(2, device_slots, kv[:, 1])
         else:
             self._restore_async(pages, device_slots, n, ps)
         self.stats.pages_to_device += n
