@@ -3,7 +3,7 @@
 Layout is page-first, ``data[page] = [num_layers, 2 (K, V), num_kv_heads, page_size,
 head_dim]``, so one page of every layer is one contiguous buffer: what a storage backend
 reads and writes whole, without a gather. Copies to and from the device pool go by slot
-indices (whole pages on both sides), layer by layer:
+indices (whole pages on both sides):
 
 - ``backup(device_slots, host_slots)``: device -> host. Synchronous: the caller may free the
   device slots as soon as it returns.
