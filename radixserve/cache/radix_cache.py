@@ -122,6 +122,7 @@ class RadixCache(PrefixCache):
         self._host_heap = LeafHeap(eviction_policy, lambda: self.admissions)
         self._host_leaves: set[TreeNode] = set()  # off the device, no children
         self._host_size = 0  # tokens with a host copy
+        self._pinned: set[TreeNode] = set()  # host nodes a load in progress reads (pinned)
         self._flushing = False  # reset: nodes leave the device without a copy
         if event_queue is not None:
             self.events = event_queue  # an empty tree: nothing to snapshot
@@ -532,11 +533,14 @@ class RadixCache(PrefixCache):
         """Delete host-only leaves, lowest priority first, until ``num_tokens`` are freed."""
         freed = 0
         while freed < num_tokens:
-            leaf = self._host_heap.pop(self._host_leaves.__contains__)
+            leaf = self._host_heap.pop(self._is_host_evictable)
             if leaf is None:
                 break
             freed += self._delete_host_leaf(leaf)
         return freed
+
+    def _is_host_evictable(self, node: TreeNode) -> bool:
+        return node in self._host_leaves and node not in self._pinned
 
     def _delete_host_leaf(self, leaf: TreeNode) -> int:
         parent = leaf.parent
@@ -591,15 +595,18 @@ class RadixCache(PrefixCache):
         """While inside, nothing of ``match`` is evicted: its device part is locked and the
         end of its host part is kept from host eviction (making device room for a load may
         copy device leaves to the host, which may evict host leaves)."""
-        hidden = match.lower_handle in self._host_leaves
-        self._host_leaves.discard(match.lower_handle)
+        end = match.lower_handle
+        if end is not None:
+            self._pinned.add(end)
         self.inc_lock_ref(match.handle)
         try:
             yield
         finally:
             self.dec_lock_ref(match.handle)
-            if hidden:
-                self._mark_host_leaf(match.lower_handle)
+            if end is not None:
+                self._pinned.discard(end)
+                if end in self._host_leaves:
+                    self._host_heap.push(end)  # an entry host eviction may have skipped
 
     # ------------------------------------------------------------------ lower tiers
     def load_back(self, match: MatchResult) -> MatchResult:
