@@ -46,10 +46,10 @@ bench: setup
 	$(BIN)/radixserve bench $(ARGS)
 
 bench-radix: setup
-	$(BIN)/python benchmarks/bench_radix.py
+	$(BIN)/python -m benchmarks.cache.bench_radix
 
 bench-engine: setup
-	$(BIN)/python benchmarks/bench_engine.py $(ARGS)
+	$(BIN)/python -m benchmarks.engine.bench_engine $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``pull``, ``bench``, ``simulate``.
 
 The options shared by several commands (every engine option as a flag, the sampling flags)
 live in ``cli_options``; each sub-command's parser comes from its own package's CLI module.
@@ -85,11 +85,12 @@ def stream_answer(llm, history: list[dict[str, str]], params):
         print(text, end="", flush=True)
     end = time.perf_counter()
     first = first or end
-    n, prompt, cached = len(tracker.token_ids), tracker.prompt_tokens, tracker.cached_tokens
+    n, usage = len(tracker.token_ids), tracker.usage
+    prompt, cached = usage.prompt_tokens, usage.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
-    tiers = ""
-    if llm.config.host_kv_memory or llm.config.kv_storage:  # which tier the cached tokens came from
-        split = tracker.cached_by_tier().items()
+    tiers, tier_config = "", llm.config.tiers
+    if tier_config.host_kv_memory or tier_config.kv_storage:  # which tier the tokens came from
+        split = usage.cached_by_tier().items()
         tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(
         f"\n[prompt {prompt} tokens: {cached} from the cache{tiers}, {prompt - cached} computed; "
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=512)
     add_engine_args(p)
     p.set_defaults(func=cmd_chat, parser=p)
+    from radixserve.model.pull import add_pull_parser
+
+    add_pull_parser(sub)
     try:
         from radixserve.server.cli import add_serve_parser
     except ImportError:
@@ -123,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_router_parser(sub)
-        from radixserve.router.ray_cli import add_ray_parser
+        from radixserve.server.ray_cli import add_ray_parser  # Ray Serve: replicas and router
 
         add_ray_parser(sub)
     try:

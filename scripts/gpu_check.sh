@@ -17,7 +17,7 @@ status=$?
 for args in "--dtype bfloat16 --quantization none" "--dtype bfloat16 --quantization int8" \
             "--dtype float16 --quantization int4" "--dtype float32 --quantization none"; do
   # shellcheck disable=SC2086
-  timeout 300 "$PY" benchmarks/bench_random_weights.py --device cuda --batches 1,16,64 \
+  timeout 300 "$PY" -m benchmarks.engine.bench_random_weights --device cuda --batches 1,16,64 \
     --steps 32 --cuda-graphs $args || status=1
 done
 exit $status

@@ -1,4 +1,4 @@
-"""The request KV ledger and the tier-shaped cache interface (issue 8 foundations).
+"""The request KV ledger and the tier-shaped cache interface.
 
 - ``release`` frees everything up to ``allocated``: a failure or abort between ``schedule()``
   and the end of a step leaks no slot, and the engine goes on serving.
@@ -72,7 +72,7 @@ def test_forward_failure_fails_the_step_and_the_engine_goes_on(make_engine, monk
     engine.add_request("after", shared + ids(5), GREEDY)
     outs = drain(engine)["after"]
     assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 8
-    assert outs[-1].cached_tokens >= 24
+    assert outs[-1].usage.cached_tokens >= 24
 
 
 def test_a_request_whose_sampling_fails_fails_alone(make_engine):
@@ -117,7 +117,7 @@ def test_peek_agrees_with_match_and_changes_nothing():
     cache.peek_prefix([7, 7])  # no LRU touch: [7, 7] is still the oldest leaf
     assert cache.evict(1) == 2 and cache.match_prefix([7, 7]).device_len == 0
     assert cache.peek_prefix([1, 2, 3, 9]).length == cache.match_prefix([1, 2, 3, 9]).device_len
-    assert cache.peek_prefix([1, 2], extra_key="other").length == 0
+    assert cache.peek_prefix([1, 2], namespace="other").length == 0
 
 
 def test_null_cache_answers_every_call():

@@ -19,6 +19,7 @@ import urllib.parse
 
 import httpx
 import pytest
+from fuzz_helpers import fuzz_schema
 from server_helpers import read_metrics, started_server, wait_idle
 from soak import check_server_after, run_soak
 
@@ -273,47 +274,10 @@ def test_model_may_be_omitted_and_defaults_are_shown(url):
     assert r.json()["usage"]["completion_tokens"] == 3  # the request's own value wins
 
 
-FUZZ_EXAMPLES = int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "10"))
-
-
-def fuzz(url: str, op, mode, seen: dict[int, int], failures: list[str]) -> None:
-    """``FUZZ_EXAMPLES`` cases of one operation; valid bodies name the served model."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis.errors import Unsatisfiable
-
-    positive = mode.name == "POSITIVE"
-
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(case=op.as_strategy(generation_mode=mode))
-    def check(case):
-        if positive and isinstance(case.body, dict) and "model" in case.body:
-            case.body["model"] = "tiny"
-        r = case.call(base_url=url, headers=ADMIN, timeout=120)
-        seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        if r.status_code >= 500:
-            failures.append(f"{op.method} {op.path} {case.body!r} -> {r.text[:300]}")
-
-    try:
-        check()
-    except Unsatisfiable:
-        pass  # nothing to make invalid (an operation without a body or parameters)
-
-
 def test_fuzz_the_openapi_schema_finds_no_5xx(url):
     """Schema-driven bodies, valid and invalid, for every endpoint (schemathesis). None may
     answer 5xx, and the server must be whole afterwards."""
-    import schemathesis
-    from schemathesis import GenerationMode
-
-    schema = schemathesis.openapi.from_dict(httpx.get(url + "/openapi.json", headers=A).json())
-    seen: dict[int, int] = {}
-    failures: list[str] = []
-    for result in schema.get_all_operations():
-        op = result.ok()
-        fuzz(url, op, GenerationMode.POSITIVE, seen, failures)
-        if op.method.upper() == "POST":
-            fuzz(url, op, GenerationMode.NEGATIVE, seen, failures)
+    seen, failures = fuzz_schema(url, ADMIN, "tiny")
     assert not failures, failures
     assert seen.get(200, 0) >= 10, seen  # the fuzzer did reach the engine
     assert_healthy(url)

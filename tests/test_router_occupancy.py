@@ -130,7 +130,7 @@ OCCUPANCY_GATE = {
 
 
 def fleet_run(gate):
-    """benchmarks/sim_fleet.py's workload at N = 2 (180 requests) on the shipped profile."""
+    """benchmarks/fleet/sim_fleet.py's workload at N = 2 (180 requests) on the shipped profile."""
     n = 2
     spec = SyntheticSpec(num_sessions=n * 100 // 3, num_system_prompts=4,
                          session_rate=0.02 * n, think_time=ThinkTime(20.0))  # fmt: skip

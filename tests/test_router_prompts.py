@@ -2,9 +2,9 @@
 server's request models and chat template), same namespace (the server's rule over
 ``cache_salt`` and, with ``--salt-from-api-key``, the caller's tenant)."""
 
+from radixserve.api.guard import cache_namespace, key_tenant
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.router.prompts import route_request
-from radixserve.server.guard import cache_namespace, key_tenant
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "tell me about radix trees " * 8}]

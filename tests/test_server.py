@@ -149,7 +149,12 @@ def test_metrics_parse_and_hit_counters_move(client, server):
     hits = after["radix_cache_hit_tokens_total"] - middle["radix_cache_hit_tokens_total"]
     assert hits == prompt_len - 1
     assert after["prompt_tokens_total"] - middle["prompt_tokens_total"] == prompt_len
-    assert after["time_to_first_token_seconds_count"] > before["time_to_first_token_seconds_count"]
+    # a latency histogram has no samples before its first request: count those as 0
+    ttft = "time_to_first_token_seconds_count"
+    assert after[ttft] > before.get(ttft, 0)
+    e2e = "e2e_request_latency_seconds_count"
+    assert after[e2e] == middle[e2e] + 1
+    assert after["generation_tokens_total"] > middle["generation_tokens_total"]
     assert 0 < after["radix_cache_hit_rate"] <= 1 and after["kv_cache_capacity_tokens"] == 1024
     for name in (
         "radix_evicted_tokens_total",

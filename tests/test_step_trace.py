@@ -5,7 +5,7 @@ and when each request got its first token."""
 import time
 
 import pytest
-from test_validation import Recorder, outputs_of
+from test_validation import Recorder, add_message, outputs_of
 
 from radixserve.engine import SamplingParams
 from radixserve.engine.step_trace import StepTraceWriter, read_step_trace
@@ -23,7 +23,7 @@ def run_traced(make_engine, path, requests, **options):
     for rid, prompt, max_tokens in requests:
         sent[rid] = time.monotonic()
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        loop.handle(("add", rid, prompt, params, None, {"sent_at": sent[rid]}))
+        loop.handle(add_message(rid, prompt, params, sent[rid]))
     while engine.has_unfinished():
         loop.step()
     writer.close()
@@ -71,7 +71,7 @@ def test_trace_is_off_by_default_and_a_torn_last_line_is_skipped(make_engine, tm
     engine = make_engine()
     loop = EngineLoop(engine, None, Recorder())
     assert engine.record_step_shape is False
-    loop.handle(("add", "x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), None))
+    loop.handle(add_message("x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
     loop.step()
     assert engine.last_step_shape is None
     path = tmp_path / "t.jsonl"

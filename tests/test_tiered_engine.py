@@ -86,18 +86,20 @@ def engines(make_engine):
 def test_device_and_host_hits_give_the_computed_answer(engines, reference):
     engine = engines(write_policy="write_through")
     out, tokens = run(engine, SHARED + TAILS[0], "a")
-    assert out.cached_tokens == 0 and tokens == reference[0]
+    assert out.usage.cached_tokens == 0 and tokens == reference[0]
     out, tokens = run(engine, SHARED + TAILS[1], "b")  # the prefix is on the device
-    assert out.cached_tokens >= len(SHARED) and out.host_cached_tokens == 0
+    assert out.usage.cached_tokens >= len(SHARED) and out.usage.host_cached_tokens == 0
     assert tokens == reference[1]
     for i in range(2):  # push the prefix off the device (the pool holds 256 tokens)
         run(engine, filler(i), f"fill{i}")
     out, tokens = run(engine, SHARED + TAILS[2], "c")
-    assert out.host_cached_tokens >= len(SHARED) - PAGE and out.storage_cached_tokens == 0
+    assert (
+        out.usage.host_cached_tokens >= len(SHARED) - PAGE and out.usage.storage_cached_tokens == 0
+    )
     assert tokens == reference[2]
     stats = engine.stats()
     assert stats.tiers.loads >= 1 and stats.tiers.pages_to_device >= 9
-    assert stats.cache.host_hit_tokens == out.host_cached_tokens
+    assert stats.cache.host_hit_tokens == out.usage.host_cached_tokens
     assert stats.tiers.host_cached_tokens > 0
     engine.flush_cache()  # empties both tiers
     stats = engine.stats()
@@ -112,7 +114,7 @@ def test_other_write_policies_also_serve_from_the_host(engines, reference, polic
     for i in range(2):
         run(engine, filler(i), f"fill{i}")
     out, tokens = run(engine, SHARED + TAILS[2], "c")
-    assert out.host_cached_tokens >= len(SHARED) - PAGE
+    assert out.usage.host_cached_tokens >= len(SHARED) - PAGE
     assert tokens == reference[2]
 
 
@@ -122,7 +124,7 @@ def test_a_short_host_hit_is_computed_not_loaded(engines, reference):
     for i in range(2):
         run(engine, filler(i), f"fill{i}")
     out, tokens = run(engine, SHARED + TAILS[1], "b")
-    assert out.cached_tokens == 0 and tokens == reference[1]
+    assert out.usage.cached_tokens == 0 and tokens == reference[1]
     assert engine.stats().tiers.loads == 0
 
 
@@ -139,8 +141,8 @@ def storage_round_trip(engines, url: str, reference, **options) -> tuple:
 
 def test_a_file_store_serves_a_fresh_engine(engines, reference, tmp_path):
     out, engine = storage_round_trip(engines, f"file://{tmp_path}", reference)
-    assert out.storage_cached_tokens >= len(SHARED) - PAGE
-    assert out.cached_tokens == out.storage_cached_tokens  # nothing else was cached
+    assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
+    assert out.usage.cached_tokens == out.usage.storage_cached_tokens  # nothing else was cached
     tiers = engine.stats().tiers
     assert tiers.pages_from_storage >= 9 and tiers.storage.pages_read >= 9
 
@@ -209,8 +211,8 @@ def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, t
 def test_redis_serves_another_engine(engines, reference):
     with RedisServer() as redis:
         out, engine = storage_round_trip(engines, redis.url, reference)
-    assert out.storage_cached_tokens >= len(SHARED) - PAGE
-    assert engine.stats().cache.storage_hit_tokens == out.storage_cached_tokens
+    assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
+    assert engine.stats().cache.storage_hit_tokens == out.usage.storage_cached_tokens
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])
@@ -230,7 +232,7 @@ def test_a_damaged_page_file_is_recomputed(engines, reference, tmp_path, caplog,
     with caplog.at_level(logging.WARNING):
         out, tokens = run(second, SHARED + TAILS[1], "b")
     assert tokens == reference[1]
-    assert 0 < out.storage_cached_tokens <= 4 * PAGE
+    assert 0 < out.usage.storage_cached_tokens <= 4 * PAGE
     assert any("page" in r.getMessage().lower() for r in caplog.records if r.levelno >= 30)
 
 
@@ -242,7 +244,7 @@ def test_a_redis_that_is_down_costs_a_recomputation(engines, reference, caplog):
     with caplog.at_level(logging.WARNING):
         out, tokens = run(engine, SHARED + TAILS[0], "a")
         out, tokens = run(engine, SHARED + TAILS[1], "b")
-    assert tokens == reference[1] and out.storage_cached_tokens == 0
+    assert tokens == reference[1] and out.usage.storage_cached_tokens == 0
     assert any(r.levelno >= 30 for r in caplog.records)
 
 
@@ -261,7 +263,7 @@ def test_a_hung_redis_delays_admission_by_the_timeout_only(engines, reference):
             out2, tokens2 = run(second, SHARED + TAILS[2], "c")
         finally:
             os.kill(redis.proc.pid, 18)  # SIGCONT, so the server can be stopped
-    assert tokens == reference[1] and out.storage_cached_tokens == 0
+    assert tokens == reference[1] and out.usage.storage_cached_tokens == 0
     assert tokens2 == reference[2]
     assert second.stats().tiers.prefetch_timeouts == 1
     assert elapsed < 30  # waited 0.3 s for its pages, then computed them

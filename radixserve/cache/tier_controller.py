@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
-from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds, as_token_array
+from radixserve.cache.base import EMPTY_INDICES, MatchResult, Namespace, TokenIds, as_token_array
 from radixserve.cache.events import MEDIUM_STORAGE
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
@@ -252,20 +251,20 @@ class TierController:
 
         return emit
 
-    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Prefetch | None:
+    def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Prefetch | None:
         """Ask storage for the blocks past the cached prefix of a waiting request (None:
         fewer than the minimum to fetch, no storage, or a store that stopped answering)."""
         if self.storage is None:
             return None
         b = self.storage.block_tokens
         key = as_token_array(token_ids)
-        cached = self.tree.peek_prefix(key, extra_key).length
+        cached = self.tree.peek_prefix(key, namespace).length
         end = len(key) // b * b
         if end - cached < self.storage.min_tokens or self.storage.stalled():
             return None
         lo = cached // b * b  # the block holding the first missing token
-        keys = chain_page_keys(self._scope, None, key[:end], extra_key)[lo // b :]
-        return self.storage.lookup(key[:end].copy(), extra_key, lo, keys)
+        keys = chain_page_keys(self._scope, None, key[:end], namespace)[lo // b :]
+        return self.storage.lookup(key[:end].copy(), namespace, lo, keys)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Apply finished storage transfers (waiting up to ``timeout`` s for one)."""
@@ -277,7 +276,7 @@ class TierController:
             p, got = f.prefetch, f.num_pages * self.storage.block_tokens
             if got:
                 tokens, slots = p.token_ids[: p.start + got], f.host_slots[:got]
-                added = self.tree.attach_host(tokens, p.extra_key, p.start, slots)
+                added = self.tree.attach_host(tokens, p.namespace, p.start, slots)
                 p.fetched = (p.start + got - added, p.start + got)
             self.host.free(f.host_slots[got:])
 

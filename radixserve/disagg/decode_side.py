@@ -48,19 +48,18 @@ class RemotePrefill(KVSource):
             raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {peer!r}")
 
     def plan(self, req: Request, cached: int) -> int:
-        if req.prefill_peer == PREFILL_HERE or (req.prefill_peer or self.default_peer) is None:
+        peer = req.spec.prefill_peer
+        if peer == PREFILL_HERE or (peer or self.default_peer) is None:
             return 0
-        if req.extra_key is not None and not isinstance(req.extra_key, str):
-            return 0  # the namespace must cross the wire as text
         n = req.num_tokens - 1 - cached
         return n if n >= self.min_tokens else 0
 
     def start(self, req: Request) -> None:
         kv = req.kv
-        meta = {"skip": kv.computed, "extra_key": req.extra_key}
+        meta = {"skip": kv.computed, "namespace": req.namespace}
         ids = req.token_ids[: kv.allocated].tobytes()  # int32: every token it must compute
         tid = self.receiver.request(
-            req.prefill_peer or self.default_peer,
+            req.spec.prefill_peer or self.default_peer,
             kv.slots[kv.computed : kv.allocated],
             meta,
             ids,

@@ -9,10 +9,10 @@ from the router itself. Management endpoints: ``/metrics``, ``/flush_cache`` (ev
 Who may call what (``config.py``): with API keys, every endpoint but ``/health`` needs one,
 and the management endpoints need the admin key (closed when none is configured). Bodies
 over ``max_request_bytes`` are refused with 413 before they are read. Every error is in the
-OpenAI envelope, as the server's (``server/errors.py``).
+OpenAI envelope, as the server's (``api/errors.py``).
 
 ``/health``: 200 ``ok`` when every worker is healthy, 200 ``degraded`` when some are not
-(the fleet still serves), 503 ``error`` when none is; with the counts of each.
+(the fleet still serves), 503 ``error`` when no worker requests go to is; with the counts.
 """
 
 from __future__ import annotations
@@ -24,23 +24,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.api.errors import ApiError, install_error_handlers
+from radixserve.api.guard import Guard
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.config import ADMIN_PATHS, RouterConfig
 from radixserve.router.forward import Forwarder
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.openapi import BODIES, describe_bodies
 from radixserve.router.prompts import parse_body
 from radixserve.router.workers import WorkerError, WorkerPool
-from radixserve.server.errors import ApiError, install_error_handlers
-from radixserve.server.guard import Guard
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+INFERENCE_PATHS = tuple(BODIES)
 
 
 def fleet_health(pools: list[WorkerPool]) -> tuple[int, dict]:
-    """``/health``'s status code and body over the given worker pools."""
+    """``/health``'s status code and body over the given worker pools; the first is the one
+    requests go to (without prefill instances, decode instances prefill themselves)."""
     total = sum(len(p.workers) for p in pools)
     healthy = sum(len(p.healthy_urls()) for p in pools)
-    serving = all(p.healthy_urls() for p in pools)
+    serving = bool(pools[0].healthy_urls())
     status = "ok" if serving and healthy == total else "degraded" if serving else "error"
     body = {"status": status, "workers": healthy, "unhealthy": total - healthy}
     return (200 if serving else 503), body
@@ -114,26 +116,32 @@ def create_router_app(
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
-        total, failed = 0, []
-        for each in pools:
-            for worker in list(each.workers.values()):
-                try:
-                    r = await client.post(f"{worker.url}/flush_cache", timeout=60)
-                    if r.status_code == 200:
-                        total += int(r.json().get("flushed_tokens", 0))
-                    else:
-                        failed.append(f"{worker.url} answered {r.status_code}")
-                except (httpx.HTTPError, ValueError) as e:
-                    failed.append(f"{worker.url}: {type(e).__name__}")
-                each.policy.worker_lost_events(worker.url)  # events will tell what is left
-        if failed:
-            message = f"could not flush {'; '.join(failed)} (flushed {total} tokens elsewhere)"
-            raise ApiError(502, message, kind="server_error")
-        return JSONResponse({"flushed_tokens": total})
+        return JSONResponse({"flushed_tokens": await flush_workers(pools, client)})
 
     for path in INFERENCE_PATHS:
         app.add_api_route(path, _endpoint(forward, path), methods=["POST"])
+    describe_bodies(app)
     return app
+
+
+async def flush_workers(pools: list[WorkerPool], client: httpx.AsyncClient) -> int:
+    """Flush every worker's cache; the tokens flushed, or a 502 naming the workers that failed."""
+    total, failed = 0, []
+    for each in pools:
+        for worker in list(each.workers.values()):
+            try:
+                r = await client.post(f"{worker.url}/flush_cache", timeout=60)
+                if r.status_code == 200:
+                    total += int(r.json().get("flushed_tokens", 0))
+                else:
+                    failed.append(f"{worker.url} answered {r.status_code}")
+            except (httpx.HTTPError, ValueError) as e:
+                failed.append(f"{worker.url}: {type(e).__name__}")
+            each.policy.worker_lost_events(worker.url)  # events will tell what is left
+    if failed:
+        message = f"could not flush {'; '.join(failed)} (flushed {total} tokens elsewhere)"
+        raise ApiError(502, message, kind="server_error")
+    return total
 
 
 def _endpoint(forward: Forwarder, path: str):

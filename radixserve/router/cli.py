@@ -12,14 +12,12 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import signal
 import socket
 import sys
-from typing import Any
 
 from radixserve.cli_options import flag
-from radixserve.router.config import RouterConfig
+from radixserve.router.config import RouterConfig, add_router_access_args, router_config_from_args
 from radixserve.router.policy import POLICIES, PolicyConfig
 
 log = logging.getLogger("radixserve")
@@ -129,83 +127,6 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_policy_args(p)
     p.set_defaults(func=cmd_router, parser=p)
-
-
-def add_router_access_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("keys, tenants and limits")
-    g.add_argument(
-        "--api-key",
-        action="append",
-        dest="api_keys",
-        metavar="KEY",
-        help="a tenant's key: 'Authorization: Bearer KEY' opens the inference endpoints "
-        "(never forwarded to the workers); repeat for several keys (default: "
-        "$RADIXSERVE_API_KEY, comma-separated; unset: no key)",
-    )
-    g.add_argument(
-        "--admin-key",
-        default=os.environ.get("RADIXSERVE_ADMIN_KEY"),
-        help="the key of /workers, /flush_cache and /metrics; with API keys and no admin key "
-        "those are closed (default: $RADIXSERVE_ADMIN_KEY)",
-    )
-    g.add_argument(
-        "--worker-api-key",
-        default=os.environ.get("RADIXSERVE_WORKER_API_KEY"),
-        metavar="KEY",
-        help="the key the router sends on every call to a worker: the workers' --admin-key "
-        "(default: $RADIXSERVE_WORKER_API_KEY; unset: none)",
-    )
-    g.add_argument(
-        "--salt-from-api-key",
-        action="store_true",
-        help="the workers run with --salt-from-api-key: each key's prompts are cached in its "
-        "own namespace (the router names the tenant to the workers; needs --worker-api-key)",
-    )
-    g.add_argument(
-        "--max-request-bytes",
-        default="4MiB",
-        help="largest request body (413 beyond); default %(default)s",
-    )
-    g.add_argument(
-        "--first-byte-timeout",
-        type=float,
-        default=RouterConfig.first_byte_timeout,
-        metavar="SECONDS",
-        help="seconds a worker may take to start its answer (a whole answer, when not "
-        "streamed) before it counts as hung and the request is retried on another worker; "
-        "default %(default)s",
-    )
-
-
-def router_config_from_args(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, **overrides: Any
-) -> RouterConfig:
-    """The ``RouterConfig`` the flags give; an error naming the flag if they do not fit."""
-    options = dict(
-        api_keys=api_keys_from_args(args),
-        admin_key=args.admin_key,
-        worker_api_key=getattr(args, "worker_api_key", None),
-        salt_from_api_key=args.salt_from_api_key,
-        max_request_bytes=args.max_request_bytes,
-        first_byte_timeout=getattr(args, "first_byte_timeout", RouterConfig.first_byte_timeout),
-    )
-    try:
-        return RouterConfig(**{**options, **overrides})
-    except ValueError as e:
-        message = str(e)
-        if "memory size" in message:
-            message = f"--max-request-bytes: {message}"
-        for name in sorted(options, key=len, reverse=True):
-            message = message.replace(name, flag(name))
-        parser.error(message)
-
-
-def api_keys_from_args(args: argparse.Namespace) -> list[str]:
-    """``--api-key`` values, else ``$RADIXSERVE_API_KEY`` (comma-separated), as the server."""
-    if args.api_keys:
-        return list(args.api_keys)
-    env = os.environ.get("RADIXSERVE_API_KEY", "")
-    return [k.strip() for k in env.split(",") if k.strip()]
 
 
 def bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:

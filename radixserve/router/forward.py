@@ -28,13 +28,13 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from radixserve.api.errors import ApiError
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.config import RouterConfig
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policy import NoWorkerError, Route, RouteRequest
 from radixserve.router.prompts import SESSION_HEADER, parse_body, route_request
 from radixserve.router.workers import WorkerPool
-from radixserve.server.errors import ApiError
 
 RETRY_STATUSES = (502, 503, 504)
 DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding",

@@ -1,6 +1,6 @@
 """From an HTTP request body to what the policy routes on: the prompt's token ids, hashed.
 
-Tokenization is the server's own code: the same request models (``server/protocol.py``) turn
+Tokenization is the server's own code: the same request models (``api/protocol.py``) turn
 a body into a conversation or prompts, and the same ``Tokenizer`` applies the chat template,
 so the router names exactly the blocks the worker will cache. A body that is not a JSON
 object is the router's own 400; any other body the server would reject (token ids outside
@@ -16,11 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from radixserve.api.guard import cache_namespace
+from radixserve.api.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.router.policy import RouteRequest
-from radixserve.server.guard import cache_namespace
-from radixserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 SESSION_HEADER = "x-session-id"
 
@@ -62,7 +62,7 @@ def prompt_ids(path: str, body: dict[str, Any], tokenizer: Tokenizer) -> list[in
 
 
 def namespace(body: dict[str, Any], tenant: str | None = None) -> str | None:
-    """The cache namespace (engine ``extra_key``) the worker will put this request in: the
+    """The cache namespace (engine ``namespace``) the worker will put this request in: the
     server's own rule (``guard.cache_namespace``) over the request's ``cache_salt`` and, when
     the workers run with ``--salt-from-api-key``, the caller's tenant."""
     salt = body.get("cache_salt")

@@ -17,9 +17,9 @@ import signal
 import socket
 import sys
 
+from radixserve.api.config import ServerConfig, parse_sampling_overrides
 from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
-from radixserve.server.config import ServerConfig, parse_sampling_overrides
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options
 
 log = logging.getLogger("radixserve")
@@ -193,7 +193,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     if args.dp > 1:
-        from radixserve.router.launch import cmd_dp
+        from radixserve.server.dp_launch import cmd_dp
 
         return cmd_dp(parser, args, sock)
     try:

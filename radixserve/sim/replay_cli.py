@@ -28,7 +28,7 @@ DESIGNS = {"tree": 1, "blocks": 16, "slots": 1}  # design: page size
 
 
 def _future(order: Order, page_size: int) -> FutureUses:
-    return FutureUses([(t.prompt, computed(t), s.extra_key) for s, t in order], page_size)
+    return FutureUses([(t.prompt, computed(t), s.namespace) for s, t in order], page_size)
 
 
 def min_pool(hit_rate: Callable[[int], float], target: float, lo: int, hi: int) -> int | None:

@@ -47,7 +47,7 @@ class Session:
     id: str
     turns: list[Turn]
     arrival: float | None = None
-    extra_key: Any = None
+    namespace: str | None = None  # the tenant's cache namespace
 
 
 @dataclass
