@@ -152,7 +152,7 @@ def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
 ):
     with caplog.at_level(logging.INFO, logger="radixserve"):
         out, engine = storage_round_trip(engines, str(tmp_path), reference, host_kv_memory=None)
-    assert out.storage_cached_tokens >= len(SHARED) - PAGE
+    assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
     assert engine.config.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
     assert engine.config.write_policy == "write_through"
     sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
@@ -169,7 +169,7 @@ def test_storage_keeps_blocks_of_64_tokens_whatever_the_page_size(
     out, engine = storage_round_trip(engines, str(tmp_path), reference, **options)
     blocks = (len(SHARED) + len(TAILS[0]) - 1) // 64  # whole blocks of the first prompt
     assert len(list(Path(tmp_path).rglob("*.kv"))) == blocks == 2  # not one file per page
-    assert out.storage_cached_tokens == blocks * 64  # the shared prefix's whole blocks
+    assert out.usage.storage_cached_tokens == blocks * 64  # the shared prefix's whole blocks
     tiers = engine.stats().tiers
     assert tiers.storage.pages_read == blocks
     assert tiers.pages_from_storage == blocks * 64 // page_size  # host pages filled
@@ -204,7 +204,7 @@ def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, t
         if last is not None and last.finished:
             break
     assert tokens == reference[1]
-    assert last.storage_cached_tokens >= len(SHARED) - PAGE  # it got them, then ran
+    assert last.usage.storage_cached_tokens >= len(SHARED) - PAGE  # it got them, then ran
     second.check_integrity()
 
 
