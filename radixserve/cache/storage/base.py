@@ -18,8 +18,8 @@ file that another process deleted) never raise out of these calls: they return a
 count and log a rate-limited warning. Wrong arguments from the caller (a batch shorter than
 its keys, a page of the wrong size) are programming errors and raise ``ValueError``.
 
-Thread safety: one reader thread (exists/get) and one writer thread (set/clear) may call a
-backend concurrently.
+Thread safety: several reader threads (exists/get) and one writer thread (set/clear) may
+call a backend concurrently.
 """
 
 from __future__ import annotations
