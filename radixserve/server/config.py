@@ -4,7 +4,8 @@ Limits keep one client from taking the server down: the body size is checked bef
 body is read, the sequences of one request (prompts x ``n``) and the queue of sequences
 waiting for the engine are bounded (beyond the queue: 503 with ``Retry-After``). Keys: any
 of ``api_keys`` opens the API; ``admin_key`` alone opens the cache tools (``/flush_cache``,
-``/cache``, ``/debug/*``), which are closed whenever keys are configured and it is not.
+``/clear_kv_storage``, ``/cache``, ``/debug/*``) and ``/kv_events``, which are closed whenever
+keys are configured and it is not.
 """
 
 from __future__ import annotations

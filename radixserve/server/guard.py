@@ -20,7 +20,8 @@ from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 
 OPEN_PATHS = ("/health",)
-ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/")
+# /kv_events leads to a stream of every tenant's prompt token ids: as sensitive as the prompts
+ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/", "/kv_events")
 
 
 def key_tenant(key: str) -> str:
