@@ -78,11 +78,9 @@ class HostTree(RadixCache):
             return
         if kind is BlockRemoved:
             if node.page_hashes:
-                self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
+                self._emit(BlockRemoved(node.page_hashes, node.namespace, medium))
             return
-        event = self._hasher.stored(node, medium)
-        if event is not None:
-            self.events.append(event)
+        self._emit(self._hasher.stored(node, medium))
 
     def _mark_host_leaf(self, node: TieredNode) -> None:
         self._host_leaves.add(node)

@@ -37,6 +37,7 @@ from radixserve.cache.events import (
     MEDIUM_DEVICE,
     AllBlocksCleared,
     BlockStored,
+    KVEvent,
     KVEventQueue,
     default_block_size,
 )
@@ -139,6 +140,13 @@ class RadixCache(PrefixCache):
         """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
         self.events = None
 
+    def _emit(self, event: KVEvent | None) -> None:
+        """Queue ``event`` while events are on, else drop it. ``self.events`` is the one
+        on/off state: whatever emits later (a storage write-out's callback) comes through
+        here, so a subscriber leaving in between costs an event, never a step."""
+        if self.events is not None and event is not None:
+            self.events.append(event)
+
     def snapshot_events(self) -> list[BlockStored]:
         """Every cached block as ``BlockStored`` events, parents first (a full dump)."""
         return self._hasher.snapshot()
@@ -232,9 +240,7 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            event = self._hasher.hash_node(leaf)
-            if event is not None:
-                self.events.append(event)
+            self._emit(self._hasher.hash_node(leaf))
         return leaf
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
@@ -247,8 +253,8 @@ class RadixCache(PrefixCache):
         self._evictable_size -= size
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
-        if self.events is not None and leaf.page_hashes:
-            self.events.append(self._hasher.removed(leaf))
+        if self.events is not None:
+            self._emit(self._hasher.removed(leaf))
         if parent.parent is not None:
             if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
@@ -403,8 +409,8 @@ class RadixCache(PrefixCache):
 
     def reset(self) -> int:
         freed = self.evict(self._evictable_size)
-        if self.events is not None and self.total_size() == 0:
-            self.events.append(AllBlocksCleared())
+        if self.total_size() == 0:
+            self._emit(AllBlocksCleared())
         return freed
 
     # ------------------------------------------------------------------ inspection

@@ -36,6 +36,7 @@ import torch
 
 from radixserve.cache.base import EMPTY_INDICES, TokenIds, as_token_array
 from radixserve.cache.storage import (
+    ClearResult,
     PageLayout,
     StorageBackend,
     StorageScope,
@@ -90,6 +91,7 @@ class StorageTier:
         self._reads_out = 0  # reader jobs not answered yet
         self._last_read = time.monotonic()  # when the reader last answered (or went idle)
         self._held: dict[int, torch.Tensor] = {}  # id(prefetch) -> host slots being fetched
+        self._cleared = ClearResult(False)  # what the last clear did
         self._results: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
@@ -197,7 +199,8 @@ class StorageTier:
         if on_done is not None and present + sent:
             on_done(present + sent)
 
-    def _on_cleared(self, done: threading.Event) -> None:
+    def _on_cleared(self, done: threading.Event, result: ClearResult) -> None:
+        self._cleared = result
         done.set()
 
     def held_host_slots(self) -> torch.Tensor:
@@ -206,15 +209,17 @@ class StorageTier:
     def fill_stats(self, stats: TierStats) -> None:
         stats.storage = self.backend.stats()
 
-    def clear(self, timeout: float = 60.0) -> None:
-        """Delete every page of this model and layout from the store (waits for the writer)."""
+    def clear(self, timeout: float = 60.0) -> ClearResult:
+        """Delete every page of this model and layout from the store (waits for the writer);
+        the result says whether none is left."""
         done = threading.Event()
         self._writes.put(("clear", done))
         deadline = time.monotonic() + timeout
         while not done.is_set() and time.monotonic() < deadline:
             self.poll(timeout=0.05)
         if not done.is_set():
-            raise TimeoutError("the storage tier did not clear in time")
+            return ClearResult(False, f"the KV store did not finish clearing in {timeout:g} s")
+        return self._cleared
 
     def close(self) -> None:
         """Finish the write-outs already queued (warm restarts need them), stop the threads."""
@@ -249,11 +254,10 @@ class StorageTier:
             )
         if kind == "write":  # pages stored already (another instance's) are not sent again
             _, keys, pages, on_done = job
-            present = self.backend.exists(keys)
+            present = self.backend.exists(keys, writing=True)
             sent = self.backend.set(keys[present:], self.host.pages(pages[present:]))
             return ("written", pages, present, sent, on_done)
-        self.backend.clear()
-        return ("cleared", job[1])
+        return ("cleared", job[1], self.backend.clear())
 
     @staticmethod
     def _failed(job: tuple) -> tuple:
@@ -264,7 +268,7 @@ class StorageTier:
             return ("fetched", job[1], job[2], 0)
         if kind == "write":
             return ("written", job[2], 0, 0, job[3])
-        return ("cleared", job[1])
+        return ("cleared", job[1], ClearResult(False, "the KV store failed; see the log"))
 
 
 def attach_storage(cache: Any, url: str, model_id: str, capacity_bytes: int | None,

@@ -51,6 +51,7 @@ from radixserve.cache.events import (
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.host_tree import HostTree, TieredNode
 from radixserve.cache.radix_cache import TreeNode
+from radixserve.cache.storage import ClearResult
 from radixserve.cache.tier_stats import TierStats
 from radixserve.cache.tree_check import check_host_tier
 
@@ -174,8 +175,8 @@ class TieredRadixCache(HostTree):
         def emit(pages: int) -> None:
             # the node's blocks that end inside its first ``pages`` pages are all in storage
             count = (offset + pages * self.page_size) // block - offset // block
-            if count > 0:
-                self.events.append(dataclasses.replace(
+            if count > 0:  # dropped if events went off since the write began
+                self._emit(dataclasses.replace(
                     whole, block_hashes=whole.block_hashes[:count],
                     token_ids=whole.token_ids[: count * block],
                 ))  # fmt: skip
@@ -266,8 +267,8 @@ class TieredRadixCache(HostTree):
         finally:
             self._flushing = False
         freed += self.evict_host(self._host_size)
-        if self.events is not None and self.total_size() == 0 and self._host_size == 0:
-            self.events.append(AllBlocksCleared())
+        if self.total_size() == 0 and self._host_size == 0:
+            self._emit(AllBlocksCleared())
         return freed
 
     def tier_stats(self) -> TierStats:
@@ -286,11 +287,8 @@ class TieredRadixCache(HostTree):
         if self.storage is not None:
             self.storage.poll(timeout)
 
-    def clear_storage(self) -> bool:
-        if self.storage is None:
-            return False
-        self.storage.clear()
-        return True
+    def clear_storage(self) -> ClearResult | None:
+        return None if self.storage is None else self.storage.clear()
 
     def close(self) -> None:
         if self.storage is not None:

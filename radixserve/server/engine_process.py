@@ -42,6 +42,7 @@ import traceback
 import zmq
 
 from radixserve.cache.base import TreeSummary
+from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
@@ -183,7 +184,7 @@ class EngineLoop:
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
 
-    def rpc_clear_storage(self) -> bool:
+    def rpc_clear_storage(self) -> ClearResult | None:
         return self.engine.clear_storage()
 
     def rpc_cache_summary(self, top: int = 10) -> TreeSummary:
