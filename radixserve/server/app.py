@@ -26,7 +26,7 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.config import ServerConfig
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.errors import ApiError, install_error_handlers, unavailable
-from radixserve.server.guard import Guard, cache_namespace
+from radixserve.server.guard import Guard, PrefillTrust, cache_namespace
 from radixserve.server.metrics import Metrics
 from radixserve.server.protocol import (
     ChatCompletionRequest,
@@ -45,7 +45,8 @@ from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (README: "Prefill/decode disaggregation").
+# the router sets it per request (README: "Prefill/decode disaggregation"); who may choose
+# which: ``guard.PrefillTrust``.
 PREFILL_HEADER = "x-radixserve-prefill"
 
 
@@ -78,6 +79,11 @@ def create_app(
 
     def namespace(raw: Request, salt: str | None) -> str | None:
         return cache_namespace(getattr(raw.state, "tenant", None), salt)
+
+    trust = PrefillTrust(client.config, config.trusted_prefill)
+
+    def prefill_peer(raw: Request) -> str | None:
+        return trust.peer(raw.headers.get(PREFILL_HEADER), getattr(raw.state, "admin", False))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -121,7 +127,7 @@ def create_app(
             ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=raw.headers.get(PREFILL_HEADER),
+            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=prefill_peer(raw),
             **options,
         )  # fmt: skip
         want_lp = body.logprobs
@@ -145,7 +151,7 @@ def create_app(
         ids = [p for p in prompts for _ in range(body.n)]
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "cmpl", ids, params * len(prompts), ns, prefill_peer=raw.headers.get(PREFILL_HEADER)
+            "cmpl", ids, params * len(prompts), ns, prefill_peer=prefill_peer(raw)
         )
         want_lp = body.logprobs is not None
         if body.stream:
@@ -172,7 +178,7 @@ def create_app(
             options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
         ns = namespace(raw, body.cache_salt)
         job, queue = await serving.submit(
-            "gen", [ids], [params], ns, prefill_peer=raw.headers.get(PREFILL_HEADER), **options
+            "gen", [ids], [params], ns, prefill_peer=prefill_peer(raw), **options
         )
         if body.stream:
             return StreamingResponse(

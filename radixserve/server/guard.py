@@ -1,4 +1,5 @@
-"""The gate every HTTP request passes first: API keys, the admin key, the body size limit.
+"""The gate every HTTP request passes first: API keys, the admin key, the body size limit;
+and who may choose a decode instance's prefill peer (``PrefillTrust``).
 
 A plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which hides a client's
 disconnect from the handler, so a non-streaming request whose client left could not be
@@ -16,6 +17,8 @@ from typing import Any
 
 from fastapi import HTTPException
 
+from radixserve.config import EngineConfig
+from radixserve.disagg.decode_side import PREFILL_HERE
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 
@@ -36,6 +39,29 @@ def cache_namespace(tenant: str | None, salt: str | None) -> str | None:
         return None
     material = f"{tenant or ''}\0{salt or ''}".encode()
     return "ns-" + hashlib.sha256(material).hexdigest()[:24]
+
+
+class PrefillTrust:
+    """A decode instance connects to the prefill peer a request names (``X-Radixserve-Prefill``)
+    and puts the KV it sends into its tree, where later requests reuse it. So a caller may
+    name only ``local``, the instance's ``--prefill-endpoint`` or a ``--trusted-prefill``
+    endpoint; any other peer needs the admin key (the router's choice in prefill/decode mode).
+    Anything else is a 400: the instance never connects to an address a tenant chose."""
+
+    def __init__(self, engine: EngineConfig, trusted: list[str]):
+        self.decode = engine.disaggregation_mode == "decode"
+        self.trusted = {*trusted, engine.prefill_endpoint, PREFILL_HERE} - {None}
+
+    def peer(self, named: str | None, admin: bool) -> str | None:
+        # not a decode instance: the engine refuses any peer itself
+        if named is None or not self.decode or named in self.trusted or admin:
+            return named
+        raise ApiError(
+            400,
+            f"X-Radixserve-Prefill names {named!r}, not a prefill instance this server "
+            "trusts: list it with --trusted-prefill, or send the header with the admin key",
+            "X-Radixserve-Prefill",
+        )
 
 
 class Guard:
