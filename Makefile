@@ -25,6 +25,7 @@ serve: setup
 
 test: setup
 	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/python -m pytest -q
 
 test-all: setup
@@ -34,6 +35,7 @@ test-all: setup
 lint: setup
 	$(BIN)/ruff check radixserve tests benchmarks
 	$(BIN)/ruff format --check radixserve tests benchmarks
+	$(BIN)/lint-imports --no-logo
 
 format: setup
 	$(BIN)/ruff check --fix radixserve tests benchmarks
@@ -44,10 +46,10 @@ bench: setup
 	$(BIN)/radixserve bench $(ARGS)
 
 bench-radix: setup
-	$(BIN)/python benchmarks/bench_radix.py
+	$(BIN)/python -m benchmarks.cache.bench_radix
 
 bench-engine: setup
-	$(BIN)/python benchmarks/bench_engine.py $(ARGS)
+	$(BIN)/python -m benchmarks.engine.bench_engine $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -117,6 +117,6 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):
         time.sleep(interval)
 
 
-def idle(router_url: str) -> bool:
-    workers = httpx.get(f"{router_url}/workers", timeout=10).json()["workers"]
+def idle(router_url: str, headers: dict[str, str] | None = None) -> bool:
+    workers = httpx.get(f"{router_url}/workers", headers=headers, timeout=10).json()["workers"]
     return all(w["running"] == 0 and w["load"] in (0, 0.0, None) for w in workers)

@@ -1,10 +1,16 @@
 """Test helper: write a transformers Llama model to GGUF the way llama.cpp's converter does.
 
 Q and K projection rows are permuted into llama.cpp's rotary layout, so loading the file
-exercises the un-permutation that real GGUF files need.
+exercises the un-permutation that real GGUF files need. ``types`` gives some tensors another
+type than ``qtype`` (a Q4_K_M-like mix); the ``gguf`` package cannot quantize to K-quants,
+so those tensors get random blocks with sane scales (``random_blocks``) instead of the
+model's weights: the file is then its own model, for comparing its quantized and
+dequantized loads.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import gguf
 import numpy as np
@@ -30,7 +36,28 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType) -> None:
+# where each block format keeps its f16 scales (byte offsets in a block)
+F16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+              "Q6_K": (208,)}  # fmt: skip
+# magnitudes of those scales that give weights of roughly +-0.2
+F16_SCALE = {"Q2_K": (0.01, 0.003), "Q3_K": (0.002,), "Q4_K": (0.0004, 0.002),
+             "Q5_K": (0.0002, 0.002), "Q6_K": (0.0002,)}  # fmt: skip
+
+
+def random_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, rng) -> np.ndarray:
+    """Random blocks of ``qtype`` for a ``[rows, cols]`` tensor (uint8 ``[rows, row bytes]``):
+    random codes and scales, the f16 scales finite and of either sign."""
+    inputs, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // inputs, size), dtype=np.uint8)
+    scales = F16_SCALE.get(qtype.name, (0.01, 0.01))
+    for offset, scale in zip(F16_FIELDS[qtype.name], scales, strict=False):
+        value = (rng.normal(0, scale, (rows, cols // inputs)) + scale).astype(np.float16)
+        blocks[..., offset : offset + 2] = value.view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) -> None:
     c = model.config
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -60,7 +87,12 @@ def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType) -> None:
         elif ".k_proj." in name:
             w = llama_cpp_permute(w, c.num_key_value_heads)
         t = qtype if w.ndim == 2 else gguf.GGMLQuantizationType.F32
-        data = gguf.quants.quantize(np.ascontiguousarray(w), t)
+        t = next((v for k, v in (types or {}).items() if k in names[name] and w.ndim == 2), t)
+        if t.name in F16_SCALE:
+            rng = np.random.default_rng(zlib.crc32(names[name].encode()))
+            data = random_blocks(*w.shape, t, rng)
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(w), t)
         writer.add_tensor(names[name], data, raw_shape=data.shape, raw_dtype=t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -120,16 +120,16 @@ def test_bad_options_raise_clear_errors():
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         SamplingParams(max_tokens=-1)
     with pytest.raises(ValueError, match="unknown schedule_policy 'sjf'"):
-        EngineConfig(schedule_policy="sjf")
+        EngineConfig.from_options(schedule_policy="sjf")
     with pytest.raises(ValueError, match="unknown eviction_policy"):
-        EngineConfig(eviction_policy="random")
+        EngineConfig.from_options(eviction_policy="random")
     with pytest.raises(ValueError, match="unknown engine option.*max_batch"):
         EngineConfig.from_options(max_batch=3)
     with pytest.raises(ValueError, match="page_size must be a positive integer"):
-        EngineConfig(page_size=0)
+        EngineConfig.from_options(page_size=0)
     with pytest.raises(ValueError, match="memory size"):
-        EngineConfig(kv_cache_memory="lots")
-    assert EngineConfig(kv_cache_memory="2GiB").kv_cache_memory == 2 * 2**30
+        EngineConfig.from_options(kv_cache_memory="lots")
+    assert EngineConfig.from_options(kv_cache_memory="2GiB").kv_cache_memory == 2 * 2**30
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p"):

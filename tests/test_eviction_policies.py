@@ -8,7 +8,8 @@ import pytest
 
 from radixserve.cache import PagedAllocator, RadixCache
 from radixserve.cache.eviction import CostAwarePolicy, make_policy
-from radixserve.cli import build_parser, engine_config_from_args
+from radixserve.cli import build_parser
+from radixserve.cli_options import engine_config_from_args
 from radixserve.config import EngineConfig
 from tests.cache_helpers import cache_sequence
 
@@ -126,7 +127,7 @@ def test_policies_by_name_and_bad_values():
         make_policy("mru")
     for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="cache_threshold must be in"):
-            EngineConfig(cache_threshold=bad)
+            EngineConfig.from_options(cache_threshold=bad)
 
 
 def test_serve_flags_select_policy_and_threshold():

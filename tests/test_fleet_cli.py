@@ -3,7 +3,7 @@
 import pytest
 
 from radixserve.cli import main
-from radixserve.router.launch import child_argv
+from radixserve.server.dp_launch import child_argv
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,9 @@ from radixserve.router.launch import child_argv
         (["router", "--gate-ratio", "0.5"], "--gate-ratio must be >= 1"),
         (["router", "--candidates", "0"], "--candidates must be a positive integer"),
         (["router", "--policy", "random"], "invalid choice"),
+        (["router", "--salt-from-api-key", "--api-key", "a"], "needs --worker-api-key"),
+        (["router", "--first-byte-timeout", "0"], "--first-byte-timeout must be > 0"),
+        (["router", "--max-request-bytes", "12x"], "--max-request-bytes: cannot read"),
     ],
 )
 def test_bad_fleet_flags_name_the_flag(argv, message, capsys):
@@ -30,4 +33,5 @@ def test_bad_fleet_flags_name_the_flag(argv, message, capsys):
 def test_dp_children_get_the_parent_flags_but_not_its_placement():
     argv = ["--model", "m", "--dp", "4", "--port=9", "--host", "0.0.0.0", "--gate-tokens", "5"]
     argv += ["--router-policy", "round-robin", "--max-total-tokens", "100", "--page-size=16"]
+    argv += ["--admin-key", "the-routers"]
     assert child_argv(argv) == ["--model", "m", "--max-total-tokens", "100", "--page-size=16"]

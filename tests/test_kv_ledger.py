@@ -1,4 +1,4 @@
-"""The request KV ledger and the tier-shaped cache interface (issue 8 foundations).
+"""The request KV ledger and the tier-shaped cache interface.
 
 - ``release`` frees everything up to ``allocated``: a failure or abort between ``schedule()``
   and the end of a step leaks no slot, and the engine goes on serving.
@@ -72,7 +72,7 @@ def test_forward_failure_fails_the_step_and_the_engine_goes_on(make_engine, monk
     engine.add_request("after", shared + ids(5), GREEDY)
     outs = drain(engine)["after"]
     assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 8
-    assert outs[-1].cached_tokens >= 24
+    assert outs[-1].usage.cached_tokens >= 24
 
 
 def test_a_request_whose_sampling_fails_fails_alone(make_engine):

@@ -170,7 +170,7 @@ def test_native_decoder_equals_the_op_by_op_path(tiny_q4_gguf, monkeypatch):
 
 # The tiny random model amplifies rounding (its weights are drawn wide, so greedy choices are
 # not near-ties): int8 moves its logits by ~3%, int4 by ~40%. The default model's figures
-# (agreement, perplexity) are in docs/BENCHMARKS.md.
+# (agreement, perplexity) are in docs/benchmarks.md.
 @pytest.mark.parametrize("quantization, fmt, tol", [("int8", "q8_0", 0.06), ("int4", "q4_1", 0.6)])
 def test_int8_and_int4_quantize_a_dense_model(tiny_model_dir, quantization, fmt, tol):
     dense = load_model(str(tiny_model_dir), dtype="float32", progress=False).model
@@ -193,7 +193,7 @@ def test_bad_quantization_is_an_error(capsys):
     assert "argument --quantization: invalid choice: 'int3'" in capsys.readouterr().err
     assert build_parser().parse_args(["serve"]).quantization == "auto"  # the file's own types
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineConfig(quantization="int3")
+        EngineConfig.from_options(quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):
         load_model(None, quantization="fp8")
 

@@ -1,8 +1,9 @@
-"""Issue 13 against a real server: every reported case fails alone with a short 400, errors
+"""Reliability against a real server: every known bad case fails alone with a short 400, errors
 are OpenAI envelopes everywhere, limits hold, disconnects abort, tenants are isolated, a
 schema-driven fuzzer finds no 5xx, a randomized soak leaves nothing held, SIGTERM is bounded.
 
-One server (tiny model) serves the whole module; the last test stops it with SIGTERM.
+One server (tiny model) serves the module; the SIGTERM test starts and stops its own, so the
+tests pass in any order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import urllib.parse
 
 import httpx
 import pytest
+from fuzz_helpers import fuzz_schema
 from server_helpers import read_metrics, started_server, wait_idle
 from soak import check_server_after, run_soak
 
@@ -29,14 +31,17 @@ CHAT = [{"role": "user", "content": "Tell me about radix trees."}]
 MAX_REQUEST_BYTES = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    flags = f"""--model {tiny_model_dir} --dtype float32 --served-model-name tiny
+def server_flags(model_dir) -> list[str]:
+    return f"""--model {model_dir} --dtype float32 --served-model-name tiny
         --max-total-tokens 1024 --chunked-prefill-size 64 --max-running-requests 8
         --api-key {KEYS[0]} --api-key {KEYS[1]} --admin-key {ADMIN_KEY} --salt-from-api-key
         --max-request-bytes {MAX_REQUEST_BYTES} --max-request-sequences 8
-        --max-queued-requests 8 --shutdown-timeout 2 --default-sampling max_tokens=8"""
-    with started_server(*flags.split()) as server:
+        --max-queued-requests 8 --shutdown-timeout 2 --default-sampling max_tokens=8""".split()
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model_dir):
+    with started_server(*server_flags(tiny_model_dir)) as server:
         yield server
 
 
@@ -269,49 +274,10 @@ def test_model_may_be_omitted_and_defaults_are_shown(url):
     assert r.json()["usage"]["completion_tokens"] == 3  # the request's own value wins
 
 
-FUZZ_EXAMPLES = int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "10"))
-# what only an internal exception's text would say: errors name the API's fields instead
-INTERNAL_WORDS = ("SamplingParams", "__init__", "keyword argument", "Traceback")
-
-
-def fuzz(url: str, op, mode, seen: dict[int, int], failures: list[str]) -> None:
-    """``FUZZ_EXAMPLES`` cases of one operation; valid bodies name the served model."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis.errors import Unsatisfiable
-
-    positive = mode.name == "POSITIVE"
-
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(case=op.as_strategy(generation_mode=mode))
-    def check(case):
-        if positive and isinstance(case.body, dict) and "model" in case.body:
-            case.body["model"] = "tiny"
-        r = case.call(base_url=url, headers=ADMIN, timeout=120)
-        seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        if r.status_code >= 500 or any(word in r.text for word in INTERNAL_WORDS):
-            failures.append(f"{op.method} {op.path} {case.body!r} -> {r.text[:300]}")
-
-    try:
-        check()
-    except Unsatisfiable:
-        pass  # nothing to make invalid (an operation without a body or parameters)
-
-
 def test_fuzz_the_openapi_schema_finds_no_5xx(url):
     """Schema-driven bodies, valid and invalid, for every endpoint (schemathesis). None may
-    answer 5xx or an error that names internals, and the server must be whole afterwards."""
-    import schemathesis
-    from schemathesis import GenerationMode
-
-    schema = schemathesis.openapi.from_dict(httpx.get(url + "/openapi.json", headers=A).json())
-    seen: dict[int, int] = {}
-    failures: list[str] = []
-    for result in schema.get_all_operations():
-        op = result.ok()
-        fuzz(url, op, GenerationMode.POSITIVE, seen, failures)
-        if op.method.upper() == "POST":
-            fuzz(url, op, GenerationMode.NEGATIVE, seen, failures)
+    answer 5xx or an error naming internals, and the server must be whole afterwards."""
+    seen, failures = fuzz_schema(url, ADMIN, "tiny")
     assert not failures, failures
     assert seen.get(200, 0) >= 10, seen  # the fuzzer did reach the engine
     assert_healthy(url)
@@ -341,8 +307,16 @@ def test_long_soak_ends_with_nothing_held(url):
     assert m["engine_restarts_total"] == 0 and m["radix_retracted_requests_total"] > 0
 
 
-def test_sigterm_waits_at_most_the_shutdown_timeout(srv):
-    """Last: stops the module's server. Running requests hold shutdown 2 s, no more."""
+@pytest.fixture
+def own_srv(tiny_model_dir):
+    """A server of this test's own, which the test stops (the module's server stays up)."""
+    with started_server(*server_flags(tiny_model_dir)) as server:
+        yield server
+
+
+def test_sigterm_waits_at_most_the_shutdown_timeout(own_srv):
+    """Running requests hold shutdown 2 s, no more."""
+    srv = own_srv
     before = read_metrics(srv.url, A)["generation_tokens_total"]
     sock = send_raw(srv.url, CMPL, LONG, A)
     wait_generating(srv.url, before)

@@ -1,7 +1,7 @@
 """The router in front of real ``radixserve serve`` workers (tiny model, free ports).
 
 One fleet, ``radixserve serve --dp 2`` (two instances and the router on one port), serves the
-tests in order; the last one kills an instance.
+tests in order; the last ones kill instances (and watch one come back).
 """
 
 import asyncio
@@ -21,9 +21,11 @@ CHAT = "/v1/chat/completions"
 class Instance:
     def __init__(self, url):
         self.url = url
+        self.killed: int | None = None
 
     def kill(self):
-        os.kill(pid_of_server(self.url), signal.SIGKILL)
+        self.killed = pid_of_server(self.url)
+        os.kill(self.killed, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,13 @@ def fleet(tiny_model_dir):
     for w in listed:  # the instances stop with the front process
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{w['url']}/health", timeout=2)
+
+
+def running(url):
+    try:
+        return pid_of_server(url)
+    except LookupError:
+        return None
 
 
 def metric(text, name):
@@ -95,9 +104,9 @@ def test_bad_input_passes_through_and_unknown_models_are_404(fleet):
     router, workers = fleet
     model = model_of(router.url)
     bad = chat(router.url, model, [{"role": "user", "content": "hi"}], max_tokens=-3)
-    direct = chat(workers[0].url, model, [{"role": "user", "content": "hi"}], max_tokens=-3)
-    assert bad.status_code == direct.status_code == 400
-    assert bad.json() == direct.json()  # the worker's own answer, untouched
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    direct = chat(workers[0].url, model, [{"role": "user", "content": "hi"}])
+    assert direct.status_code == 401  # the instances answer the router only
     r = httpx.post(router.url + CHAT, content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = chat(router.url, "no-such-model", [{"role": "user", "content": "hi"}])
@@ -164,8 +173,41 @@ def test_a_killed_worker_loses_no_request_that_had_not_streamed(fleet):
     results = asyncio.run(main())
     assert [status for status, _ in results] == [200] * 12
     assert {w for _, w in results} == {workers[0].url}  # retried on the live worker
-    listed = {w["url"]: w for w in httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]}
-    assert listed[workers[1].url]["healthy"] is False
     wait_for(lambda: idle(router.url))
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
     assert metric(metrics, "radix_router_retries_total") >= 1
+
+
+def test_a_killed_instance_is_reaped_and_the_fleet_reports_degraded(fleet):
+    """``/health`` says degraded (still 200: the fleet serves) while an instance is down,
+    and the dead process is reaped at once (the supervisor starts it again)."""
+    router, workers = fleet
+    wait_for(lambda: running(workers[1].url))  # the previous test's kill may be restarting
+    workers[1].kill()
+    old = workers[1].killed
+    wait_for(lambda: not os.path.exists(f"/proc/{old}"), timeout=10)  # reaped, no zombie
+
+    def degraded():
+        r = httpx.get(f"{router.url}/health", timeout=10)
+        return r.status_code == 200 and r.json()["status"] == "degraded" and r.json()
+
+    assert wait_for(degraded, timeout=20) == {"status": "degraded", "workers": 1, "unhealthy": 1}
+
+
+@pytest.mark.slow
+def test_a_killed_instance_comes_back(fleet):
+    """After the previous test's kill -9: the instance runs again on its port, rejoins the
+    fleet (healthy, its KV events followed) and serves requests."""
+    router, workers = fleet
+
+    def ok():
+        return httpx.get(f"{router.url}/health", timeout=10).json()["status"] == "ok"
+
+    wait_for(ok, timeout=180)
+    assert pid_of_server(workers[1].url) != workers[1].killed
+    listed = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+    assert all(w["healthy"] and w["kv_events"] for w in listed)
+    r = httpx.delete(f"{router.url}/workers", params={"url": workers[0].url}, timeout=10)
+    assert r.status_code == 200
+    r = chat(router.url, model_of(router.url), [{"role": "user", "content": "back again"}])
+    assert r.status_code == 200 and r.headers["x-radixserve-worker"] == workers[1].url

@@ -130,12 +130,14 @@ OCCUPANCY_GATE = {
 
 
 def fleet_run(gate):
-    """benchmarks/sim_fleet.py's workload at N = 2 (180 requests) on the shipped profile."""
+    """benchmarks/fleet/sim_fleet.py's workload at N = 2 (180 requests) on the shipped profile."""
     n = 2
     spec = SyntheticSpec(num_sessions=n * 100 // 3, num_system_prompts=4,
                          session_rate=0.02 * n, think_time=ThinkTime(20.0))  # fmt: skip
     trace = synthetic_trace(spec, 0).head(n * 100)
-    engine = EngineConfig(max_total_tokens=20_000, chunked_prefill_size=256, load_progress=False)
+    engine = EngineConfig.from_options(
+        max_total_tokens=20_000, chunked_prefill_size=256, load_progress=False
+    )
     routing = RoutingConfig("cache-aware", policy_args=gate)
     result = Simulation(trace, SimConfig(engine, n, routing), TimingModel.load("cpu-smollm2-135m"))
     return summarize(result.run())

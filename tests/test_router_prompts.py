@@ -1,10 +1,10 @@
 """The router names a request's blocks exactly as the worker's tree will: same tokens (the
 server's request models and chat template), same namespace (the server's rule over
-``cache_salt`` and, with ``--salt-from-api-key``, the caller's key)."""
+``cache_salt`` and, with ``--salt-from-api-key``, the caller's tenant)."""
 
+from radixserve.api.guard import cache_namespace, key_tenant
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.router.prompts import route_request
-from radixserve.server.guard import cache_namespace, key_tenant
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "tell me about radix trees " * 8}]
@@ -16,9 +16,9 @@ def hashes(default_tokenizer, namespace):
 
 
 def test_requests_hash_in_the_namespace_the_server_gives_them(default_tokenizer):
-    def routed(body, headers=None, salt_from_api_key=False):
+    def routed(body, tenant=None):
         body = {"model": "m", "messages": MESSAGES, **body}
-        req = route_request(CHAT, body, headers or {}, default_tokenizer, 16, salt_from_api_key)
+        req = route_request(CHAT, body, {}, default_tokenizer, 16, tenant)
         assert req.num_tokens == len(default_tokenizer.encode_chat(MESSAGES))
         return list(req.block_hashes)
 
@@ -28,10 +28,8 @@ def test_requests_hash_in_the_namespace_the_server_gives_them(default_tokenizer)
     salted = routed({"cache_salt": "s1"})
     assert salted == hashes(default_tokenizer, cache_namespace(None, "s1"))
     assert set(salted).isdisjoint(shared) and routed({"cache_salt": "s2"}) != salted
-    key = {"authorization": "Bearer k1"}
-    assert routed({}, key) == shared  # keys do not namespace unless the workers say so
-    tenant = routed({}, key, salt_from_api_key=True)
+    tenant = routed({}, key_tenant("k1"))
     assert tenant == hashes(default_tokenizer, cache_namespace(key_tenant("k1"), None))
     assert set(tenant).isdisjoint(shared)
-    both = routed({"cache_salt": "s1"}, key, salt_from_api_key=True)
+    both = routed({"cache_salt": "s1"}, key_tenant("k1"))
     assert both == hashes(default_tokenizer, cache_namespace(key_tenant("k1"), "s1"))

@@ -116,7 +116,7 @@ def test_queued_requests_sharing_an_uncached_prefix_compute_it_once(make_engine)
     cached = {}
     while engine.has_unfinished():
         for out in engine.step():
-            cached[out.request_id] = out.cached_tokens
+            cached[out.request_id] = out.usage.cached_tokens
     assert cached["s0"] == 0
     assert all(cached[f"s{i}"] >= 200 for i in (1, 2, 3))
 

@@ -123,8 +123,8 @@ def test_ratio_one_equals_plain_prefill(make_engine):
     drive(engine, [("w", warm, {"segments": warm_segments})])
     blended = drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 1.0})])["b"]
     out = blended["last"]
-    assert out.segment_hits == 3 and out.reused_tokens == 0
-    assert out.recomputed_tokens == sum(e - s for s, e in segments)
+    assert out.usage.segment_hits == 3 and out.usage.reused_tokens == 0
+    assert out.usage.recomputed_tokens == sum(e - s for s, e in segments)
     assert blended["tokens"] == plain["tokens"]
     assert blended["first"].token_id == plain["first"].token_id
     assert blended["first"].logprob == pytest.approx(plain["first"].logprob, abs=1e-4)
@@ -138,9 +138,9 @@ def test_partial_reuse_counts_and_keeps_the_prefix_tree_exact(make_engine):
     first = drive(engine, [("a", prompt, {"segments": segments, "recompute_ratio": 0.25})])["a"]
     out = first["last"]
     total = sum(e - s for s, e in segments)
-    assert out.segment_hits == 0 and engine.segments.stats.fills == 3  # stored on first sight
-    assert out.recomputed_tokens == int(np.ceil(0.25 * total))
-    assert out.reused_tokens + out.recomputed_tokens == total
+    assert out.usage.segment_hits == 0 and engine.segments.stats.fills == 3  # stored on first sight
+    assert out.usage.recomputed_tokens == int(np.ceil(0.25 * total))
+    assert out.usage.reused_tokens + out.usage.recomputed_tokens == total
     assert len(first["tokens"]) == GREEDY.max_tokens
     # only the exact part before the first reused token entered the prefix tree
     assert engine.cache.peek_prefix(prompt).length == segments[0][0]
@@ -149,8 +149,8 @@ def test_partial_reuse_counts_and_keeps_the_prefix_tree_exact(make_engine):
         assert engine.cache.peek_prefix(prompt[s:e], segment_namespace(None)).length == e - s
     assert engine.cache.peek_prefix(DOCS[0]).length == 0
     again = drive(engine, [("b", prompt, {"segments": segments, "recompute_ratio": 0.0})])["b"]
-    assert again["last"].segment_hits == 3 and again["last"].recomputed_tokens == 0
-    assert again["last"].cached_tokens == segments[0][0]
+    assert again["last"].usage.segment_hits == 3 and again["last"].usage.recomputed_tokens == 0
+    assert again["last"].usage.cached_tokens == segments[0][0]
     stats = engine.stats().segments
     assert (stats.lookups, stats.hits, stats.fills) == (6, 3, 3)
 
@@ -158,11 +158,11 @@ def test_partial_reuse_counts_and_keeps_the_prefix_tree_exact(make_engine):
 def test_segments_respect_namespaces(make_engine):
     prompt, segments = rag_prompt([0, 1], DOCS, HEAD, QUESTION)
     engine = make_engine()
-    drive(engine, [("a", prompt, {"segments": segments, "extra_key": "tenant-a"})])
-    other = drive(engine, [("b", prompt, {"segments": segments, "extra_key": "tenant-b"})])["b"]
-    assert other["last"].segment_hits == 0 and other["last"].cached_tokens == 0
-    same = drive(engine, [("c", prompt, {"segments": segments, "extra_key": "tenant-a"})])["c"]
-    assert same["last"].segment_hits == 2
+    drive(engine, [("a", prompt, {"segments": segments, "namespace": "tenant-a"})])
+    other = drive(engine, [("b", prompt, {"segments": segments, "namespace": "tenant-b"})])["b"]
+    assert other["last"].usage.segment_hits == 0 and other["last"].usage.cached_tokens == 0
+    same = drive(engine, [("c", prompt, {"segments": segments, "namespace": "tenant-a"})])["c"]
+    assert same["last"].usage.segment_hits == 2
 
 
 def test_segments_are_locked_while_used_and_evicted_like_the_tree(make_engine):
@@ -198,7 +198,7 @@ def test_bad_segments_are_clear_errors(make_engine):
 
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="segment_prefix_tokens"):
-            EngineConfig(segment_prefix_tokens=bad)
+            EngineConfig.from_options(segment_prefix_tokens=bad)
 
 
 SELECTIONS = [("kv", "global"), ("k", "segment"), ("v", "global"), ("attention", "segment"),
@@ -324,7 +324,7 @@ def test_segments_stored_after_the_prompt_prefix(make_engine):
     engine = make_engine(segment_prefix_tokens=6)
     ns = segment_namespace(None)
     got = drive(engine, [("a", prompt, {"segments": segments, "recompute_ratio": 0.0})])["a"]
-    assert engine.segments.stats.fills == 3 and got["last"].recomputed_tokens == 0
+    assert engine.segments.stats.fills == 3 and got["last"].usage.recomputed_tokens == 0
     for s, e in segments:  # keyed by the prefix + the segment, not the segment alone
         assert engine.cache.peek_prefix(HEAD + prompt[s:e], ns).length == 6 + e - s
         assert engine.cache.peek_prefix(prompt[s:e], ns).length == 0
@@ -335,13 +335,13 @@ def test_segments_stored_after_the_prompt_prefix(make_engine):
     want = drive(make_engine(), [("q", alone, {})])["q"]
     one = drive(engine, [("o", alone, {"segments": [(6, 6 + len(DOCS[1]))],
                                         "recompute_ratio": 0.0})])["o"]  # fmt: skip
-    assert one["last"].segment_hits == 1 and one["last"].recomputed_tokens == 0
+    assert one["last"].usage.segment_hits == 1 and one["last"].usage.recomputed_tokens == 0
     assert one["tokens"] == want["tokens"]
     assert one["first"].logprob == pytest.approx(want["first"].logprob, abs=1e-4)
     # moved (after another prompt's head): approximate at ratio 0, a plain prefill at 1.0
     other, other_segments = rag_prompt([2, 0, 1], DOCS, HEAD + ids(9, 14), QUESTION)
     ref = drive(make_engine(), [("r", other, {})])["r"]
     full = drive(engine, [("f", other, {"segments": other_segments, "recompute_ratio": 1.0})])
-    assert full["f"]["last"].segment_hits == 3
+    assert full["f"]["last"].usage.segment_hits == 3
     assert full["f"]["tokens"] == ref["tokens"]
     assert full["f"]["first"].logprob == pytest.approx(ref["first"].logprob, abs=1e-4)

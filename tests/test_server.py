@@ -17,10 +17,16 @@ ADMIN = {"Authorization": "Bearer admin-key"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def step_trace(tmp_path_factory):
+    """The server's step trace: what each engine step computed, one JSON line per step."""
+    return tmp_path_factory.mktemp("trace") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, step_trace):
     # float32: greedy outputs must not depend on whether the prefix came from the cache
     args = "--max-total-tokens 1024 --api-key {key} --admin-key admin-key --served-model-name tiny "
-    args += "--chunked-prefill-size 128 --dtype float32"
+    args += f"--chunked-prefill-size 128 --dtype float32 --step-trace {step_trace}"
     with running_server("--model", str(tiny_model_dir), *args.format(key=KEY).split()) as url:
         yield url
 
@@ -106,7 +112,7 @@ def test_completions_streaming_and_not(client):
     assert len(multi.choices) == 4 and [c.index for c in multi.choices] == [0, 1, 2, 3]
 
 
-def test_concurrent_requests_are_batched(client, server):
+def test_concurrent_requests_are_batched(client, server, step_trace):
     def one(i):
         return client.chat.completions.create(
             model="tiny",
@@ -116,11 +122,17 @@ def test_concurrent_requests_are_batched(client, server):
             extra_body={"ignore_eos": True},
         )
 
+    one(-1)  # caches the chat template's system prompt, which all eight share
+    seen = step_trace.stat().st_size
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(8)))
     assert all(r.usage.completion_tokens == 16 for r in results)
-    # all eight share the system prompt of the chat template: seven found it cached
-    assert sum(r.usage.prompt_tokens_details.cached_tokens > 0 for r in results) >= 7
+    assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in results)
+    # batched: several of the eight requests were computed together in one engine step
+    lines = step_trace.read_bytes()[seen:].decode().splitlines()
+    steps = [json.loads(line) for line in lines if line.startswith('{"step"')]
+    widest = max(len(s["decodes"]) + len(s["prefills"]) for s in steps)
+    assert widest >= 4, widest
     assert_healthy(server)
 
 
@@ -137,7 +149,12 @@ def test_metrics_parse_and_hit_counters_move(client, server):
     hits = after["radix_cache_hit_tokens_total"] - middle["radix_cache_hit_tokens_total"]
     assert hits == prompt_len - 1
     assert after["prompt_tokens_total"] - middle["prompt_tokens_total"] == prompt_len
-    assert after["time_to_first_token_seconds_count"] > before["time_to_first_token_seconds_count"]
+    # a latency histogram has no samples before its first request: count those as 0
+    ttft = "time_to_first_token_seconds_count"
+    assert after[ttft] > before.get(ttft, 0)
+    e2e = "e2e_request_latency_seconds_count"
+    assert after[e2e] == middle[e2e] + 1
+    assert after["generation_tokens_total"] > middle["generation_tokens_total"]
     assert 0 < after["radix_cache_hit_rate"] <= 1 and after["kv_cache_capacity_tokens"] == 1024
     for name in (
         "radix_evicted_tokens_total",

@@ -6,11 +6,16 @@ import json
 import numpy as np
 import pytest
 
+from radixserve.cache import PagedAllocator, RadixCache
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cli import main
 from radixserve.config import EngineConfig
+from radixserve.engine.core import EngineCore, Limits
+from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.spec import RequestSpec
 from radixserve.kvevents.hashing import prompt_block_hashes
+from radixserve.sim.instance import TimingExecutor
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.replay import replay, replay_order, slot_replay
 from radixserve.sim.routing import ROUTING_POLICIES, RoutingConfig, SimRouter
@@ -40,9 +45,12 @@ def small_trace(seed=0, sessions=40, rate=1.0):
 
 def run(trace, kv=4000, instances=1, routing="cache-aware", decode_runs=True, **engine):
     config = SimConfig(
-        EngineConfig(max_total_tokens=kv, chunked_prefill_size=64, **engine), instances,
-        RoutingConfig(routing), max_concurrency=4, check_integrity=True,
-    )  # fmt: skip
+        EngineConfig.from_options(max_total_tokens=kv, chunked_prefill_size=64, **engine),
+        instances,
+        RoutingConfig(routing),
+        max_concurrency=4,
+        check_integrity=True,
+    )
     return Simulation(trace, config, TIMING, decode_runs=decode_runs).run()
 
 
@@ -87,8 +95,52 @@ def test_instance_runs_the_engine_scheduler_step_for_step(make_engine):
     inst.scheduler.schedule = sim_recording
     result = sim.run()
     assert [s for s in steps_sim if s != ([], 0)] == [s for s in steps_real if s != ([], 0)]
-    assert result.records.cached.tolist() == [r.cached_tokens for r in reqs]
+    assert result.records.cached.tolist() == [r.usage.cached_tokens for r in reqs]
     assert sum(result.records.cached) > 0  # the shared prefix was reused
+
+
+def test_any_executor_drives_the_same_core_bookkeeping(make_engine):
+    """The executor interface: an executor only computes a step and draws tokens
+    (``run(step) -> StepResult``); the core does the rest. A bare ``EngineCore`` driven by the
+    simulator's ``TimingExecutor``, replaying the tokens the model drew, schedules the same
+    steps, emits the same outputs and gets the same cache hits as the model engine."""
+    rng = np.random.default_rng(1)
+    shared = rng.integers(3, 1000, 70).tolist()
+    prompts = [shared + rng.integers(3, 1000, n).tolist() for n in (40, 9, 60)]
+    config = dict(max_total_tokens=300, chunked_prefill_size=48, max_running_requests=2)
+    engine = make_engine(**config)
+    core = EngineCore(engine.config, RequestKV(RadixCache(alloc := PagedAllocator(300)), alloc),
+                      Limits(engine.max_model_len))  # fmt: skip
+    executor = TimingExecutor(TIMING)
+
+    def drive(schedule, step_fn):
+        steps, outputs = [], []
+        while (step := schedule()) is not None:
+            steps.append(([(n, r.num_computed) for r, n in step.prefills], len(step.decodes)))
+            outputs += [(o.request_id, o.new_token_ids, o.finished, o.usage) for o in step_fn(step)]
+        return steps, outputs
+
+    specs = [RequestSpec(request_id=str(i), prompt_ids=p,
+                         params=SamplingParams(max_tokens=5 + i, ignore_eos=True))
+             for i, p in enumerate(prompts)]  # fmt: skip
+    for spec in specs:
+        engine.add(spec)
+        core.add(spec)
+    model_run = drive(
+        lambda: engine.core.schedule() if engine.has_unfinished() else None,
+        lambda step: engine.core.postprocess(step, engine.executor.run(step)),
+    )
+    tokens = {}
+    for rid, new, _, _ in model_run[1]:
+        tokens.setdefault(rid, []).extend(new)
+    executor.outputs = {rid: np.array(t, np.int32) for rid, t in tokens.items()}
+    timed_run = drive(
+        lambda: core.schedule() if core.has_unfinished() else None,
+        lambda step: core.postprocess(step, executor.run(step)),
+    )
+    assert timed_run == model_run
+    assert sum(u.cached_tokens for _, _, done, u in timed_run[1] if done) > 0  # reused
+    core.check_integrity()
 
 
 def test_decode_runs_change_nothing_but_speed():
@@ -123,7 +175,7 @@ def test_every_routing_policy_runs_and_cache_aware_beats_round_robin():
 
 def test_lost_events_are_counted_and_delayed_events_arrive():
     trace = small_trace(sessions=20, rate=4.0)
-    config = SimConfig(EngineConfig(max_total_tokens=3000), 3,
+    config = SimConfig(EngineConfig.from_options(max_total_tokens=3000), 3,
                        RoutingConfig("cache-aware", event_delay=0.5, event_loss=0.5))  # fmt: skip
     result = Simulation(trace, config, TIMING).run()
     stats = result.router.stats()
@@ -265,7 +317,7 @@ def test_replay_cli_compares_designs_and_finds_memory_for_a_target(tmp_path, cap
 
 def test_untimed_trace_needs_a_load_shape():
     trace = small_trace(sessions=3, rate=None)
-    config = SimConfig(EngineConfig(max_total_tokens=3000))
+    config = SimConfig(EngineConfig.from_options(max_total_tokens=3000))
     with pytest.raises(ValueError, match="give max_concurrency"):
         Simulation(trace, config, TIMING)
 
@@ -275,7 +327,7 @@ def test_time_outside_the_engine_grows_with_the_streams_in_flight():
     prompt token and request_overhead_per_stream for every other request in flight at its
     instance when it arrived; the engine part is unchanged."""
     trace = small_trace(sessions=16, rate=4.0)
-    config = SimConfig(EngineConfig(max_total_tokens=4000, chunked_prefill_size=64), 1,
+    config = SimConfig(EngineConfig.from_options(max_total_tokens=4000, chunked_prefill_size=64), 1,
                        max_concurrency=4, check_integrity=True)  # fmt: skip
     base = Simulation(trace, config, TIMING).run().records
     busier = TimingModel(**{**TIMING.__dict__, "request_overhead_per_stream": 0.25,

@@ -80,14 +80,15 @@ def validation_model(default_gguf) -> str:
     """The default model, SmolLM2-135M: what the simulator's profiles are for. (The tiny test
     model was tried too: its TTFT of about 40 ms is all front end and Python, and the real
     run's own median moves by +-20% from one run to the next on this machine; see
-    docs/SIMULATOR.md.)"""
+    docs/decisions.md.)"""
     return str(default_gguf)
 
 
 @pytest.fixture(scope="module")
 def fitted(validation_model):
-    config = EngineConfig(model=validation_model, dtype="float32", max_total_tokens=KV_TOKENS,
-                          load_progress=False)  # fmt: skip
+    config = EngineConfig.from_options(
+        model=validation_model, dtype="float32", max_total_tokens=KV_TOKENS, load_progress=False
+    )
     timing = fit_engine(Engine(config), 512, 1, statistic="median", plan="quick")
     return config, timing
 

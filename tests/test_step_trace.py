@@ -5,7 +5,7 @@ and when each request got its first token."""
 import time
 
 import pytest
-from test_validation import Recorder, outputs_of
+from test_validation import Recorder, add_message, outputs_of
 
 from radixserve.engine import SamplingParams
 from radixserve.engine.step_trace import StepTraceWriter, read_step_trace
@@ -14,8 +14,8 @@ from radixserve.sim.served import Calibration, engine_request_id, streams_in_fli
 from radixserve.sim.timing import TimingModel
 
 
-def run_traced(make_engine, path, requests):
-    engine = make_engine()
+def run_traced(make_engine, path, requests, **options):
+    engine = make_engine(**options)
     writer = StepTraceWriter(path)
     push = Recorder()
     loop = EngineLoop(engine, None, push, trace=writer)
@@ -23,7 +23,7 @@ def run_traced(make_engine, path, requests):
     for rid, prompt, max_tokens in requests:
         sent[rid] = time.monotonic()
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        loop.handle(("add", rid, prompt, params, None, {"sent_at": sent[rid]}))
+        loop.handle(add_message(rid, prompt, params, sent[rid]))
     while engine.has_unfinished():
         loop.step()
     writer.close()
@@ -50,11 +50,28 @@ def test_trace_records_what_every_step_computed_and_each_requests_times(make_eng
     assert streams_in_flight(trace) == {"a": 0, "b": 1}
 
 
+def test_trace_records_the_tier_moves_of_each_step(make_engine, tmp_path):
+    shared = list(range(100, 164))  # four pages, evicted to the host, then loaded back
+    fill = [[7000 + 100 * i + j for j in range(64)] for i in range(3)]
+    requests = [("a", shared + [5], 2)] + [(f"f{i}", f, 2) for i, f in enumerate(fill)]
+    trace, _, _ = run_traced(
+        make_engine, tmp_path / "t.jsonl", [*requests, ("b", shared + [6], 2)], page_size=16,
+        max_total_tokens=160, host_kv_memory="1MiB", chunked_prefill_size=80,
+        max_running_requests=1, load_back_min_tokens=16, schedule_policy="fcfs",
+    )  # fmt: skip
+    moved = [s.tiers for s in trace.steps if s.tiers is not None]
+    assert len(moved) == len(trace.steps) - 1  # every step after the first says what moved
+    assert sum(t.backed_up_tokens for t in moved) >= 64  # write_back: "a" copied on eviction
+    loads = [t for t in moved if t.loads]
+    assert len(loads) == 1 and loads[0].loaded_tokens == 64 and loads[0].load_s > 0
+    assert all(t.backup_s >= 0 and t.pages_to_storage == 0 for t in moved)
+
+
 def test_trace_is_off_by_default_and_a_torn_last_line_is_skipped(make_engine, tmp_path):
     engine = make_engine()
     loop = EngineLoop(engine, None, Recorder())
     assert engine.record_step_shape is False
-    loop.handle(("add", "x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), None))
+    loop.handle(add_message("x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
     loop.step()
     assert engine.last_step_shape is None
     path = tmp_path / "t.jsonl"

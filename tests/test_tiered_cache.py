@@ -114,8 +114,9 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
             assert sum(1 for _ in walk(self.cache)) == nodes  # a peek splits nothing
             match = self.cache.match_prefix(tokens, ns)
             assert match.total_len == peek == self.ref_len(ns, tokens)
-            loaded = self.cache.load_back(match)
-            assert loaded.device_len in (match.device_len, match.total_len)
+            loaded = self.cache.load_back(match)  # all, or the leading part that fits
+            assert match.device_len <= loaded.device_len <= match.total_len
+            assert loaded.device_len + loaded.host_len == match.total_len
             got = read_device(self.pool, loaded.device_indices)
             assert got == self.expected(ns, tokens, loaded.device_len)
             if lock:
@@ -287,4 +288,43 @@ def test_a_device_leaf_with_host_children_is_copied_before_it_leaves():
     node.parent.host_value = None
     cache.evict(16)
     assert cache.match_prefix(a + [7] * 4 + [0]).host_len == 8
+    cache.check_integrity(NO_HELD)
+
+
+def test_a_full_device_pool_loads_back_the_leading_part_that_fits():
+    cache, pool = make_cache(4, 16, 48, "write_through")
+    a, b = list(range(12)), [7] * 12
+    cache_tokens(cache, pool, a)
+    cache.evict(16)  # a: host only
+    held = cache_tokens(cache, pool, b)  # b takes 12 of the 16 device slots ...
+    locked = cache.match_prefix(b + [0], record_stats=False)
+    cache.inc_lock_ref(locked.handle)  # ... and a running request holds it
+    m = cache.match_prefix(a + [0])
+    assert held.device_len == 0 and m.device_len == 0 and m.host_len == 12
+    part = cache.load_back(m)
+    assert (part.device_len, part.host_len) == (4, 8)  # the room left: one page
+    assert read_device(pool, part.device_indices) == [token_value(None, tuple(a[: i + 1]))
+                                                      for i in range(4)]  # fmt: skip
+    assert cache.tier_stats().partial_loads == 1
+    cache.check_integrity(NO_HELD)
+    cache.dec_lock_ref(locked.handle)
+    rest = cache.load_back(cache.match_prefix(a + [0]))  # room again: the rest comes back
+    assert (rest.device_len, rest.host_len) == (12, 0)
+    assert read_device(pool, rest.device_indices) == [token_value(None, tuple(a[: i + 1]))
+                                                      for i in range(12)]  # fmt: skip
+    cache.check_integrity(NO_HELD)
+
+
+def test_a_load_smaller_than_the_minimum_is_not_made_partially():
+    cache, pool = make_cache(4, 16, 48, "write_through")
+    cache.load_back_min_tokens = 8
+    a = list(range(12))
+    cache_tokens(cache, pool, a)
+    cache.evict(16)
+    cache_tokens(cache, pool, [7] * 12)
+    locked = cache.match_prefix([7] * 12 + [0], record_stats=False)
+    cache.inc_lock_ref(locked.handle)
+    m = cache.match_prefix(a + [0])
+    assert cache.load_back(m) is m  # 4 tokens would fit, fewer than 8: computed instead
+    assert cache.tier_stats().load_failures == 1
     cache.check_integrity(NO_HELD)

@@ -58,7 +58,9 @@ def reference(tiny_loaded):
     from radixserve.engine import Engine
 
     engine = Engine(
-        EngineConfig(load_progress=False, enable_prefix_caching=False, max_total_tokens=1024),
+        EngineConfig.from_options(
+            load_progress=False, enable_prefix_caching=False, max_total_tokens=1024
+        ),
         tiny_loaded,
     )
     return {i: run(engine, SHARED + t, f"ref{i}")[1] for i, t in enumerate(TAILS)}
@@ -82,18 +84,20 @@ def engines(make_engine):
 def test_device_and_host_hits_give_the_computed_answer(engines, reference):
     engine = engines(write_policy="write_through")
     out, tokens = run(engine, SHARED + TAILS[0], "a")
-    assert out.cached_tokens == 0 and tokens == reference[0]
+    assert out.usage.cached_tokens == 0 and tokens == reference[0]
     out, tokens = run(engine, SHARED + TAILS[1], "b")  # the prefix is on the device
-    assert out.cached_tokens >= len(SHARED) and out.host_cached_tokens == 0
+    assert out.usage.cached_tokens >= len(SHARED) and out.usage.host_cached_tokens == 0
     assert tokens == reference[1]
     for i in range(2):  # push the prefix off the device (the pool holds 256 tokens)
         run(engine, filler(i), f"fill{i}")
     out, tokens = run(engine, SHARED + TAILS[2], "c")
-    assert out.host_cached_tokens >= len(SHARED) - PAGE and out.storage_cached_tokens == 0
+    assert (
+        out.usage.host_cached_tokens >= len(SHARED) - PAGE and out.usage.storage_cached_tokens == 0
+    )
     assert tokens == reference[2]
     stats = engine.stats()
     assert stats.tiers.loads >= 1 and stats.tiers.pages_to_device >= 9
-    assert stats.cache.host_hit_tokens == out.host_cached_tokens
+    assert stats.cache.host_hit_tokens == out.usage.host_cached_tokens
     assert stats.tiers.host_cached_tokens > 0
     engine.flush_cache()  # empties both tiers
     stats = engine.stats()
@@ -108,7 +112,7 @@ def test_other_write_policies_also_serve_from_the_host(engines, reference, polic
     for i in range(2):
         run(engine, filler(i), f"fill{i}")
     out, tokens = run(engine, SHARED + TAILS[2], "c")
-    assert out.host_cached_tokens >= len(SHARED) - PAGE
+    assert out.usage.host_cached_tokens >= len(SHARED) - PAGE
     assert tokens == reference[2]
 
 
@@ -118,16 +122,16 @@ def test_a_short_host_hit_is_computed_not_loaded(engines, reference):
     for i in range(2):
         run(engine, filler(i), f"fill{i}")
     out, tokens = run(engine, SHARED + TAILS[1], "b")
-    assert out.cached_tokens == 0 and tokens == reference[1]
+    assert out.usage.cached_tokens == 0 and tokens == reference[1]
     assert engine.stats().tiers.loads == 0
 
 
-def storage_round_trip(engines, url: str, reference) -> tuple:
+def storage_round_trip(engines, url: str, reference, **options) -> tuple:
     """Engine 1 computes the prefix and writes it out; engine 2, fresh, fetches it."""
-    first = engines(kv_storage=url)
+    first = engines(kv_storage=url, **options)
     run(first, SHARED + TAILS[0], "a")
     first.close()  # drains the write-outs
-    second = engines(kv_storage=url)
+    second = engines(kv_storage=url, **options)
     out, tokens = run(second, SHARED + TAILS[1], "b")
     assert tokens == reference[1]
     return out, second
@@ -135,17 +139,31 @@ def storage_round_trip(engines, url: str, reference) -> tuple:
 
 def test_a_file_store_serves_a_fresh_engine(engines, reference, tmp_path):
     out, engine = storage_round_trip(engines, f"file://{tmp_path}", reference)
-    assert out.storage_cached_tokens >= len(SHARED) - PAGE
-    assert out.cached_tokens == out.storage_cached_tokens  # nothing else was cached
+    assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
+    assert out.usage.cached_tokens == out.usage.storage_cached_tokens  # nothing else was cached
     tiers = engine.stats().tiers
     assert tiers.pages_from_storage >= 9 and tiers.storage.pages_read >= 9
+
+
+def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
+    engines, reference, tmp_path, caplog
+):
+    with caplog.at_level(logging.INFO, logger="radixserve"):
+        out, engine = storage_round_trip(engines, str(tmp_path), reference, host_kv_memory=None)
+    assert out.storage_cached_tokens >= len(SHARED) - PAGE
+    assert engine.config.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
+    assert engine.config.write_policy == "write_through"
+    sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
+    assert len(sized) == 2  # each engine logged the size it chose
+    assert engine.stats().tiers.host_capacity_tokens > engine.config.max_total_tokens
+    engine.check_integrity()
 
 
 def test_redis_serves_another_engine(engines, reference):
     with RedisServer() as redis:
         out, engine = storage_round_trip(engines, redis.url, reference)
-    assert out.storage_cached_tokens >= len(SHARED) - PAGE
-    assert engine.stats().cache.storage_hit_tokens == out.storage_cached_tokens
+    assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
+    assert engine.stats().cache.storage_hit_tokens == out.usage.storage_cached_tokens
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])
@@ -165,7 +183,7 @@ def test_a_damaged_page_file_is_recomputed(engines, reference, tmp_path, caplog,
     with caplog.at_level(logging.WARNING):
         out, tokens = run(second, SHARED + TAILS[1], "b")
     assert tokens == reference[1]
-    assert 0 < out.storage_cached_tokens <= 4 * PAGE
+    assert 0 < out.usage.storage_cached_tokens <= 4 * PAGE
     assert any("page" in r.getMessage().lower() for r in caplog.records if r.levelno >= 30)
 
 
@@ -177,7 +195,7 @@ def test_a_redis_that_is_down_costs_a_recomputation(engines, reference, caplog):
     with caplog.at_level(logging.WARNING):
         out, tokens = run(engine, SHARED + TAILS[0], "a")
         out, tokens = run(engine, SHARED + TAILS[1], "b")
-    assert tokens == reference[1] and out.storage_cached_tokens == 0
+    assert tokens == reference[1] and out.usage.storage_cached_tokens == 0
     assert any(r.levelno >= 30 for r in caplog.records)
 
 
@@ -212,7 +230,7 @@ def test_a_hung_redis_delays_admission_by_the_timeout_only(engines, reference):
             out2, tokens2 = run(second, SHARED + TAILS[2], "c")
         finally:
             os.kill(redis.proc.pid, 18)  # SIGCONT, so the server can be stopped
-    assert tokens == reference[1] and out.storage_cached_tokens == 0
+    assert tokens == reference[1] and out.usage.storage_cached_tokens == 0
     assert tokens2 == reference[2]
     assert second.stats().tiers.prefetch_timeouts == 1
     assert elapsed < 30  # waited 0.3 s for its pages, then computed them
@@ -255,7 +273,7 @@ def test_storage_writes_landing_after_events_went_off_are_dropped_not_a_crash(en
     "options, message",
     [
         (dict(host_kv_memory="1KiB"), "host tier must be larger than the device pool"),
-        (dict(host_kv_memory=None, kv_storage="file:///tmp/x"), "needs a host tier"),
+        (dict(host_kv_memory=None, write_policy="write_back"), "needs a host tier"),
         (dict(kv_storage="ftp://host/x"), "use file:///absolute/path or redis://"),
         (dict(kv_storage="file://relative/path"), "three slashes"),
         (dict(kv_storage_size="1MiB"), "kv_storage_size needs kv_storage"),

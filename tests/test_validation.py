@@ -10,15 +10,17 @@ import pickle
 import gguf
 import pytest
 
+from radixserve.api.config import ServerConfig, parse_sampling_overrides
+from radixserve.api.protocol import ChatCompletionRequest, GenerateRequest, lone_surrogate_at
 from radixserve.engine import SamplingParams
+from radixserve.engine.spec import RequestSpec
 from radixserve.model.generation_defaults import generation_defaults
-from radixserve.server.config import ServerConfig, parse_sampling_overrides
 from radixserve.server.engine_process import STEP_ERROR, EngineLoop
-from radixserve.server.protocol import ChatCompletionRequest, GenerateRequest, lone_surrogate_at
+from radixserve.server.messages import Added, AddRequest, Outputs, Rejected
 
 BAD_PARAMS = [
-    ({"top_k": 10**20}, "top_k"),  # issue 13: killed the engine (int64 overflow in the sampler)
-    ({"logprobs": 2.5}, "logprobs"),  # issue 13: killed the engine
+    ({"top_k": 10**20}, "top_k"),  # once killed the engine (int64 overflow in the sampler)
+    ({"logprobs": 2.5}, "logprobs"),  # once killed the engine
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 0.5}, "logprobs"),
     ({"temperature": math.nan}, "temperature"),
@@ -75,12 +77,16 @@ class Recorder:
 
 
 class BrokenPull:
-    def recv_pyobj(self):
-        raise pickle.UnpicklingError("garbage")
+    def recv(self):
+        return b"garbage"
 
 
-def outputs_of(sent: list[tuple]) -> list:
-    return [out for msg in sent if msg[0] == "outputs" for out in msg[1]]
+def outputs_of(sent: list) -> list:
+    return [out for msg in sent if isinstance(msg, Outputs) for out in msg.outputs]
+
+
+def add_message(rid, prompt, params, sent_at=None) -> AddRequest:
+    return AddRequest(RequestSpec(request_id=rid, prompt_ids=prompt, params=params), sent_at)
 
 
 def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monkeypatch):
@@ -88,9 +94,9 @@ def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monk
     push = Recorder()
     loop = EngineLoop(engine, BrokenPull(), push)
     loop.receive()  # an unreadable message: logged and dropped
-    loop.handle(("add", "a", [5, 6, 7, 8], SamplingParams(max_tokens=50), None))
-    loop.handle(("add", "b", [9, 10], {"not": "params"}, None))
-    assert push.sent[:2] == [("added", "a"), ("rejected", "b", "params must be a SamplingParams")]
+    loop.handle(add_message("a", [5, 6, 7, 8], SamplingParams(max_tokens=50)))
+    loop.handle(add_message("b", [9, 10], {"not": "params"}))
+    assert push.sent[:2] == [Added("a"), Rejected("b", "params must be a SamplingParams")]
     loop.step()  # the prefill of "a"
     real_step = engine.step
 
@@ -104,7 +110,7 @@ def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monk
     assert failed.error == STEP_ERROR and "boom" not in failed.error
     engine.check_integrity()
     monkeypatch.setattr(engine, "step", real_step)
-    loop.handle(("add", "c", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True), None))
+    loop.handle(add_message("c", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True)))
     while engine.has_unfinished():
         loop.step()
     last = outputs_of(push.sent)[-1]
@@ -236,8 +242,9 @@ def test_chat_streams_tokens_and_reports_the_cache_split(make_engine, monkeypatc
     text_writes = [w for w in out.writes if w and not w.startswith("\n[")]
     assert len(text_writes) >= 6  # piece by piece, not the whole answer at once
     summaries = [w for w in out.writes if w.startswith("\n[prompt")]
-    assert f"{first.prompt_tokens} tokens: 0 from the cache" in summaries[0]
-    cached = second.cached_tokens
-    assert cached > first.prompt_tokens
-    assert f"{cached} from the cache, {second.prompt_tokens - cached} computed" in summaries[1]
+    assert f"{first.usage.prompt_tokens} tokens: 0 from the cache" in summaries[0]
+    cached = second.usage.cached_tokens
+    assert cached > first.usage.prompt_tokens
+    computed = second.usage.prompt_tokens - cached
+    assert f"{cached} from the cache, {computed} computed" in summaries[1]
     assert "tokens/s" in summaries[1]

@@ -29,7 +29,8 @@ from radixserve.bench.data import DatasetError
 from radixserve.bench.loadgen import LoadConfig
 from radixserve.bench.runner import BASE_URL_SYSTEM, run_plan
 from radixserve.bench.workloads import WORKLOADS, Workload, build_workload
-from radixserve.cli import flag
+from radixserve.cli_options import flag
+from radixserve.utils import PLOT_EXTRA, plots_available
 
 DEFAULT_SYSTEMS = {
     "sharegpt-multiturn": ("radix", "no-cache", "llamacpp"),
@@ -101,6 +102,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default="shared-prefix",
         help=f"comma-separated workloads: {', '.join(WORKLOADS)}; default %(default)s",
     )
+    add_workload_args(p)
+    add_system_args(p)
+    add_load_args(p)
+    add_limit_and_output_args(p)
+    p.set_defaults(func=cmd_bench, parser=p)
+    return p
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload parameters (default per workload in brackets)")
     for name, o in spec_options().items():
         defaults = ", ".join(f"{w}: {d}" for w, d in o["defaults"].items())
@@ -111,6 +121,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=0,
         help="seed of generated prompts and of Poisson arrivals; default %(default)s",
     )
+
+
+def add_system_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("systems")
     g.add_argument(
         "--systems",
@@ -156,6 +169,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="fleet-* systems: a host KV tier of this size (e.g. 96MiB) in each instance "
         "(`serve --host-kv-memory`; single-big gets N times it); default: none",
     )
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load shape")
     g.add_argument(
         "--request-rate",
@@ -189,6 +205,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument(
         "--no-flush-cache", action="store_true", help="do not POST /flush_cache after the warm-up"
     )
+
+
+def add_limit_and_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits (a run always ends)")
     g.add_argument("--max-requests", type=int, help="start no more requests than this per system")
     g.add_argument(
@@ -209,8 +228,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="seconds between /metrics scrapes (0: none); default %(default)s",
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_bench, parser=p)
-    return p
 
 
 # Error messages name dataclass fields; the user typed flags.
@@ -284,6 +301,8 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not plots_available():  # before any server starts, not after the runs
+        parser.error(f"radixserve bench writes plots, and {PLOT_EXTRA}")
     plan = build_plan(parser, args)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     out_dir = Path(args.output_dir or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")

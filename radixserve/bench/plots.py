@@ -7,17 +7,18 @@
   requests finish, so every server's curve is measured the same way.
 
 Figures are drawn with ``matplotlib.figure.Figure`` and saved through the Agg canvas: no pyplot
-state, no display needed.
+state, no display needed. matplotlib is the ``plot`` extra, imported only when plots are drawn.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from radixserve.bench.loadgen import RunResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 PLOTS = ("ttft_cdf", "ttft_by_turn", "hit_rate")
 TITLES = {
@@ -31,6 +32,8 @@ def write_plots(
     out_dir: Path, workload: str, results: dict[str, RunResult], summaries: dict[str, dict]
 ) -> list[Path]:
     """One PNG per plot; ``summaries`` are ``report.summarize`` of each result."""
+    from matplotlib.figure import Figure
+
     paths = []
     for name, draw in (
         ("ttft_cdf", ttft_cdf),

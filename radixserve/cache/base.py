@@ -22,7 +22,8 @@ back to lock, unlock and credit the prefix, and never look inside. ``peek_prefix
 "how long is the cached prefix?" without touching anything (no split, no recency update).
 
 Lower tiers (a tiered cache; every other cache answers these trivially): ``load_back(match)``
-copies the host part of a match onto the device (all or nothing; skipped when too short to be
+copies the host part of a match onto the device (all of it, or the leading part the device
+has room for; skipped when too short to be
 worth it) and returns the match it became; ``start_prefetch`` asks the storage tier for the
 pages after the cached prefix of a waiting request (``None``: nothing worth fetching), and
 ``poll_transfers`` applies finished transfers, waiting up to ``timeout`` seconds for one.
@@ -42,6 +43,9 @@ import numpy as np
 import torch
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+# A cache namespace: None (shared), a tenant's, or one derived from a tenant's (a RAG segment
+# store: ``("rag-segment", tenant)``). Namespaces never share nodes; hashes salt with its repr.
+Namespace = str | tuple[str, str | None] | None
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 CacheHandle = Any  # opaque to callers: whatever the cache needs to find the matched prefix
 

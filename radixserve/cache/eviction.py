@@ -34,48 +34,16 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any
+
+from radixserve.cache.eviction_base import EvictableNode, EvictionPolicy
+from radixserve.cache.eviction_odds import ReturnOddsPolicy
 
 # Per-token prefill cost grows linearly with context: cost(depth) ~ 1 + depth / SCALE. SCALE is
 # the context length at which attention doubles a token's cost; measured on this engine's CPU
 # timing profile (radixserve/sim/profiles/), where it is a few thousand tokens.
 COST_CONTEXT_SCALE = 4096.0
 SLRU_PROTECTED_SHARE = 0.8
-
-
-class EvictableNode(Protocol):
-    id: int
-    parent: Any
-    key: Any
-    last_access: int
-    hit_count: int
-    depth: int  # tokens from the root to the end of this node's edge
-    created: int  # admission count when the node was cached
-    policy_state: Any  # owned by the policy; None until it first sees the node
-
-
-class EvictionPolicy:
-    """How evictable leaves are ordered. Subclasses override ``priority`` and maybe hooks."""
-
-    name = "base"
-
-    def priority(self, node: Any, now: int) -> tuple:
-        raise NotImplementedError
-
-    def changes_at(self, node: Any, now: int) -> int | None:
-        """The admission count at which ``priority(node)`` changes with no event on the node."""
-        return None
-
-    def on_hit(self, node: Any, now: int) -> Iterable[Any]:
-        """A request was admitted through ``node`` (and its ancestors); return other nodes
-        whose priority this changed."""
-        return ()
-
-    def on_split(self, upper: Any, lower: Any) -> None:
-        """``upper`` was cut from the top of ``lower``'s edge and copied its attributes."""
-
-    def on_evict(self, node: Any, priority: tuple) -> None:
-        """``node`` (which had ``priority``) leaves the tree."""
 
 
 class FunctionPolicy(EvictionPolicy):
@@ -249,8 +217,6 @@ def make_policy(
     elif name == "cost-aware":
         policy = CostAwarePolicy()
     elif name == "return-odds":
-        from radixserve.cache.eviction_odds import ReturnOddsPolicy  # it builds on this module
-
         policy = ReturnOddsPolicy()
     else:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {EVICTION_POLICIES}")
@@ -263,10 +229,6 @@ def make_policy(
 def check_cache_threshold(value: float) -> None:
     if not 0 < value <= 1:
         raise ValueError(f"cache_threshold must be in (0, 1] (hits per request), got {value!r}")
-
-
-def get_eviction_policy(name: str) -> EvictionPolicy:
-    return make_policy(name)
 
 
 class LeafHeap:

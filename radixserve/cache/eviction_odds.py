@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from radixserve.cache.eviction import EvictionPolicy
+from radixserve.cache.eviction_base import EvictionPolicy
 
 _CLASSES = 24  # depth classes: log2 of the depth in tokens, capped
 

@@ -13,11 +13,26 @@ Sizes, kept in O(1):
 Locks are taken along the whole path to the root, so ``lock_ref(node) >= sum of children's``.
 Eviction pops the lowest-priority evictable leaf from a lazy heap (``eviction.LeafHeap``):
 O(k log n) for k evicted leaves, never a walk of the tree.
+
+Lower tiers: with a tier controller attached (``attach_tiers``; ``tier_controller.py``), a
+node's KV may also, or only, be in host memory (``TreeNode.host_value``). The tree records
+where each node's KV lives and never moves any: the controller copies KV and tells the tree
+(``set_host``, ``set_device``, ``attach_host``); the tree tells the controller what happened
+to a node (``LowerTiers``: cached, hit, about to leave the device). Invariants then:
+
+- the device nodes are closed under ancestors, so off-device nodes form the tail of every
+  path and a match is one contiguous prefix: device part, then host part;
+- locks, the evictable/protected sizes and the device-leaf heap concern device tokens only
+  (a device leaf: nothing below it is on the device);
+- a device leaf that is evicted keeps its node when it has a host copy, else is deleted
+  with its host-only children; host eviction deletes off-device nodes without children,
+  lowest priority first, from a second heap of the same policy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,60 +50,40 @@ from radixserve.cache.base import (
 )
 from radixserve.cache.events import (
     MEDIUM_DEVICE,
+    MEDIUM_HOST,
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventQueue,
     default_block_size,
 )
 from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
-from radixserve.cache.tree_check import check_tree, tree_summary
+from radixserve.cache.storage import ClearResult
+from radixserve.cache.tree_check import TreeState, check_host_tier, check_tree, tree_summary, walk
 from radixserve.cache.tree_events import TreeEvents
+from radixserve.cache.tree_node import TreeNode
+
+__all__ = ["LowerTiers", "RadixCache", "TreeNode"]
 
 
-class TreeNode:
-    __slots__ = (
-        "id",
-        "parent",
-        "children",
-        "key",
-        "value",
-        "lock_ref",
-        "last_access",
-        "hit_count",
-        "page_hashes",
-        "offset",
-        "namespace",
-        "depth",
-        "created",
-        "policy_state",
-    )
+class LowerTiers(Protocol):
+    """What the tree tells the tier controller, and asks of it (``tier_controller.py``)."""
 
-    def __init__(
-        self,
-        node_id: int,
-        parent: TreeNode | None,
-        key: np.ndarray,
-        value: torch.Tensor,
-        namespace: Any = None,
-    ):
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[Any, TreeNode] = {}
-        self.key = key
-        self.value = value
-        self.lock_ref = 0
-        self.last_access = 0
-        self.hit_count = 0
-        self.page_hashes: list[int] = []  # the KV-event blocks it owns (tree_events.py)
-        self.offset = 0  # tokens above its edge, kept while events are on
-        self.namespace = namespace
-        self.depth = 0  # tokens from the root to the end of this edge
-        self.created = 0  # the cache's admission count when this node was cached
-        self.policy_state: Any = None  # the eviction policy's own (eviction.py)
+    def on_cached(self, node: TreeNode) -> None:
+        """A computed node entered the tree (on the device)."""
 
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+    def on_hit(self, node: TreeNode) -> None:
+        """A request was admitted on the path ending at ``node``."""
+
+    def before_evict(self, node: TreeNode) -> None:
+        """A device node without a host copy is about to leave the device."""
+
+    def free_host(self, slots: torch.Tensor) -> None:
+        """The tree dropped these host slots (a deleted host-only node)."""
+
+    def check(self, host_slots: torch.Tensor) -> None:
+        """Integrity of the host pool, given the host slots the tree caches."""
 
 
 class RadixCache(PrefixCache):
@@ -112,7 +107,12 @@ class RadixCache(PrefixCache):
         self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
         self._heap = LeafHeap(eviction_policy, lambda: self.admissions)
         self.events: KVEventQueue | None = None  # set only while events are on
-        self._hasher = TreeEvents(self, event_block_size or default_block_size(self.page_size))
+        self._hasher = TreeEvents(
+            self.page_size,
+            event_block_size or default_block_size(self.page_size),
+            self.roots,
+            self.node_medium,
+        )
         self.stats = CacheStats()
         self._next_id = 0
         self._clock = 0
@@ -120,8 +120,19 @@ class RadixCache(PrefixCache):
         self._evictable_leaves: set[TreeNode] = set()
         self._evictable_size = 0
         self._protected_size = 0
+        self.controller: Any = None  # a LowerTiers, set by attach_tiers
+        self._host_heap = LeafHeap(eviction_policy, lambda: self.admissions)
+        self._host_leaves: set[TreeNode] = set()  # off the device, no children
+        self._host_size = 0  # tokens with a host copy
+        self._flushing = False  # reset: nodes leave the device without a copy
         if event_queue is not None:
             self.events = event_queue  # an empty tree: nothing to snapshot
+
+    def attach_tiers(self, controller: LowerTiers) -> None:
+        """Let ``controller`` keep what leaves the device (before anything is cached)."""
+        if self.total_size():
+            raise RuntimeError("lower tiers are attached to an empty tree only")
+        self.controller = controller
 
     # ------------------------------------------------------------------ events
     @property
@@ -140,10 +151,11 @@ class RadixCache(PrefixCache):
         """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
         self.events = None
 
-    def _emit(self, event: KVEvent | None) -> None:
+    def emit_event(self, event: KVEvent | None) -> None:
         """Queue ``event`` while events are on, else drop it. ``self.events`` is the one
-        on/off state: whatever emits later (a storage write-out's callback) comes through
-        here, so a subscriber leaving in between costs an event, never a step."""
+        on/off state, and every event goes out through here, those emitted later too (a
+        storage write-out's callback): a subscriber leaving meanwhile costs the event, never
+        a step."""
         if self.events is not None and event is not None:
             self.events.append(event)
 
@@ -152,8 +164,24 @@ class RadixCache(PrefixCache):
         return self._hasher.snapshot()
 
     def node_medium(self, node: TreeNode) -> str:
-        """The tier a node's KV is on, for its events (a tiered cache overrides this)."""
-        return MEDIUM_DEVICE
+        """The tier a node's KV is read from: the device when it is there, else the host."""
+        return MEDIUM_DEVICE if node.value is not None else MEDIUM_HOST
+
+    def stored_event(self, node: TreeNode, medium: str) -> BlockStored | None:
+        """The event announcing ``node``'s blocks on ``medium`` (None: events off or no
+        whole block), under the hashes the node already holds."""
+        return self._hasher.stored(node, medium) if self.events is not None else None
+
+    def _event(self, kind: type, node: TreeNode, medium: str) -> None:
+        """Announce that ``node``'s blocks moved onto (BlockStored) or off (BlockRemoved)
+        ``medium``, under the block hashes the node already holds (nothing is hashed again)."""
+        if self.events is None:
+            return
+        if kind is BlockRemoved:
+            if node.page_hashes:
+                self.emit_event(BlockRemoved(node.page_hashes, node.namespace, medium))
+            return
+        self.emit_event(self._hasher.stored(node, medium))
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
@@ -169,6 +197,10 @@ class RadixCache(PrefixCache):
             self._roots[extra_key] = root
         return root
 
+    def roots(self) -> list[TreeNode]:
+        """The namespace roots (their subtrees are the whole tree), for inspection."""
+        return list(self._roots.values())
+
     def _child_key(self, key: np.ndarray) -> Any:
         return int(key[0]) if self.page_size == 1 else key[: self.page_size].tobytes()
 
@@ -183,9 +215,19 @@ class RadixCache(PrefixCache):
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return node in self._evictable_leaves
 
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """Whether nothing below ``node`` holds device slots (so evicting it frees a leaf)."""
+        if not node.children:
+            return True
+        return self.controller is not None and all(c.value is None for c in node.children.values())
+
     def _mark_leaf(self, node: TreeNode) -> None:
         self._evictable_leaves.add(node)
         self._heap.push(node)
+
+    def _mark_host_leaf(self, node: TreeNode) -> None:
+        self._host_leaves.add(node)
+        self._host_heap.push(node)
 
     def _touch(self, node: TreeNode | None) -> None:
         self._clock += 1
@@ -196,13 +238,29 @@ class RadixCache(PrefixCache):
         if node is not None and node in self._evictable_leaves:
             self._heap.push(node)  # its priority changed; the old entry goes stale
             self._heap.maybe_compact(self._evictable_leaves, len(self._evictable_leaves))
+        elif node is not None and node in self._host_leaves:
+            self._host_heap.push(node)
+            self._host_heap.maybe_compact(self._host_leaves, len(self._host_leaves))
+
+    def split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut ``node``'s edge after ``n`` tokens (a page multiple); return the upper node.
+        Nothing cached changes: one node becomes two."""
+        if not 0 < n < len(node.key) or n % self.page_size:
+            raise ValueError(f"cannot split {node!r} after {n} tokens")
+        return self._split(node, n)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
         parent = child.parent
         assert parent is not None
         mid = self._new_node(parent, child.key[:n], None, child.namespace)
-        self._split_payload(mid, child, n)
+        if child.value is not None:
+            mid.value, child.value = child.value[:n], child.value[n:]
+        if child.host_value is not None:
+            mid.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
+        if child.storage_keys is not None:
+            keys, cut = child.storage_keys, n // self.page_size
+            mid.storage_keys, child.storage_keys = keys[:cut], keys[cut:]
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
@@ -216,20 +274,6 @@ class RadixCache(PrefixCache):
         self._heap.note_split(mid, child)
         return mid
 
-    def _split_payload(self, mid: TreeNode, child: TreeNode, n: int) -> None:
-        """Cut what a node holds per token (its slot run) between ``mid`` and ``child``."""
-        mid.value, child.value = child.value[:n], child.value[n:]
-
-    def _is_leaf(self, node: TreeNode) -> bool:
-        """Whether nothing below ``node`` holds device slots (so evicting it frees a leaf)."""
-        return not node.children
-
-    def _reuse(self, node: TreeNode, indices: torch.Tensor) -> bool:
-        """``insert`` met ``node`` on its path: True if its KV is cached already (the caller's
-        ``indices`` for it are duplicates); a tiered cache takes them instead when the node
-        has left the device, and answers False."""
-        return True
-
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
         leaf = self._new_node(parent, key, value, parent.namespace)
         leaf.depth, leaf.created = parent.depth + len(key), self.admissions
@@ -240,10 +284,20 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            self._emit(self._hasher.hash_node(leaf))
+            self.emit_event(self._hasher.hash_node(leaf))
+        if self.controller is not None:
+            self.controller.on_cached(leaf)
         return leaf
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
+        """Evict a device leaf: it stays as a host-only node when it has (or the controller
+        gives it) a host copy; otherwise it is deleted, with any host-only children."""
+        if self.controller is not None and leaf.host_value is None and not self._flushing:
+            self.controller.before_evict(leaf)
+        if leaf.host_value is not None:
+            return self._drop_device(leaf)
+        for child in list(leaf.children.values()):
+            self._delete_host_subtree(child)  # nothing to hang below: drop them
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         self.allocator.free(leaf.value)
@@ -254,12 +308,29 @@ class RadixCache(PrefixCache):
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
         if self.events is not None:
-            self._emit(self._hasher.removed(leaf))
+            self.emit_event(self._hasher.removed(leaf))
         if parent.parent is not None:
             if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
         elif not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]  # an empty namespace leaves no trace
+        return size
+
+    def _drop_device(self, node: TreeNode) -> int:
+        """A device leaf with a host copy leaves the device and stays in the tree."""
+        size = len(node.key)
+        self.allocator.free(node.value)
+        node.value = None
+        self._evictable_leaves.discard(node)
+        self._evictable_size -= size
+        self.stats.evicted_tokens += size
+        self.stats.evictions += 1
+        self._event(BlockRemoved, node, MEDIUM_DEVICE)
+        if not node.children:
+            self._mark_host_leaf(node)
+        parent = node.parent
+        if parent.parent is not None and parent.lock_ref == 0 and self._is_leaf(parent):
+            self._mark_leaf(parent)
         return size
 
     # ------------------------------------------------------------------ interface
@@ -291,13 +362,26 @@ class RadixCache(PrefixCache):
             self.record_hit(result.handle, len(key), result.device_len)
         return result
 
-    def _match_result(self, path: list[TreeNode], last: TreeNode | None) -> MatchResult:
-        """The match along ``path`` (the matched nodes from the root down)."""
-        if not path:
-            return MatchResult(device_indices=EMPTY_INDICES, handle=last, device_len=0)
-        values = [n.value for n in path]
-        indices = values[0] if len(values) == 1 else torch.cat(values)
-        return MatchResult(device_indices=indices, handle=last, device_len=len(indices))
+    @staticmethod
+    def _match_result(path: list[TreeNode], last: TreeNode | None) -> MatchResult:
+        """The match along ``path`` (the matched nodes from the root down): its device part,
+        then the part only on the host (the tail of the path)."""
+        k = 0
+        while k < len(path) and path[k].value is not None:
+            k += 1
+        if k == 0:
+            result = MatchResult(device_indices=EMPTY_INDICES, device_len=0,
+                                 handle=path[0].parent if path else last)  # fmt: skip
+        else:
+            values = [n.value for n in path[:k]]
+            indices = values[0] if k == 1 else torch.cat(values)
+            result = MatchResult(
+                device_indices=indices, handle=path[k - 1], device_len=len(indices)
+            )
+        if k < len(path):
+            result.host_len = sum(len(n.key) for n in path[k:])
+            result.lower_handle = path[-1]
+        return result
 
     def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
         key = as_token_array(token_ids)
@@ -339,8 +423,10 @@ class RadixCache(PrefixCache):
             n = self._match_len(child.key, key[pos:end])
             if n < len(child.key):
                 child = self._split(child, n)
-            if not self._reuse(child, indices[pos : pos + n]) and taken_from is None:
-                taken_from = pos
+            if child.value is None:  # off the device and recomputed: take the caller's slots
+                self.set_device(child, indices[pos : pos + n].to(torch.int64, copy=True))
+                if taken_from is None:
+                    taken_from = pos
             pos += n
             node = child
         self._touch(node)
@@ -364,6 +450,8 @@ class RadixCache(PrefixCache):
             self._heap.note_hit(node, self._is_evictable_leaf)
         if node in self._evictable_leaves:
             self._heap.push(node)  # its priority changed (LFU, cost-aware, threshold)
+        if self.controller is not None:
+            self.controller.on_hit(node)
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
         while node is not None and node.parent is not None:
@@ -408,14 +496,170 @@ class RadixCache(PrefixCache):
         return self._evictable_size + self._protected_size
 
     def reset(self) -> int:
-        freed = self.evict(self._evictable_size)
-        if self.total_size() == 0:
-            self._emit(AllBlocksCleared())
+        """Drop everything unlocked from the device (no copies to the host: everything
+        goes) and from the host."""
+        self._flushing = True
+        try:
+            freed = self.evict(self._evictable_size)
+        finally:
+            self._flushing = False
+        freed += self.evict_host(self._host_size)
+        if self.total_size() == 0 and self._host_size == 0:
+            self.emit_event(AllBlocksCleared())
         return freed
+
+    # ------------------------------------------------------------------ host-tier nodes
+    def host_size(self) -> int:
+        """Tokens with a host copy (some of them also on the device)."""
+        return self._host_size
+
+    def set_host(self, node: TreeNode, slots: torch.Tensor | None) -> None:
+        """Record that ``node``'s KV was copied to these host slots, or (None) that its host
+        copy is gone (a node that is still on the device; the caller frees the slots)."""
+        if slots is None:
+            if node.value is None:
+                raise RuntimeError(f"{node!r} would be on no tier")
+            self._host_size -= len(node.key)
+            node.host_value = None
+            self._event(BlockRemoved, node, MEDIUM_HOST)
+            return
+        node.host_value = slots
+        self._host_size += len(node.key)
+        self._event(BlockStored, node, MEDIUM_HOST)
+
+    def set_device(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """An off-device node gets device slots (its KV is there, or about to be)."""
+        node.value = slots
+        self._host_leaves.discard(node)
+        self._evictable_leaves.discard(node.parent)  # it has a device child now
+        self._evictable_size += len(node.key)  # off-device nodes are never locked
+        if self._is_leaf(node):
+            self._mark_leaf(node)
+        self._event(BlockStored, node, MEDIUM_DEVICE)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Delete host-only leaves, lowest priority first, until ``num_tokens`` are freed."""
+        freed = 0
+        while freed < num_tokens:
+            leaf = self._host_heap.pop(self._host_leaves.__contains__)
+            if leaf is None:
+                break
+            freed += self._delete_host_leaf(leaf)
+        return freed
+
+    def _delete_host_leaf(self, leaf: TreeNode) -> int:
+        parent = leaf.parent
+        size = len(leaf.key)
+        self.controller.free_host(leaf.host_value)
+        self._host_size -= size
+        self._host_leaves.discard(leaf)
+        del parent.children[self._child_key(leaf.key)]
+        self._event(BlockRemoved, leaf, MEDIUM_HOST)
+        if parent.parent is None:
+            if not parent.children and parent.namespace is not None:
+                del self._roots[parent.namespace]
+        elif parent.value is None and not parent.children:
+            self._mark_host_leaf(parent)
+        return size
+
+    def _delete_host_subtree(self, node: TreeNode) -> None:
+        for child in list(node.children.values()):
+            self._delete_host_subtree(child)
+        self._host_leaves.add(node)  # a leaf now, whatever the heap says
+        self._delete_host_leaf(node)
+
+    def attach_host(self, token_ids: TokenIds, extra_key: Any, start: int,
+                    host_slots: torch.Tensor, keys: list[bytes]) -> int:  # fmt: skip
+        """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
+        cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
+        the tokens added (0 if the prefix is no longer cached)."""
+        key = as_token_array(token_ids)[: start + len(host_slots)]
+        match = self.match_prefix(key, extra_key, record_stats=False)
+        pos = match.total_len
+        if pos < start or pos == len(key):
+            self.controller.free_host(host_slots)
+            return 0
+        self.controller.free_host(host_slots[: pos - start])  # cached meanwhile: duplicates
+        parent = match.lower_handle or match.handle or self._root(extra_key)
+        leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
+        leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
+        leaf.storage_keys = keys[(pos - start) // self.page_size :]
+        leaf.last_access = self._clock
+        leaf.depth = parent.depth + len(leaf.key)
+        parent.children[self._child_key(leaf.key)] = leaf
+        if self.events is not None:
+            self._hasher.hash_node(leaf)  # a new node: its blocks are named here
+        self._event(BlockStored, leaf, MEDIUM_HOST)
+        self._host_size += len(leaf.key)
+        self._host_leaves.discard(parent)
+        self._mark_host_leaf(leaf)
+        return len(leaf.key)
+
+    @contextmanager
+    def pinned(self, match: MatchResult):
+        """While inside, nothing of ``match`` is evicted: its device part is locked and the
+        end of its host part is kept from host eviction (making device room for a load may
+        copy device leaves to the host, which may evict host leaves)."""
+        hidden = match.lower_handle in self._host_leaves
+        self._host_leaves.discard(match.lower_handle)
+        self.inc_lock_ref(match.handle)
+        try:
+            yield
+        finally:
+            self.dec_lock_ref(match.handle)
+            if hidden:
+                self._mark_host_leaf(match.lower_handle)
+
+    # ------------------------------------------------------------------ lower tiers
+    def load_back(self, match: MatchResult) -> MatchResult:
+        return self.controller.load_back(match) if self.controller is not None else match
+
+    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Any:
+        if self.controller is None:
+            return None
+        return self.controller.start_prefetch(token_ids, extra_key)
+
+    def poll_transfers(self, timeout: float = 0.0) -> None:
+        if self.controller is not None:
+            self.controller.poll(timeout)
+
+    def tier_stats(self) -> Any:
+        return self.controller.stats() if self.controller is not None else None
+
+    def clear_storage(self) -> ClearResult | None:
+        return self.controller.clear_storage() if self.controller is not None else None
+
+    def close(self) -> None:
+        if self.controller is not None:
+            self.controller.close()
 
     # ------------------------------------------------------------------ inspection
     def summary(self, top: int = 10) -> TreeSummary:
-        return tree_summary(self, top)
+        return tree_summary(self, self.total_size(), top)
+
+    def nodes(self):
+        """Every non-root node with its depth in tokens (a walk of the whole tree)."""
+        return walk(self)
+
+    def integrity_state(self) -> TreeState:
+        """The tree's own bookkeeping, for ``tree_check`` to compare with its nodes."""
+        return TreeState(
+            roots=dict(self._roots),
+            page_size=self.page_size,
+            evictable_size=self._evictable_size,
+            protected_size=self._protected_size,
+            evictable_leaves=set(self._evictable_leaves),
+            evictable_live=self._heap.live_nodes(self._is_evictable_leaf),
+            host_size=self._host_size,
+            host_leaves=set(self._host_leaves),
+            host_live=self._host_heap.live_nodes(self._host_leaves.__contains__),
+            is_leaf=self._is_leaf,
+            child_key=self._child_key,
+            check_events=self._hasher.check if self.events is not None else None,
+        )
 
     def check_integrity(self, held_indices: torch.Tensor | None = None) -> None:
-        check_tree(self, held_indices)
+        state = self.integrity_state()
+        self.allocator.check(check_tree(self, state), held_indices)
+        if self.controller is not None:
+            self.controller.check(check_host_tier(self, state))

@@ -55,11 +55,14 @@ class TierStats:
     # events (monotonic)
     host_evicted_tokens: int = 0
     loads: int = 0  # load-backs done (host -> device)
+    partial_loads: int = 0  # ... of which only a leading part fitted on the device
     load_failures: int = 0  # load-backs skipped: no device room even after eviction
     backup_failures: int = 0  # copies to the host skipped: no host room
     prefetches: int = 0  # storage lookups started for waiting requests
     prefetch_timeouts: int = 0  # requests admitted before their prefetch finished
     storage_write_skipped_pages: int = 0  # not written: too many writes pending
+    backup_seconds: float = 0.0  # time spent copying device -> host (inside steps)
+    prefetches_in_flight: int = 0  # storage reads not answered yet (gauge)
     load_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     storage_url: str | None = None  # None: no storage tier
     storage: Any = None  # the backend's own StorageStats snapshot

@@ -1,27 +1,52 @@
-"""Inspection of a RadixCache: the full integrity checks and the summary behind ``/cache``.
+"""Inspection of a radix tree: the full integrity checks and the summary behind ``/cache``.
 
 Both walk the whole tree, so they are for tests, debugging and occasional requests, never
-for the hot path. They read the cache's private state: this module is its friend.
+for the hot path. They read only what the tree hands out: ``TreeState`` (its bookkeeping,
+from ``RadixCache.integrity_state``) and its nodes' public fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from radixserve.cache.base import EMPTY_INDICES, TreeSummary
-
-if TYPE_CHECKING:
-    from radixserve.cache.radix_cache import RadixCache, TreeNode
-    from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.tree_node import TreeNode
 
 
-def walk(cache: RadixCache) -> Iterator[tuple[TreeNode, int]]:
+class _Walkable(Protocol):
+    def roots(self) -> Iterable[TreeNode]: ...
+
+
+@dataclass
+class TreeState:
+    """What a tree keeps about its nodes, as the checks compare it with the nodes themselves.
+
+    The ``*_live`` sets are the leaves with a valid entry in each eviction heap; ``is_leaf``
+    says whether nothing below a node is on the device; ``check_events`` verifies a node's
+    block hashes (None while events are off)."""
+
+    roots: dict[Any, TreeNode]
+    page_size: int
+    evictable_size: int
+    protected_size: int
+    evictable_leaves: set[TreeNode]
+    evictable_live: set[TreeNode]
+    host_size: int
+    host_leaves: set[TreeNode]
+    host_live: set[TreeNode]
+    is_leaf: Callable[[TreeNode], bool]
+    child_key: Callable[[np.ndarray], Any]
+    check_events: Callable[[TreeNode], None] | None
+
+
+def walk(tree: _Walkable) -> Iterator[tuple[TreeNode, int]]:
     """Every non-root node with its depth in tokens (the length of its whole prefix)."""
-    for root in cache._roots.values():
+    for root in tree.roots():
         stack = [(child, 0) for child in root.children.values()]
         while stack:
             node, depth = stack.pop()
@@ -30,9 +55,9 @@ def walk(cache: RadixCache) -> Iterator[tuple[TreeNode, int]]:
             stack.extend((c, depth) for c in node.children.values())
 
 
-def tree_summary(cache: RadixCache, top: int = 10) -> TreeSummary:
+def tree_summary(tree: _Walkable, cached_tokens: int, top: int = 10) -> TreeSummary:
     """Node count, cached tokens, and the longest prefixes that requests hit."""
-    nodes = list(walk(cache))
+    nodes = list(walk(tree))
     shared = sorted(
         (n for n in nodes if n[0].hit_count > 0), key=lambda n: (n[1], n[0].hit_count), reverse=True
     )
@@ -51,32 +76,31 @@ def tree_summary(cache: RadixCache, top: int = 10) -> TreeSummary:
                 "namespace": repr(node.namespace),
             }
         )
-    return TreeSummary(
-        num_nodes=len(nodes), cached_tokens=cache.total_size(), top_prefixes=top_prefixes
-    )
+    return TreeSummary(num_nodes=len(nodes), cached_tokens=cached_tokens, top_prefixes=top_prefixes)
 
 
-def check_tree(cache: RadixCache, held_indices: torch.Tensor | None = None) -> None:
-    """Raise AssertionError unless every invariant of the tree and the pool holds."""
-    p = cache.page_size
+def check_tree(tree: _Walkable, state: TreeState) -> torch.Tensor:
+    """Raise AssertionError unless every invariant of the tree's device side holds; return
+    the device slots it caches (checked: none twice, whole pages)."""
+    p = state.page_size
     evictable = protected = 0
     leaves: set[TreeNode] = set()
     slot_runs: list[torch.Tensor] = []
-    for ns, root in cache._roots.items():
+    for ns, root in state.roots.items():
         _require(root.namespace == ns and root.parent is None, "bad namespace root")
         _require(root.children or ns is None, f"empty namespace root {ns!r} kept")
-    for node, _ in walk(cache):
+    for node, _ in walk(tree):
         size = len(node.key)
         _require(
-            node.parent.children.get(cache._child_key(node.key)) is node,
+            node.parent.children.get(state.child_key(node.key)) is node,
             f"{node!r} is not its parent's child under its first key",
         )
         _require(size > 0 and size % p == 0, f"{node!r}: edge of {size} tokens, page {p}")
         child_locks = sum(c.lock_ref for c in node.children.values())
         _require(node.lock_ref >= child_locks >= 0, f"{node!r}: lock below its children's")
-        if cache.events is not None:
-            cache._hasher.check(node)
-        if node.value is None:  # off the device (a tiered cache checks its other tiers)
+        if state.check_events is not None:
+            state.check_events(node)
+        if node.value is None:  # off the device (check_host_tier checks its other tier)
             _require(node.lock_ref == 0, f"{node!r}: locked but not on the device")
             continue
         _require(len(node.value) == size, f"{node!r}: {size} tokens but {len(node.value)} slots")
@@ -86,36 +110,32 @@ def check_tree(cache: RadixCache, held_indices: torch.Tensor | None = None) -> N
         )
         if node.lock_ref == 0:
             evictable += size
-            if cache._is_leaf(node):
+            if state.is_leaf(node):
                 leaves.add(node)
         else:
             protected += size
         slot_runs.append(node.value)
     _require(
-        evictable == cache._evictable_size,
-        f"evictable size {cache._evictable_size} != actual {evictable}",
+        evictable == state.evictable_size,
+        f"evictable size {state.evictable_size} != actual {evictable}",
     )
     _require(
-        protected == cache._protected_size,
-        f"protected size {cache._protected_size} != actual {protected}",
+        protected == state.protected_size,
+        f"protected size {state.protected_size} != actual {protected}",
     )
-    _require(leaves == cache._evictable_leaves, "evictable-leaf set is stale")
-    _require(
-        leaves <= cache._heap.live_nodes(cache._is_evictable_leaf),
-        "an evictable leaf has no live heap entry",
-    )
-    slots = _check_runs(slot_runs, p, "device")
-    cache.allocator.check(slots, held_indices)
+    _require(leaves == state.evictable_leaves, "evictable-leaf set is stale")
+    _require(leaves <= state.evictable_live, "an evictable leaf has no live heap entry")
+    return _check_runs(slot_runs, p, "device")
 
 
-def check_host_tier(cache: TieredRadixCache, held_host: torch.Tensor) -> None:
-    """The host side of a tiered cache: every node on some tier, host sizes and leaves right,
-    host slots in whole pages, none cached twice; free + cached + held == the host pool."""
-    p = cache.page_size
+def check_host_tier(tree: _Walkable, state: TreeState) -> torch.Tensor:
+    """The host side: every node on some tier, host sizes and leaves right, storage keys one
+    per page; return the host slots cached (checked: none twice, whole pages)."""
+    p = state.page_size
     size = 0
     runs: list[torch.Tensor] = []
     leaves = set()
-    for node, _ in walk(cache):
+    for node, _ in walk(tree):
         on_host = node.host_value is not None
         _require(node.value is not None or on_host, f"{node!r} is on no tier")
         if on_host:
@@ -126,11 +146,10 @@ def check_host_tier(cache: TieredRadixCache, held_host: torch.Tensor) -> None:
             leaves.add(node)
         if node.storage_keys is not None:
             _require(len(node.storage_keys) == len(node.key) // p, f"{node!r}: storage keys lost")
-    _require(size == cache._host_size, f"host size {cache._host_size} != actual {size}")
-    _require(leaves == cache._host_leaves, "host-leaf set is stale")
-    live = cache._host_heap.live_nodes(cache._host_leaves.__contains__)
-    _require(leaves <= live, "a host leaf has no live heap entry")
-    cache.host.check(_check_runs(runs, p, "host"), held_host)
+    _require(size == state.host_size, f"host size {state.host_size} != actual {size}")
+    _require(leaves == state.host_leaves, "host-leaf set is stale")
+    _require(leaves <= state.host_live, "a host leaf has no live heap entry")
+    return _check_runs(runs, p, "host")
 
 
 def _check_runs(runs: list[torch.Tensor], p: int, tier: str) -> torch.Tensor:

@@ -19,26 +19,34 @@ late and for switching events on while the tree already holds pages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from radixserve.cache.tree_node import TreeNode
 from radixserve.kvevents.hashing import chain_block_hashes, namespace_salt
 from radixserve.kvevents.types import BlockRemoved, BlockStored
 
-if TYPE_CHECKING:
-    from radixserve.cache.radix_cache import RadixCache, TreeNode
-
 
 class TreeEvents:
-    def __init__(self, cache: RadixCache, block_size: int):
-        if block_size < 1 or block_size % cache.page_size:
+    """Hashes and events of one tree: ``roots`` lists its namespace roots, ``medium`` names
+    the tier a node's KV is on (for the events that announce it)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        block_size: int,
+        roots: Callable[[], Iterable[TreeNode]],
+        medium: Callable[[TreeNode], str],
+    ):
+        if block_size < 1 or block_size % page_size:
             raise ValueError(
                 f"the KV event block size ({block_size}) must be a positive multiple of the "
-                f"page size ({cache.page_size})"
+                f"page size ({page_size})"
             )
-        self.cache = cache
         self.block_size = block_size
+        self._roots = roots
+        self._medium = medium
 
     def owned(self, offset: int, length: int) -> int:
         b = self.block_size
@@ -70,7 +78,7 @@ class TreeEvents:
         tokens, parent_hash = self._block_tokens(node, count), self._parent_hash(node)
         salt = namespace_salt(node.namespace)
         node.page_hashes = chain_block_hashes(parent_hash, tokens, self.block_size, salt=salt)
-        return self._stored_event(node, tokens, parent_hash, self.cache.node_medium(node))
+        return self._stored_event(node, tokens, parent_hash, self._medium(node))
 
     def stored(self, node: TreeNode, medium: str) -> BlockStored | None:
         """The event storing ``node``'s blocks on ``medium`` from the hashes it holds (current
@@ -98,7 +106,7 @@ class TreeEvents:
     def removed(self, node: TreeNode) -> BlockRemoved | None:
         if not node.page_hashes:
             return None
-        return BlockRemoved(node.page_hashes, node.namespace, self.cache.node_medium(node))
+        return BlockRemoved(node.page_hashes, node.namespace, self._medium(node))
 
     def split(self, mid: TreeNode, child: TreeNode, n: int) -> None:
         """``mid`` is the upper ``n`` tokens cut from ``child``, which keeps the rest."""
@@ -109,7 +117,7 @@ class TreeEvents:
 
     def snapshot(self) -> list[BlockStored]:
         events = []
-        for root in self.cache._roots.values():
+        for root in self._roots():
             root.offset, root.page_hashes = 0, []
             stack = list(root.children.values())
             while stack:

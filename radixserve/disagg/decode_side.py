@@ -52,19 +52,17 @@ class RemotePrefill(KVSource):
             raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {peer!r}")
 
     def plan(self, req: Request, cached: int) -> int:
-        peer = req.prefill_peer or self.default_peer
+        peer = req.spec.prefill_peer or self.default_peer
         if peer is None or peer == PREFILL_HERE:
             return 0
-        if req.extra_key is not None and not isinstance(req.extra_key, str):
-            return 0  # the namespace must cross the wire as text
         n = req.num_tokens - 1 - cached
         return n if n >= self.min_tokens and self.health.usable(peer) else 0
 
     def start(self, req: Request) -> None:
         kv = req.kv
-        meta = {"skip": kv.computed, "extra_key": req.extra_key}
+        meta = {"skip": kv.computed, "namespace": req.namespace}
         ids = req.token_ids[: kv.allocated].tobytes()  # int32: every token it must compute
-        peer = req.prefill_peer or self.default_peer
+        peer = req.spec.prefill_peer or self.default_peer
         slots = kv.slots[kv.computed : kv.allocated]
         tid = self.receiver.request(peer, slots, meta, ids, self.timeout_s)
         self._pending[tid] = (req, peer)

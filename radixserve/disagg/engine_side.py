@@ -1,5 +1,5 @@
-"""What an engine in a disaggregation mode carries: the transfer endpoint of its role and the
-hooks the engine calls.
+"""What an engine in a disaggregation mode carries: the transfer endpoint of its role, as a
+``Feature`` (``engine/hooks.py``) the engine core calls at its hook points.
 
 - ``prefill``: a ``KVSender`` bound on ``kv_transfer_host:kv_transfer_port`` and a
   ``PrefillService`` that turns transfer requests into prefill-only engine requests.
@@ -22,8 +22,11 @@ from radixserve.disagg.prefill_side import PrefillService
 from radixserve.disagg.transfer import KVLayout, TransferStats
 from radixserve.disagg.zmq_receiver import ZmqKVReceiver
 from radixserve.disagg.zmq_sender import ZmqKVSender
+from radixserve.engine.hooks import CoreHandle, Feature
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request
+from radixserve.engine.scheduler import Step
+from radixserve.engine.spec import RequestSpec
 from radixserve.model.quant import QuantizedWeight
 
 HEARTBEAT_TIMEOUT_PERIODS = 5  # a peer is dead after this many missed heartbeats
@@ -33,8 +36,7 @@ def _weight_sample(w) -> list[torch.Tensor]:
     """A few rows of a weight, plain or quantized (its format and scales included: two
     quantizations of one model write different KV and must not pair)."""
     if isinstance(w, QuantizedWeight):
-        parts = (w.qs, w.d) if w.m is None else (w.qs, w.d, w.m)
-        return [torch.tensor(list(w.fmt.encode()))] + [t[:8] for t in parts]
+        return [torch.tensor(list(w.fmt.encode()))] + [t[:8] for t in w.tensors()]
     return [w[:8]]
 
 
@@ -55,7 +57,7 @@ class DisaggInfo:
     endpoint: str | None  # prefill: where decode instances connect
 
 
-class Disaggregation:
+class Disaggregation(Feature):
     def __init__(self, engine):
         config = engine.config
         self.mode = config.disaggregation_mode
@@ -75,7 +77,7 @@ class Disaggregation:
                 **beat,
             )
             self.endpoint: str | None = self.sender.endpoint
-            self.service = PrefillService(engine, self.sender)
+            self.service = PrefillService(self.sender)
             self.link = self.sender
         else:
             self.receiver = ZmqKVReceiver(engine.pool, self.layout, **beat)
@@ -88,21 +90,28 @@ class Disaggregation:
             )
             self.link = self.receiver
 
-    def check_peer(self, peer: str) -> None:
-        """Decode mode: ValueError unless ``peer`` names a prefill instance or ``local``."""
-        RemotePrefill.check_peer(peer)
-
-    def poll(self) -> None:
+    # ------------------------------------------------------------------ hooks
+    def attach(self, core: CoreHandle) -> None:
         if self.service is not None:
+            self.service.core = core
+
+    def check(self, spec: RequestSpec) -> None:
+        if spec.prefill_peer is not None:  # a decode instance (the core checked that)
+            RemotePrefill.check_peer(spec.prefill_peer)
+        if spec.segments:
+            raise ValueError("RAG segments are not supported with disaggregation")
+
+    def before_schedule(self) -> None:
+        if self.service is not None:  # take transfer requests, drop cancelled ones
             self.service.poll()
 
-    def after_step(self, prefilled: list[Request]) -> None:
-        if self.service is not None:
-            self.service.after_step(prefilled)
+    def after_forward(self, step: Step) -> None:
+        if self.service is not None:  # push the new KV, end fully pushed requests
+            self.service.after_step([r for r, _ in step.prefills if r.spec.prefill_only])
 
-    def on_failed(self, req: Request, reason: str) -> None:
-        if self.service is not None:
-            self.service.on_failed(req, reason)
+    def on_finish(self, req: Request, reason: str, error: str | None) -> None:
+        if self.service is not None and error is not None and req.spec.prefill_only:
+            self.service.on_failed(req, error)
 
     def has_pending(self) -> bool:
         return self.source is not None and self.source.has_pending()

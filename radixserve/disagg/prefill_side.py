@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.disagg.transfer import KVSender, TransferError, TransferRequest, TransferState
+from radixserve.engine.hooks import CoreHandle
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.spec import RequestSpec
 
 log = logging.getLogger("radixserve.disagg")
 FINISH_TRANSFERRED = "transferred"
@@ -35,8 +37,8 @@ class _Job:
 
 
 class PrefillService:
-    def __init__(self, engine, sender: KVSender):
-        self.engine = engine
+    def __init__(self, sender: KVSender):
+        self.core: CoreHandle | None = None  # the engine's, given when the feature attaches
         self.sender = sender
         self._jobs: dict[str, _Job] = {}  # engine request id -> job
 
@@ -49,19 +51,21 @@ class PrefillService:
             job = self._jobs.pop(rid, None)
             if job is not None and status.state is TransferState.FAILED:
                 log.info("transfer %s ended by the decode side: %s", tid, status.reason)
-                self.engine.abort_request(rid, "abort")
+                self.core.abort(rid, "abort")
 
     def _accept(self, t: TransferRequest) -> None:
         ids = np.frombuffer(t.blob, dtype=np.int32)
         skip = t.meta.get("skip")
-        extra_key = t.meta.get("extra_key")
+        namespace = t.meta.get("namespace")
         if not isinstance(skip, int) or skip < 0 or skip + t.num_tokens != len(ids):
             self.sender.abort(t.transfer_id, f"bad request: skip {skip!r}, {len(ids)} token ids")
             return
         rid = f"kv-{t.transfer_id}"
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        spec = RequestSpec(request_id=rid, prompt_ids=ids.tolist(), params=params,
+                           namespace=namespace, prefill_only=True)  # fmt: skip
         try:
-            req = self.engine.add_request(rid, ids.tolist(), params, extra_key, prefill_only=True)
+            req = self.core.add(spec)
         except ValueError as e:
             self.sender.abort(t.transfer_id, f"rejected by the prefill instance: {e}")
             return
@@ -81,10 +85,10 @@ class PrefillService:
             except TransferError as e:  # it ended meanwhile (the decode side gave up)
                 log.info("transfer %s: %s", job.transfer_id, e)
                 del self._jobs[req.request_id]
-                self.engine.abort_request(req.request_id, "abort")
+                self.core.abort(req.request_id, "abort")
                 continue
             if computed == req.num_tokens:
-                self.engine.abort_request(req.request_id, FINISH_TRANSFERRED)
+                self.core.abort(req.request_id, FINISH_TRANSFERRED)
 
     def on_failed(self, req: Request, reason: str) -> None:
         """The engine failed this request (say, its forward pass raised)."""

@@ -5,7 +5,9 @@
 - ``host_kv_memory``: ``TieredRadixCache`` with a host pool of that size (which must hold more
   than the device pool: the host tier keeps what the device evicts), and with ``kv_storage``
   a storage tier below it, scoped by the model's identity so instances of the same weights
-  (and only those) share pages.
+  (and only those) share pages;
+- ``kv_storage`` alone: the same, with a host pool sized by ``utils.default_host_kv_bytes``
+  (from the device pool and the free RAM), logged at start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from radixserve.cache import (
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.config import EngineConfig
+from radixserve.utils import default_host_kv_bytes
 
 log = logging.getLogger("radixserve")
 SAMPLE_BYTES = 1 << 20
@@ -41,7 +44,7 @@ def build_cache(
 ) -> PrefixCache:
     if not config.enable_prefix_caching:
         return NullCache(allocator)
-    if config.host_kv_memory is None:
+    if config.host_kv_memory is None and config.kv_storage is None:
         return RadixCache(
             allocator,
             config.eviction_policy,
@@ -49,29 +52,31 @@ def build_cache(
             config.kv_events_block_size,
             config.cache_threshold,
         )
-    host_slots = pool.shape.slots_for_memory(int(config.host_kv_memory), config.page_size)
+    host_bytes = config.host_kv_memory
+    if host_bytes is None:
+        host_bytes = default_host_kv_bytes(allocator.num_slots * pool.shape.bytes_per_token())
+    host_slots = pool.shape.slots_for_memory(int(host_bytes), config.page_size)
     if host_slots <= allocator.num_slots:
         raise ValueError(
-            f"host_kv_memory ({config.host_kv_memory} bytes) holds {host_slots} tokens of KV, "
-            f"no more than the device pool ({allocator.num_slots} tokens); the host tier must "
-            "be larger than the device pool"
+            f"host_kv_memory ({host_bytes} bytes{'' if config.host_kv_memory else ', default'})"
+            f" holds {host_slots} tokens of KV, no more than the device pool "
+            f"({allocator.num_slots} tokens); the host tier must be larger than the device pool"
         )
     host = HostKVPool(pool, host_slots, config.page_size)
     cache = TieredRadixCache(allocator, host, config.write_policy, config.eviction_policy,
                              events, config.load_back_min_tokens,
                              config.kv_events_block_size, config.cache_threshold)  # fmt: skip
-    log.info("host KV tier: %d tokens (%.2f GiB), write policy %s",
-             host.num_slots, host.nbytes() / 2**30, config.write_policy)  # fmt: skip
+    log.info("host KV tier: %d tokens (%.2f GiB%s), write policy %s", host.num_slots,
+             host.nbytes() / 2**30, "" if config.host_kv_memory else ", sized by default",
+             config.write_policy)  # fmt: skip
     if config.kv_storage is not None:
-        from radixserve.cache.storage_tier import attach_storage
-
         if config.page_size < SMALL_STORAGE_PAGE:
             log.warning("--kv-storage stores one entry per page of %d token(s): use --page-size "
                         "16 or more so the store is not millions of tiny pages",
                         config.page_size)  # fmt: skip
 
-        attach_storage(
-            cache, config.kv_storage, model_identity(model_path, model_name),
+        cache.attach_storage(
+            config.kv_storage, model_identity(model_path, model_name),
             config.kv_storage_size, config.storage_prefetch_min_tokens,
             config.storage_prefetch_timeout,
         )  # fmt: skip

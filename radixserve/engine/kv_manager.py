@@ -87,11 +87,11 @@ class RequestKV:
     # A match covers at most num_tokens - 1 tokens: the last one is always computed, for its
     # logits.
     def match(self, req) -> MatchResult:
-        return self.cache.match_prefix(req.token_ids[:-1], req.extra_key, record_stats=False)
+        return self.cache.match_prefix(req.token_ids[:-1], req.namespace, record_stats=False)
 
     def peek(self, req) -> PrefixPeek:
         """How much of ``req`` is cached, without touching the cache (scheduling policies)."""
-        return self.cache.peek_prefix(req.token_ids[:-1], req.extra_key)
+        return self.cache.peek_prefix(req.token_ids[:-1], req.namespace)
 
     def admit(self, req, match: MatchResult) -> None:
         kv: KVLedger = req.kv
@@ -131,11 +131,11 @@ class RequestKV:
         """A new request whose prompt runs past the cached prefix: ask the storage tier for
         the rest now, while it waits (the scheduler admits it once the pages are in)."""
         if not req.admitted_once:
-            req.prefetch = self.cache.start_prefetch(req.token_ids[:-1], req.extra_key)
+            req.tier.prefetch = self.cache.start_prefetch(req.token_ids[:-1], req.namespace)
 
     def awaiting_pages(self, req, now: float) -> bool:
         """Whether ``req`` still waits for its prefetch (False once done or timed out)."""
-        p = req.prefetch
+        p = req.tier.prefetch
         if p is None or p.done:
             return False
         if p.expired(now):
@@ -150,14 +150,12 @@ class RequestKV:
         if req.admitted_once:
             return
         req.admitted_once = True
-        p, req.prefetch = req.prefetch, None
+        p, req.tier.prefetch = req.tier.prefetch, None
         storage = p.tokens_from_storage(device_tokens, device_tokens + loaded_tokens) if p else 0
-        req.cached_tokens = min(device_tokens + loaded_tokens, req.prompt_len)
-        req.storage_cached_tokens = storage
-        req.host_cached_tokens = loaded_tokens - storage
-        self.cache.record_hit(
-            req.kv.handle, req.prompt_len, req.cached_tokens, loaded_tokens - storage, storage
-        )
+        cached = min(device_tokens + loaded_tokens, req.prompt_len)
+        host = loaded_tokens - storage
+        req.add_usage(cached_tokens=cached, host_cached_tokens=host, storage_cached_tokens=storage)
+        self.cache.record_hit(req.kv.handle, req.prompt_len, cached, host, storage)
 
     # ------------------------------------------------------------------ allocation
     def _alloc_with_eviction(
@@ -214,9 +212,9 @@ class RequestKV:
         if not self.reuses_prefixes or aligned <= kv.cached:
             return
         ids, slots = req.token_ids[:aligned], kv.slots[:aligned]
-        already = self.cache.insert(ids, slots, req.extra_key)
+        already = self.cache.insert(ids, slots, req.namespace)
         self.allocator.free(kv.slots[kv.cached : already])
-        match = self.cache.match_prefix(ids, req.extra_key, record_stats=False)
+        match = self.cache.match_prefix(ids, req.namespace, record_stats=False)
         if match.device_len != aligned:
             raise AssertionError(f"published {aligned} tokens but {match.device_len} match")
         self.cache.inc_lock_ref(match.handle)
@@ -231,7 +229,7 @@ class RequestKV:
         kv: KVLedger = req.kv
         aligned = kv.publishable(self.page_size)
         if aligned > kv.cached:
-            already = self.cache.insert(req.token_ids[:aligned], kv.slots[:aligned], req.extra_key)
+            already = self.cache.insert(req.token_ids[:aligned], kv.slots[:aligned], req.namespace)
             self.allocator.free(kv.slots[kv.cached : max(already, kv.cached)])
         else:
             aligned = kv.cached

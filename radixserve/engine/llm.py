@@ -173,7 +173,7 @@ class LLM:
                 prompt_token_ids=ids,
                 text=t.text,
                 token_ids=t.token_ids,
-                cached_tokens=t.cached_tokens,
+                cached_tokens=t.usage.cached_tokens,
                 finish_reason=t.finish_reason,
                 logprobs=t.logprobs,
             )

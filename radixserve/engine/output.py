@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.engine.engine import StepOutput
-from radixserve.engine.request import TokenLogprob
+from radixserve.engine.core import StepOutput
+from radixserve.engine.request import TokenLogprob, Usage
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.model.tokenizer import Tokenizer
 
@@ -48,13 +48,7 @@ class OutputTracker:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # every tier; of which host_ and storage_cached_tokens
-    host_cached_tokens: int = 0
-    storage_cached_tokens: int = 0
-    segment_hits: int = 0  # RAG segments reused from the store
-    reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
-    recomputed_tokens: int = 0  # reused segment tokens computed again
+    usage: Usage = field(default_factory=Usage)  # the latest output's
     streamed_chars: int = 0
     streamed_tokens: int = 0
 
@@ -70,11 +64,7 @@ class OutputTracker:
         """Take one engine delta; True if a stop string just ended the request."""
         if self.finished:
             return False
-        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
-        self.host_cached_tokens = out.host_cached_tokens
-        self.storage_cached_tokens = out.storage_cached_tokens
-        self.segment_hits = out.segment_hits
-        self.reused_tokens, self.recomputed_tokens = out.reused_tokens, out.recomputed_tokens
+        self.usage = out.usage
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
         start = max(0, len(self.text) - self.holdback)
@@ -85,17 +75,6 @@ class OutputTracker:
         if out.finished:
             self.finish_reason = out.finish_reason
         return False
-
-    def cached_by_tier(self) -> dict[str, int]:
-        """The prompt tokens served from the cache, split by the tier they came from."""
-        lower = self.host_cached_tokens + self.storage_cached_tokens
-        return {"device": self.cached_tokens - lower, "host": self.host_cached_tokens,
-                "storage": self.storage_cached_tokens}  # fmt: skip
-
-    def segment_usage(self) -> dict[str, int]:
-        """What reusing RAG segments did for this prompt (all 0 without segments)."""
-        return {"segment_hits": self.segment_hits, "reused_tokens": self.reused_tokens,
-                "recomputed_tokens": self.recomputed_tokens}  # fmt: skip
 
     def _cut_at_stop(self, start: int) -> bool:
         hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]

@@ -10,15 +10,17 @@ then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its
 A request whose KV comes from elsewhere (``kv_source.py``) is LOADING between admission and
 RUNNING: it holds its slots but runs nothing until the KV has landed.
 
-Disaggregation: on a decode instance ``prefill_peer`` names the prefill instance to take the
-prompt's KV from (None: compute it here); on a prefill instance ``prefill_only`` marks a
-request that computes its prompt's KV for a decode instance and ends there, sampling nothing.
+What the request is (ids, prompt, sampling, namespace, segments, prefill peer) is its frozen
+``RequestSpec`` (``spec.py``), built once where the request enters. What the engine learns
+while running it sits beside the spec, one object per concern: ``usage`` (what the cache gave
+its prompt, the one declaration of those figures, also carried by every output), ``tier``
+(a storage prefetch it waits for) and ``transfer`` (a failed KV load from a prefill peer).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 
 from radixserve.engine.kv_manager import KVLedger
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.spec import Namespace, RequestSpec
 
 
 class RequestStatus(enum.Enum):
@@ -42,33 +45,58 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What the cache did for one request's prompt; each output carries the latest."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # from every tier, at first admission; of which:
+    host_cached_tokens: int = 0  # loaded back from the host tier
+    storage_cached_tokens: int = 0  # fetched from the storage tier
+    segment_hits: int = 0  # RAG segments found in the segment store
+    reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
+    recomputed_tokens: int = 0  # reused segment tokens computed again (partial recompute)
+
+    def cached_by_tier(self) -> dict[str, int]:
+        """The prompt tokens served from the cache, split by the tier they came from."""
+        lower = self.host_cached_tokens + self.storage_cached_tokens
+        return {"device": self.cached_tokens - lower, "host": self.host_cached_tokens,
+                "storage": self.storage_cached_tokens}  # fmt: skip
+
+    def segment_usage(self) -> dict[str, int]:
+        """What reusing RAG segments did for this prompt (all 0 without segments)."""
+        return {"segment_hits": self.segment_hits, "reused_tokens": self.reused_tokens,
+                "recomputed_tokens": self.recomputed_tokens}  # fmt: skip
+
+
+@dataclass
+class TierState:
+    """A request's dealings with the lower cache tiers."""
+
+    prefetch: Any = None  # a storage fetch it waits for before admission
+
+
+@dataclass
+class TransferState:
+    """A request's dealings with a prefill peer (disaggregation)."""
+
+    load_failed: str | None = None  # why loading its KV failed (then it computes it here)
+
+
 class Request:
-    def __init__(
-        self,
-        request_id: str,
-        prompt_ids: list[int] | np.ndarray,
-        params: SamplingParams,
-        max_tokens: int,
-        seed: int,
-        extra_key: Any = None,
-        arrival: int = 0,
-        segments: list[tuple[int, int]] | None = None,
-        recompute_ratio: float | None = None,
-    ):
-        self.request_id = request_id
-        self.params = params
+    def __init__(self, spec: RequestSpec, max_tokens: int, seed: int, arrival: int = 0):
+        self.spec = spec
+        self.params: SamplingParams = spec.params
         self.max_tokens = max_tokens  # resolved against the context limit
-        self.extra_key = extra_key
         self.arrival = arrival  # admission order key (monotonic counter)
-        self.prompt_len = len(prompt_ids)
+        self.prompt_len = len(spec.prompt_ids)
         self._ids = np.empty(self.prompt_len + max_tokens, dtype=np.int32)
-        self._ids[: self.prompt_len] = prompt_ids
+        self._ids[: self.prompt_len] = spec.prompt_ids
         self.num_tokens = self.prompt_len
         self.kv = KVLedger(self.prompt_len + max_tokens)
-        self.cached_tokens = 0  # prompt tokens served from the cache at first admission
-        self.host_cached_tokens = 0  # ... of which loaded back from the host tier
-        self.storage_cached_tokens = 0  # ... of which fetched from the storage tier
-        self.prefetch: Any = None  # a storage fetch it waits for before admission
+        self.usage = Usage(prompt_tokens=self.prompt_len)
+        self.tier = TierState()
+        self.transfer = TransferState()
         self.admitted_once = False
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -76,15 +104,23 @@ class Request:
         self.num_retractions = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
-        self.prefill_peer: str | None = None
-        self.prefill_only = False
-        self.load_failed: str | None = None  # why loading its KV failed (then it computes it)
-        # reusable prompt ranges (RAG segments, see segments.py) and what reusing them did
-        self.segments = [tuple(x) for x in segments] if segments else []
-        self.recompute_ratio = recompute_ratio  # None: the engine's default
-        self.segment_hits = 0
-        self.segment_reused_tokens = 0
-        self.segment_recomputed_tokens = 0
+
+    # ------------------------------------------------------------------ the spec
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.spec.namespace
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        return self.spec.segments
+
+    def add_usage(self, **changes: int) -> None:
+        """Record what the cache did for the prompt (``Usage`` is frozen: outputs share it)."""
+        self.usage = replace(self.usage, **changes)
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -102,6 +138,11 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self._ids[self.num_tokens] = token_id
         self.num_tokens += 1
+
+    def append_tokens(self, token_ids: np.ndarray) -> None:
+        n = len(token_ids)
+        self._ids[self.num_tokens : self.num_tokens + n] = token_ids
+        self.num_tokens += n
 
     # ------------------------------------------------------------------ progress
     @property

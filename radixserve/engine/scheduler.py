@@ -53,6 +53,16 @@ class Step:
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    def sampling(self) -> list[Request]:
+        """The requests that draw a token after this step: every decode, then each prefill
+        that completes its prompt (a prefill-only request never samples). Asked before the
+        step's tokens are committed."""
+        return self.decodes + [
+            r
+            for r, n in self.prefills
+            if r.num_computed + n == r.num_tokens and not r.spec.prefill_only
+        ]
+
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
@@ -110,10 +120,14 @@ class Scheduler:
             self._admit(step, budget)
         if step.empty and self.running:
             self._retract_newest()  # memory too short for anyone: make room for the oldest
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
+        self.decay(1)
         return step
+
+    def decay(self, steps: int) -> None:
+        """Lower the output reservation ratio as ``steps`` steps with enough memory do."""
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - steps * NEW_TOKEN_RATIO_DECAY
+        )
 
     def _admit(self, step: Step, budget: int) -> None:
         ordered = order_waiting(
@@ -185,7 +199,7 @@ class Scheduler:
         return min(budget, req.num_uncomputed)
 
     def _plan_load(self, req: Request, matched: int) -> int:
-        if self.source is None or req.load_failed is not None:
+        if self.source is None or req.transfer.load_failed is not None:
             return 0
         return self.source.plan(req, matched)
 
@@ -209,14 +223,14 @@ class Scheduler:
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
             else:  # nothing leaks: release frees up to allocated; compute it here instead
-                req.load_failed = reason
+                req.transfer.load_failed = reason
                 self.kv.release(req)
                 req.status = RequestStatus.WAITING
                 self.waiting.append(req)
 
     def _shares_inflight_prefix(self, req: Request, matched: int, inflight: list[Request]) -> bool:
         for other in inflight:
-            if other.extra_key != req.extra_key:
+            if other.namespace != req.namespace:
                 continue
             shared = common_prefix_len(req.token_ids[:-1], other.token_ids)
             if shared - matched >= DEDUP_MIN_SHARED_TOKENS:

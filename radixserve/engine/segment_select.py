@@ -5,15 +5,15 @@ takes the first ``first_tokens`` of each reused segment, then ranks the rest by 
 at a probe layer: the layers before it are computed for every row (and kept), and at the
 probe each row's fresh K/V is compared with the reused K/V the pool holds
 (``LlamaModel.kv_deviation``). Scores (``deviation_on``): ``kvattn``, the default (``kv``
-times ``attention``: a token both stale and read by the question; session 6 measured it best,
-docs/BENCHMARKS.md "RAG segments"), ``kv`` (K and V deviation together), ``k``, ``v``
+times ``attention``: a token both stale and read by the question; measured best, docs/decisions.md
+"RAG segments"), ``kv`` (K and V deviation together), ``k``, ``v``
 (CacheBlend's criterion), ``attention`` (the attention the question's rows, those after the
 last segment, pay the token), or ``position`` (no probe: each segment's earliest tokens).
 The top of the ranking is taken over all segments (``quota="global"``) or per segment in
 proportion to its length (``"segment"``).
 
 Two refinements, off by default and set as attributes (measurement hooks,
-``benchmarks/rag_selection.py``): ``deviation_from`` < ``deviation_layer`` scores every
+``benchmarks/rag/rag_selection.py``): ``deviation_from`` < ``deviation_layer`` scores every
 layer of that range, each over its mean, summed; ``filter_layer`` > ``deviation_layer`` is
 CacheBlend's gradual filtering in two steps: the probe picks ``filter_keep`` x the budget as
 candidates, which are computed up to ``filter_layer`` and scored again there.

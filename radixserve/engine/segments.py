@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.cache.base import PrefixCache
+from radixserve.cache.base import Namespace, PrefixCache
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.segment_select import RecomputeSelector
@@ -43,9 +43,9 @@ from radixserve.model.attention import SparsePrefill, build_forward_batch
 SEGMENT_NAMESPACE = "rag-segment"
 
 
-def segment_namespace(extra_key: Any) -> tuple[str, Any]:
+def segment_namespace(namespace: str | None) -> Namespace:
     """The tree namespace of a request's segments: apart from every prefix namespace."""
-    return (SEGMENT_NAMESPACE, extra_key)
+    return (SEGMENT_NAMESPACE, namespace)
 
 
 @dataclass
@@ -57,27 +57,6 @@ class SegmentStats:
     fills: int = 0  # computed standalone (wholly or past a partial hit) and stored
     reused_tokens: int = 0  # tokens whose KV came from the store
     recomputed_tokens: int = 0  # reused tokens computed again by partial recomputation
-
-
-def validate_segments(segments: list[tuple[int, int]], prompt_len: int) -> None:
-    prev_end = 0
-    for seg in segments:
-        if not (isinstance(seg, tuple | list) and len(seg) == 2):
-            raise ValueError(f"a segment is a (start, end) token range, got {seg!r}")
-        start, end = seg
-        if not (isinstance(start, int) and isinstance(end, int)):
-            raise ValueError(f"segment bounds must be integers, got {seg!r}")
-        if not prev_end <= start < end <= prompt_len:
-            raise ValueError(
-                f"segment {tuple(seg)} is empty, overlaps the one before or leaves the prompt "
-                f"({prompt_len} tokens); segments are sorted, disjoint (start, end) ranges"
-            )
-        prev_end = end
-
-
-def validate_ratio(ratio: float) -> None:
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
-        raise ValueError(f"the recompute ratio must be a number in [0, 1], got {ratio!r}")
 
 
 class SegmentBlender:
@@ -102,7 +81,7 @@ class SegmentBlender:
 
     def applies(self, req: Request, n: int) -> bool:
         """Does this prefill chunk (the request's next ``n`` tokens) reuse segments?"""
-        if not req.segments or not self.cache.reuses_prefixes or req.prefill_only:
+        if not req.segments or not self.cache.reuses_prefixes or req.spec.prefill_only:
             return False
         start = req.num_computed
         return start + n == req.num_tokens and any(s >= start for s, _ in req.segments)
@@ -112,7 +91,7 @@ class SegmentBlender:
         """Compute ``req``'s uncomputed tokens (slots already allocated) reusing its segments;
         return the last token's logits ``[1, vocab]``. The caller commits the tokens."""
         start, n = req.num_computed, req.num_tokens
-        ns = segment_namespace(req.extra_key)
+        ns = segment_namespace(req.namespace)
         handles: list[Any] = []
         todo = [s for s in req.segments if s[0] >= start]
         prefix = req.token_ids[: min(self.prefix_tokens, req.segments[0][0])]
@@ -121,7 +100,8 @@ class SegmentBlender:
         finally:
             for h in handles:
                 self.cache.dec_lock_ref(h)
-        ratio = self.ratio if req.recompute_ratio is None else req.recompute_ratio
+        ratio = req.spec.recompute_ratio
+        ratio = self.ratio if ratio is None else ratio
         rows = self._rows(req, start, n, reused, ratio)
         if reused:
             self.kv.limit_publish(req, min(s for s, _ in reused))
@@ -164,7 +144,7 @@ class SegmentBlender:
                 self.stats.fills += 1
             else:
                 self.stats.hits += 1
-                req.segment_hits += 1
+                req.add_usage(segment_hits=req.usage.segment_hits + 1)
             n = aligned - p
             self.model.reanchor(self.pool, src[p:], req.kv.slots[s : s + n], s - p)
             reused.append((s, s + n))
@@ -209,8 +189,9 @@ class SegmentBlender:
             picked = self.select.pick(req, start, n, reused, compute, budget)
             compute[picked] = True
         recomputed = budget
-        req.segment_reused_tokens += num_reused - recomputed
-        req.segment_recomputed_tokens += recomputed
+        u = req.usage
+        req.add_usage(reused_tokens=u.reused_tokens + num_reused - recomputed,
+                      recomputed_tokens=u.recomputed_tokens + recomputed)  # fmt: skip
         self.stats.reused_tokens += num_reused - recomputed
         self.stats.recomputed_tokens += recomputed
         return compute.nonzero().flatten()

@@ -21,10 +21,40 @@ runs is whole up to its last line. ``read_step_trace`` turns a file into ``StepT
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+
+@dataclass
+class TierTrace:
+    """The tier moves of one step: deltas of the tiers' counters (``TierStats``)."""
+
+    loads: int = 0
+    loaded_tokens: int = 0
+    load_s: float = 0.0
+    backed_up_tokens: int = 0
+    backup_s: float = 0.0
+    pages_to_storage: int = 0
+    pages_from_storage: int = 0
+    storage_reads_out: int = 0  # a gauge: reads not answered at the step's end
+
+    @classmethod
+    def between(cls, before: Any, after: Any) -> TierTrace:
+        """From two ``TierStats`` snapshots (before and after the step)."""
+        per_token = max(after.host_bytes_per_token, 1)
+        return cls(
+            loads=after.loads - before.loads,
+            loaded_tokens=(after.bytes_to_device - before.bytes_to_device) // per_token,
+            load_s=after.load_latency.total - before.load_latency.total,
+            backed_up_tokens=(after.bytes_to_host - before.bytes_to_host) // per_token,
+            backup_s=after.backup_seconds - before.backup_seconds,
+            pages_to_storage=after.pages_to_storage - before.pages_to_storage,
+            pages_from_storage=after.pages_from_storage - before.pages_from_storage,
+            storage_reads_out=after.prefetches_in_flight,
+        )
 
 
 class StepTraceWriter:
@@ -44,9 +74,13 @@ class StepTraceWriter:
         decodes: list[int],
         first: list[str],
         finished: list[str],
+        tiers: TierTrace | None = None,
     ) -> None:
-        self._write({"step": [start, end], "prefills": prefills, "decodes": decodes,
-                     "first": first, "finished": finished})  # fmt: skip
+        entry = {"step": [start, end], "prefills": prefills, "decodes": decodes,
+                 "first": first, "finished": finished}  # fmt: skip
+        if tiers is not None:
+            entry["tiers"] = dataclasses.asdict(tiers)
+        self._write(entry)
 
     def _write(self, entry: dict[str, Any]) -> None:
         self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
@@ -61,6 +95,7 @@ class TracedStep:
     end: float
     prefills: list[tuple[int, int]]
     decodes: list[int]
+    tiers: TierTrace | None = None
 
     @property
     def seconds(self) -> float:
@@ -99,7 +134,8 @@ def read_step_trace(path: str | Path) -> StepTrace:
             elif "step" in entry:
                 start, end = entry["step"]
                 prefills = [(int(n), int(p)) for n, p in entry["prefills"]]
-                trace.steps.append(TracedStep(start, end, prefills, list(entry["decodes"])))
+                tiers = TierTrace(**entry["tiers"]) if "tiers" in entry else None
+                trace.steps.append(TracedStep(start, end, prefills, list(entry["decodes"]), tiers))
                 for rid in entry["first"]:
                     if rid in trace.requests and trace.requests[rid].first_token is None:
                         trace.requests[rid].first_token = end

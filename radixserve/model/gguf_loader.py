@@ -5,8 +5,9 @@ own rotary layout (pairs of adjacent dimensions instead of halves); ``unpermute_
 it so the weights follow the Hugging Face convention our forward pass uses. ``qwen2`` files
 are not permuted. Any tensor type ``gguf`` can dequantize loads (F32, F16, BF16, Q4_0, Q4_1,
 Q5_x, Q8_0, K-quants). What stays quantized follows ``quantization`` (see ``quant.py``):
-Q8_0/Q4_0/Q4_1 matrices become ``QuantizedWeight``s straight from their blocks, the rest
-become ``dtype`` tensors (or are quantized, for ``int8`` / ``int4``).
+under ``auto`` every quantized matrix becomes a ``QuantizedWeight`` straight from its blocks
+(Q5_0/Q5_1/K-quants as views of the memory-mapped file, nothing converted), the rest become
+``dtype`` tensors (or are quantized, for ``int8`` / ``int4``).
 """
 
 from __future__ import annotations

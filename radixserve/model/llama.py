@@ -95,8 +95,7 @@ class LlamaModel:
 
         def fuse(parts: list[Weight]) -> Weight:
             if all(isinstance(p, QuantizedWeight) for p in parts):
-                if len({p.fmt for p in parts}) == 1:
-                    return QuantizedWeight.cat(parts)
+                return QuantizedWeight.cat(parts)
             dense = [p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts]
             return torch.cat(dense)
 

@@ -37,6 +37,7 @@ SOURCES = (
     "bindings.cpp",
     "paged_attention.cpp",
     "quant_gemm.cpp",
+    "block_formats.cpp",
     "lane_gemm.cpp",
     "rowwise.cpp",
     "decoder.cpp",

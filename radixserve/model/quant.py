@@ -1,29 +1,38 @@
 """Weights kept block-quantized (``--quantization``), and the matmul that uses them.
 
-Two formats, both GGUF's own, one scale per block of 32 consecutive inputs of a row:
+A ``QuantizedWeight`` is a matrix ``[N, K]`` in one of these formats (``fmt``):
 
-- ``q8_0``: ``w = d * q`` with ``q`` int8; 8.5 bits a weight.
+- ``q8_0``: ``w = d * q`` with ``q`` int8, one scale per block of 32 inputs; 8.5 bits a weight.
 - ``q4_1``: ``w = d * q + m`` with ``q`` in 0..15; 5 bits a weight here (GGUF's Q4_0,
   ``w = d * (q - 8)``, is the same with ``m = -8 d`` and loads as q4_1).
+  These two hold ``qs`` (the codes: int8 ``[N, K]`` or nibble pairs uint8 ``[N, K/2]`` in
+  GGUF's order: byte ``j`` of a block holds input ``j`` in its low nibble and input ``j + 16``
+  in its high nibble) and float32 ``d`` (and ``m``) ``[N, K/32]``.
+- GGUF's own block formats ``q5_0``, ``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``,
+  ``q6_k``: ``qs`` is the file's bytes, uint8 ``[N, row bytes]`` (a view of the memory-mapped
+  file where it can be: nothing is converted or copied at load). ``csrc/block_formats.cpp``
+  documents their layouts.
+- ``stack``: the rows of ``parts`` one after another: a fused QKV or gate/up matrix whose
+  pieces come in different formats (Q4_K_M files mix Q5_0 and Q8_0 in one layer's Q/K/V) or
+  in file bytes that are not copied to be joined.
 
-A ``QuantizedWeight`` holds ``qs`` (the codes: int8 ``[N, K]`` or nibble pairs uint8
-``[N, K/2]`` in GGUF's order: byte ``j`` of a block holds input ``j`` in its low nibble and
-input ``j + 16`` in its high nibble) and float32 ``d`` (and ``m``) ``[N, K/32]``. ``matmul``
-computes ``x @ W^T``: on CPU with the native kernels, small row counts (decode) run on the
-quantized blocks directly and larger ones dequantize once into a matrix for BLAS; elsewhere
-(no kernels, CUDA) it dequantizes with PyTorch ops. Every path computes the same function as
-the dequantized model, up to float summation order: the quantized model *is* the file's
-model, nothing is approximated beyond the file's own rounding.
+``matmul`` computes ``x @ W^T``: on CPU with the native kernels, small row counts (decode) run
+on the quantized blocks directly and larger ones dequantize once into a matrix for BLAS;
+elsewhere (no kernels, CUDA) it dequantizes with PyTorch ops (or the ``gguf`` package, for
+its block formats). Every path computes the same function as the dequantized model, up to
+float summation order: the quantized model *is* the file's model, nothing is approximated
+beyond the file's own rounding.
 
-``--quantization``: ``auto`` keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as they are and
-dequantizes other types (F16, K-quants) to the model dtype; a Hugging Face directory loads
-dense. ``none`` dequantizes everything (the reference). ``int8`` / ``int4`` quantize every
-linear layer to q8_0 / q4_1 (tensors already in that format are kept; the embedding and LM
-head are q8_0 under ``int4``, where 4 bits hurt most).
+``--quantization``: ``auto`` keeps every quantized type of a GGUF file listed above as it is
+and loads the rest (F16, BF16, F32) in the model dtype; a Hugging Face directory loads dense.
+``none`` dequantizes everything (the reference). ``int8`` / ``int4`` quantize every linear
+layer to q8_0 / q4_1 (tensors already in that format are kept; the embedding and LM head are
+q8_0 under ``int4``, where 4 bits hurt most).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +44,12 @@ from radixserve.model import native
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 BLOCK = 32
-FORMAT_CODES = {"q8_0": 1, "q4_1": 2}  # the native kernels' WFormat
+# the native kernels' WFormat
+FORMAT_CODES = {"q8_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q2_k": 5, "q3_k": 6, "q4_k": 7,
+                "q5_k": 8, "q6_k": 9}  # fmt: skip
+# GGUF block formats kept as the file's bytes: (inputs, bytes) of one block
+GGUF_BLOCKS = {"q5_0": (32, 22), "q5_1": (32, 24), "q2_k": (256, 84), "q3_k": (256, 110),
+               "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}  # fmt: skip
 # Up to this many rows of x the native kernels beat dequantize + BLAS (float32 here; where
 # bfloat16 matmuls are native, BLAS wins sooner).
 SMALL_M = {torch.float32: 64}
@@ -44,48 +58,78 @@ SMALL_M_OTHER = 16
 
 @dataclass
 class QuantizedWeight:
-    fmt: str  # "q8_0" or "q4_1"
+    fmt: str  # see the module's docstring
     qs: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None = None
     m: torch.Tensor | None = None
+    parts: tuple[QuantizedWeight, ...] = ()  # a stack's pieces
     _native: Any = None  # the kernels' QWeight view, made on first native use
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.fmt == "stack":
+            return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
         n = self.qs.shape[0]
+        if self.fmt in GGUF_BLOCKS:
+            inputs, size = GGUF_BLOCKS[self.fmt]
+            return n, self.qs.shape[1] // size * inputs
         return n, self.d.shape[1] * BLOCK
 
     @property
     def device(self) -> torch.device:
-        return self.qs.device
+        return self.parts[0].device if self.fmt == "stack" else self.qs.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding the weight (codes and scales; a stack's pieces')."""
+        if self.fmt == "stack":
+            return [t for p in self.parts for t in p.tensors()]
+        return [t for t in (self.qs, self.d, self.m) if t is not None]
 
     def nbytes(self) -> int:
-        parts = (self.qs, self.d, self.m) if self.m is not None else (self.qs, self.d)
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def to(self, device: torch.device) -> QuantizedWeight:
-        m = None if self.m is None else self.m.to(device)
-        return QuantizedWeight(self.fmt, self.qs.to(device), self.d.to(device), m)
+        if self.fmt == "stack":
+            return QuantizedWeight.cat([p.to(device) for p in self.parts])
+        d, m = (None if t is None else t.to(device) for t in (self.d, self.m))
+        return QuantizedWeight(self.fmt, self.qs.to(device), d, m)
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows ``index`` of W (a permutation, or the embedding rows of some tokens)."""
-        m = None if self.m is None else self.m[index]
-        return QuantizedWeight(self.fmt, self.qs[index], self.d[index], m)
+        if self.fmt == "stack":
+            raise ValueError("rows of a stacked weight: take them before stacking")
+        d, m = (None if t is None else t[index] for t in (self.d, self.m))
+        return QuantizedWeight(self.fmt, self.qs[index], d, m)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Stack the rows of several matrices of one format (fused QKV, gate/up)."""
-        if len({p.fmt for p in parts}) != 1:
-            raise ValueError("can only fuse weights of one format")
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return replace(parts[0], qs=torch.cat([p.qs for p in parts]),
-                       d=torch.cat([p.d for p in parts]), m=m, _native=None)  # fmt: skip
+        """Stack the rows of several matrices (fused QKV, gate/up): Q8_0 / Q4_1 ones of one
+        format are joined into one matrix, anything else is stacked without a copy."""
+        flat = [q for p in parts for q in (p.parts if p.fmt == "stack" else (p,))]
+        if len({p.shape[1] for p in flat}) != 1:
+            raise ValueError("can only stack weights with the same inputs")
+        fmts = {p.fmt for p in flat}
+        if len(flat) == 1:
+            return flat[0]
+        if len(fmts) > 1 or fmts & GGUF_BLOCKS.keys():
+            return QuantizedWeight("stack", torch.empty(0, dtype=torch.uint8), parts=tuple(flat))
+        m = None if flat[0].m is None else torch.cat([p.m for p in flat])
+        return replace(flat[0], qs=torch.cat([p.qs for p in flat]),
+                       d=torch.cat([p.d for p in flat]), m=m, _native=None)  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
         ops = self.native_ops()
         if ops is not None:
             return ops.dequantize(self.native_view()).to(dtype)
+        if self.fmt == "stack":
+            return torch.cat([p.dequantize(dtype) for p in self.parts])
+        if self.fmt in GGUF_BLOCKS:
+            import gguf
+
+            qtype = gguf.GGMLQuantizationType[self.fmt.upper()]
+            w = gguf.quants.dequantize(self.qs.cpu().numpy(), qtype).reshape(n, k)
+            return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(self.device, dtype)
         blocks = self.qs.view(n, k // BLOCK, -1)
         if self.fmt == "q8_0":
             w = blocks.float() * self.d[..., None]
@@ -113,10 +157,13 @@ class QuantizedWeight:
 
     def native_view(self) -> Any:
         if self._native is None:
+            ops = native.paged_ops()
             n, k = self.shape
-            self._native = native.paged_ops().QWeight(
-                FORMAT_CODES[self.fmt], n, k, self.qs, self.d, self.m
-            )
+            if self.fmt == "stack":
+                self._native = ops.QWeight.stack([p.native_view() for p in self.parts])
+            else:
+                code = FORMAT_CODES[self.fmt]
+                self._native = ops.QWeight(code, n, k, self.qs, self.d, self.m)
         return self._native
 
 
@@ -143,8 +190,10 @@ def _dense_matmul(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | Non
 
 
 # ---------------------------------------------------------------------- making them
-_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1", "Q4_1": "q4_1"}  # kept as they are
+_SPLIT_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# GGUF tensor types kept as they are under "auto"
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_1", "Q4_1": "q4_1",
+                **{f.upper(): f for f in GGUF_BLOCKS}}  # fmt: skip
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -183,9 +232,17 @@ def quantize_dense(
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """A GGUF Q8_0 / Q4_0 / Q4_1 tensor's bytes (``[N, K/32 * block bytes]``) as a weight."""
+    """A GGUF tensor's bytes (``[N, row bytes]``) of a type in ``GGUF_FORMATS`` as a weight;
+    a block format's bytes are used in place (``raw`` may be a view of the mapped file)."""
     n, k = shape
-    size = _GGUF_BLOCK_BYTES[type_name]
+    fmt = GGUF_FORMATS[type_name]
+    if fmt in GGUF_BLOCKS:
+        inputs, size = GGUF_BLOCKS[fmt]
+        with warnings.catch_warnings():  # a read-only map: the kernels never write to it
+            warnings.simplefilter("ignore", UserWarning)
+            qs = torch.from_numpy(np.asarray(raw, dtype=np.uint8).reshape(n, k // inputs * size))
+        return QuantizedWeight(fmt, qs)
+    size = _SPLIT_BLOCK_BYTES[type_name]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, size)
     d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     if type_name == "Q8_0":

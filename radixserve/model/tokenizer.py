@@ -74,12 +74,6 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
-    def token_text(self, token_id: int) -> str:
-        return self.hf.convert_ids_to_tokens(token_id)
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self.hf.all_special_ids
-
 
 def _tokenizer_cache_dir(gguf_path: Path) -> Path | None:
     """Where the tokenizer built from this exact file is kept (None: caching disabled)."""

@@ -12,12 +12,12 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import signal
 import socket
 import sys
 
-from radixserve.cli import flag
+from radixserve.cli_options import flag
+from radixserve.router.config import RouterConfig, add_router_access_args, router_config_from_args
 from radixserve.router.policy import POLICIES, PolicyConfig
 
 log = logging.getLogger("radixserve")
@@ -122,31 +122,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", help="the model file the workers serve, for its tokenizer (default: SmolLM2)"
     )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        dest="api_keys",
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' (forwarded to the workers); repeat for "
-        "several keys (default: $RADIXSERVE_API_KEY, comma-separated)",
-    )
-    p.add_argument(
-        "--salt-from-api-key",
-        action="store_true",
-        help="the workers run with --salt-from-api-key: hash each key's prompts in its namespace",
-    )
+    add_router_access_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of randomised policies")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_policy_args(p)
     p.set_defaults(func=cmd_router, parser=p)
-
-
-def api_keys_from_args(args: argparse.Namespace) -> list[str]:
-    """``--api-key`` values, else ``$RADIXSERVE_API_KEY`` (comma-separated), as the server."""
-    if args.api_keys:
-        return list(args.api_keys)
-    env = os.environ.get("RADIXSERVE_API_KEY", "")
-    return [k.strip() for k in env.split(",") if k.strip()]
 
 
 def bind(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
@@ -166,13 +146,14 @@ def cmd_router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     if args.local_prefill_tokens < 0:
         parser.error(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
     config = policy_config_from_args(parser, args)
+    access = router_config_from_args(parser, args)
     sock = bind(parser, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return asyncio.run(
             serve_router(sock, args.worker or args.decode, args.policy, config, args.model,
-                         api_keys_from_args(args), args.log_level, args.seed, args.prefill,
-                         args.local_prefill_tokens, args.salt_from_api_key)
+                         access, args.log_level, args.seed, args.prefill,
+                         args.local_prefill_tokens)
         )  # fmt: skip
     except KeyboardInterrupt:
         return 0
@@ -184,12 +165,11 @@ async def serve_router(
     policy_name: str,
     config: PolicyConfig,
     model: str | None,
-    api_keys: list[str],
+    access: RouterConfig,
     log_level: str = "info",
     seed: int = 0,
     prefill_urls: list[str] | None = None,
     local_prefill_tokens: int = 64,
-    salt_from_api_key: bool = False,
 ) -> int:
     """Serve the router over ``worker_urls``; with ``prefill_urls``, in prefill/decode mode
     (``worker_urls`` are then the decode instances)."""
@@ -212,9 +192,9 @@ async def serve_router(
         return 2
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     timeout = httpx.Timeout(None, connect=5.0)
-    # the router's own calls to the workers (/v1/models, /kv_events, /health) carry a key
-    auth = {"authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=auth) as client:
+    # every call to a worker carries the worker credential, never a tenant's key
+    headers = access.worker_headers()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         if prefill_urls:
             fleet = PDPools(client, policy_name, config, seed, local_prefill_tokens)
             pool, prefill_pool = fleet.decode, fleet.prefill
@@ -230,7 +210,7 @@ async def serve_router(
             print(f"radixserve router: error: {e}", file=sys.stderr)
             await fleet.close()
             return 2
-        app = create_router_app(pool, tokenizer, api_keys, prefill_pool, salt_from_api_key)
+        app = create_router_app(pool, tokenizer, access, prefill_pool)
         fleet.start()
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
         signal.signal(signal.SIGTERM, _raise_system_exit)

@@ -80,8 +80,8 @@ class PolicyConfig:
     virtual_nodes: int = 64  # consistent-hash: ring points per worker
     # cache-aware fair-share gate (None: off): a holder whose recent share exceeds
     # share_ratio x the fleet's mean (+ the allowance below) is not a candidate. Defaults
-    # by evidence (docs/SIMULATOR.md, session 5): >= 96% of the pooled hit rate with busy
-    # imbalance <= 1.21 at N = 2 ... 1,000 simulated instances
+    # by evidence (docs/simulator.md, "Routing at scale"): >= 96% of the pooled hit rate with
+    # busy imbalance <= 1.3 at N = 2 ... 1,000 simulated instances
     share_ratio: float | None = 1.05
     share_half_life: float = 600.0  # s: the gate's memory (what it counts decays by half)
     # what the gate compares: "occupancy" (seconds with a request in flight, as the router

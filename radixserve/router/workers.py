@@ -7,7 +7,8 @@ is routed with approximate entries only). Its events feed the policy's index thr
 
 Health: every ``health_interval`` seconds each worker's ``/health`` is polled; after
 ``max_failures`` failures in a row (or a request that could not reach it) the worker leaves
-the policy (its index entries are dropped and no request goes to it) until it answers again.
+the policy (its index entries are dropped and no request goes to it) until it answers again;
+requests still waiting for its first bytes are retried elsewhere (``Worker.down``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Worker:
     events: dict[str, Any] = field(default_factory=dict)
     healthy: bool = True
     failures: int = 0
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of the fleet
     task: asyncio.Task | None = None
     subscriber: EventSubscriber | None = None
 
@@ -138,6 +140,7 @@ class WorkerPool:
         worker = self.workers.pop(url.rstrip("/"), None)
         if worker is None:
             return False
+        worker.down.set()
         self._leave(worker)
         return True
 
@@ -152,6 +155,7 @@ class WorkerPool:
         worker = self.workers.get(url)
         if worker is not None and worker.healthy:
             worker.healthy, worker.failures = False, self.max_failures
+            worker.down.set()  # requests still waiting for its first bytes go elsewhere
             self._leave(worker)
             log.warning("worker %s is unreachable; routing around it", url)
 
@@ -165,6 +169,7 @@ class WorkerPool:
             await self._refresh_events(worker)
         if ok and not worker.healthy:
             worker.healthy = True
+            worker.down.clear()
             self._join(worker)
             log.info("worker %s is healthy again", worker.url)
         elif not ok and worker.healthy and worker.failures >= self.max_failures:

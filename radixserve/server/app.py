@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI endpoints, native ``/generate``, cache tools, metrics.
 
-Errors always come back as OpenAI-style bodies (``errors.py``): 400 for bad input (malformed
+Errors always come back as OpenAI-style bodies (``api/errors.py``): 400 for bad input (malformed
 JSON, wrong types, unknown or unsupported parameters, prompts that do not fit), 401/403
-without the right key (``guard.py``), 404 for an unknown model or route, 413 for a body over
+without the right key (``api/guard.py``), 404 for an unknown model or route, 413 for a body over
 the limit, 503 with ``Retry-After`` while the engine restarts or the queue is full.
 ``/cache`` shows counts and hashes of the cached prefixes, their text only with
 ``debug_cache_text``; a request's ``cache_salt`` (and, with ``salt_from_api_key``, its key)
@@ -14,25 +14,29 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.engine.stats import EngineStats
-from radixserve.model.generation_defaults import GenerationDefaults
-from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.config import ServerConfig
-from radixserve.server.engine_client import EngineClient, EngineDeadError
-from radixserve.server.errors import ApiError, install_error_handlers, unavailable
-from radixserve.server.guard import Guard, PrefillTrust, cache_namespace
-from radixserve.server.metrics import Metrics
-from radixserve.server.protocol import (
+from radixserve.api.config import ServerConfig
+from radixserve.api.errors import ApiError, install_error_handlers, unavailable
+from radixserve.api.guard import Guard, cache_namespace
+from radixserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
 )
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.spec import RequestSpec
+from radixserve.engine.stats import EngineStats
+from radixserve.model.generation_defaults import GenerationDefaults
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.metrics import Metrics
+from radixserve.server.prefill_trust import PrefillTrust
 from radixserve.server.responses import (
     ChatStream,
     CompletionStream,
@@ -45,8 +49,7 @@ from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (README: "Prefill/decode disaggregation"); who may choose
-# which: ``guard.PrefillTrust``.
+# the router sets it per request (docs/fleet.md); who may choose which: ``prefill_trust.py``.
 PREFILL_HEADER = "x-radixserve-prefill"
 
 
@@ -62,9 +65,11 @@ def create_app(
     app = FastAPI(title="radixserve", version="0.1.0")
     metrics = Metrics(served_model_name, client.info, lambda: client.num_restarts)
     client.on_stats = metrics.update_stats
-    serving = Serving(client, tokenizer, metrics, config, client.config.max_running_requests)
+    serving = Serving(
+        client, tokenizer, metrics, config, client.config.scheduler.max_running_requests
+    )
     app.add_middleware(Guard, config=config)
-    install_error_handlers(app)
+    install_error_handlers(app, retryable=(EngineDeadError,))
     app.state.serving = serving  # the server closes its tokenizer thread on the way out
     started = int(time.time())
 
@@ -77,13 +82,20 @@ def create_app(
                 code="model_not_found",
             )
 
-    def namespace(raw: Request, salt: str | None) -> str | None:
-        return cache_namespace(getattr(raw.state, "tenant", None), salt)
+    trust = PrefillTrust(client.config.disagg, config.trusted_prefill)
 
-    trust = PrefillTrust(client.config, config.trusted_prefill)
-
-    def prefill_peer(raw: Request) -> str | None:
-        return trust.peer(raw.headers.get(PREFILL_HEADER), getattr(raw.state, "admin", False))
+    def request_spec(raw: Request, salt: str | None, **options: Any) -> RequestSpec:
+        """What every engine request of this HTTP request shares (``Serving.submit`` gives
+        each its id, prompt and sampling): the tenant's namespace, the prefill peer, RAG
+        segments."""
+        return RequestSpec(
+            request_id="",
+            prompt_ids=[],
+            params=SamplingParams(),
+            namespace=cache_namespace(getattr(raw.state, "tenant", None), salt),
+            prefill_peer=trust.peer(raw.headers.get(PREFILL_HEADER), raw.state.admin),
+            **options,
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -122,14 +134,11 @@ def create_app(
         if reusable:  # RAG segments (server/segments.py)
             marked = body.conversation(mark_reusable=True)
             ids, ranges = await serving.off_loop(encode_chat_segments, tokenizer, marked, reusable)
-            options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
+            options = {"segments": tuple(ranges), "recompute_ratio": body.recompute_ratio}
         else:
             ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
-        ns = namespace(raw, body.cache_salt)
-        job, queue = await serving.submit(
-            "chatcmpl", [ids] * body.n, params, ns, prefill_peer=prefill_peer(raw),
-            **options,
-        )  # fmt: skip
+        spec = request_spec(raw, body.cache_salt, **options)
+        job, queue = await serving.submit("chatcmpl", [ids] * body.n, params, spec)
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -149,10 +158,8 @@ def create_app(
         serving.check_size(len(body.prompts()) * body.n, "prompt")
         prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
         ids = [p for p in prompts for _ in range(body.n)]
-        ns = namespace(raw, body.cache_salt)
-        job, queue = await serving.submit(
-            "cmpl", ids, params * len(prompts), ns, prefill_peer=prefill_peer(raw)
-        )
+        spec = request_spec(raw, body.cache_salt)
+        job, queue = await serving.submit("cmpl", ids, params * len(prompts), spec)
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -175,11 +182,9 @@ def create_app(
             ids = await serving.off_loop(tokenizer.encode, body.text)
         else:
             ids, ranges = await serving.off_loop(encode_segments, tokenizer, body.segments)
-            options = {"segments": ranges, "recompute_ratio": body.recompute_ratio}
-        ns = namespace(raw, body.cache_salt)
-        job, queue = await serving.submit(
-            "gen", [ids], [params], ns, prefill_peer=prefill_peer(raw), **options
-        )
+            options = {"segments": tuple(ranges), "recompute_ratio": body.recompute_ratio}
+        spec = request_spec(raw, body.cache_salt, **options)
+        job, queue = await serving.submit("gen", [ids], [params], spec)
         if body.stream:
             return StreamingResponse(
                 serving.stream(job, queue, native_chunks, lambda _: []),
@@ -301,9 +306,9 @@ def native_result(job: Job, full: bool, index: int = 0) -> dict:
         "meta_info": {
             "id": job.response_id,
             "prompt_tokens": len(job.prompts[index]),
-            "cached_tokens": t.cached_tokens,
-            "cached_tokens_by_tier": t.cached_by_tier(),
-            **t.segment_usage(),
+            "cached_tokens": t.usage.cached_tokens,
+            "cached_tokens_by_tier": t.usage.cached_by_tier(),
+            **t.usage.segment_usage(),
             "completion_tokens": len(t.token_ids),
             "finish_reason": t.finish_reason,
         },

@@ -17,9 +17,9 @@ import signal
 import socket
 import sys
 
-from radixserve.cli import add_engine_args, engine_config_from_args
+from radixserve.api.config import ServerConfig, parse_sampling_overrides
+from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
-from radixserve.server.config import ServerConfig, parse_sampling_overrides
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options
 
 log = logging.getLogger("radixserve")
@@ -204,7 +204,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     if args.dp > 1:
-        from radixserve.router.launch import cmd_dp
+        from radixserve.server.dp_launch import cmd_dp
 
         return cmd_dp(parser, args, sock)
     try:
@@ -266,8 +266,8 @@ async def serve(
         server_config.served_model_name,
         info.kv_capacity_tokens,
         info.kv_bytes / 2**30,
-        config.schedule_policy,
-        "on" if config.enable_prefix_caching else "off",
+        config.scheduler.schedule_policy,
+        "on" if config.cache.enable_prefix_caching else "off",
     )
     if info.disaggregation is not None:
         d = info.disaggregation

@@ -18,7 +18,6 @@ next. Sends never block: with no engine to take a message, the request fails at 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -33,9 +32,25 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import EngineConfig
-from radixserve.engine import SamplingParams, StepOutput
+from radixserve.engine import StepOutput
+from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineInfo, EngineStats
 from radixserve.server.engine_process import run_engine_process
+from radixserve.server.messages import (
+    Abort,
+    Added,
+    AddRequest,
+    Fatal,
+    FromEngine,
+    Outputs,
+    Ready,
+    Rejected,
+    Rpc,
+    RpcReply,
+    Shutdown,
+    ToEngine,
+    encode,
+)
 
 log = logging.getLogger("radixserve.server")
 
@@ -113,12 +128,14 @@ class EngineClient:
         while True:
             if await self._pull.poll(POLL_MS):
                 msg = await self._pull.recv_pyobj()
-                if msg[0] == "ready":
-                    _, info, self.pid = msg
-                    return info
-                if msg[0] == "fatal":
-                    log.error("the engine failed to start:\n%s", msg[1])
-                    raise EngineDeadError(f"the engine failed to start: {_last_line(msg[1])}")
+                if isinstance(msg, Ready):
+                    self.pid = msg.pid
+                    return msg.info
+                if isinstance(msg, Fatal):
+                    log.error("the engine failed to start:\n%s", msg.traceback)
+                    raise EngineDeadError(
+                        f"the engine failed to start: {_last_line(msg.traceback)}"
+                    )
             if not self._process.is_alive():
                 raise EngineDeadError(f"the engine process exited ({self._process.exitcode})")
             if time.monotonic() > deadline:
@@ -130,7 +147,7 @@ class EngineClient:
         disagg = self.info.disaggregation
         if disagg is not None and disagg.endpoint:  # a restarted engine keeps its KV port,
             port = int(disagg.endpoint.rsplit(":", 1)[1])  # where decode instances look
-            self.config = dataclasses.replace(self.config, kv_transfer_port=port)
+            self.config = self.config.replace(kv_transfer_port=port)
         self.state = "ready"
         self._supervisor = asyncio.create_task(self._supervise())
         return self.info
@@ -140,7 +157,7 @@ class EngineClient:
             self._supervisor.cancel()
         process = self._process
         if process is not None and process.is_alive():
-            self._send(("shutdown",))
+            self._send(Shutdown())
             await asyncio.to_thread(process.join, 10)
         if process is not None and process.is_alive():
             process.kill()  # it ignores SIGTERM while this process lives (engine_process.py)
@@ -209,28 +226,30 @@ class EngineClient:
                     return f"the engine process exited with code {self._process.exitcode}"
                 continue
             msg = await self._pull.recv_pyobj()
-            kind = msg[0]
-            if kind == "outputs":
-                for out in msg[1]:
-                    entry = self._queues.get(out.request_id)
-                    if entry is not None:
-                        entry[0].put_nowait((entry[1], out))
-                        if out.finished:
-                            del self._queues[out.request_id]
-                self.on_stats(msg[2], msg[3])
-            elif kind in ("added", "rejected"):
-                fut = self._pending.pop(("add", msg[1]), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None if kind == "added" else msg[2])
-            elif kind == "rpc":
-                self.on_stats(msg[4], False)
-                fut = self._pending.pop(("rpc", msg[1]), None)
-                if fut is not None and not fut.done():
-                    fut.set_result((msg[2], msg[3]))
-            elif kind == "fatal":
-                log.error("the engine crashed:\n%s", msg[1])
+            if isinstance(msg, Fatal):
+                log.error("the engine crashed:\n%s", msg.traceback)
                 await asyncio.to_thread(self._process.join, 5)
-                return f"the engine crashed: {_last_line(msg[1])}"
+                return f"the engine crashed: {_last_line(msg.traceback)}"
+            self._route(msg)
+
+    def _route(self, msg: FromEngine) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.outputs:
+                entry = self._queues.get(out.request_id)
+                if entry is not None:
+                    entry[0].put_nowait((entry[1], out))
+                    if out.finished:
+                        del self._queues[out.request_id]
+            self.on_stats(msg.stats, msg.after_step)
+        elif isinstance(msg, Added | Rejected):
+            fut = self._pending.pop(("add", msg.request_id), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.message if isinstance(msg, Rejected) else None)
+        elif isinstance(msg, RpcReply):
+            self.on_stats(msg.stats, False)
+            fut = self._pending.pop(("rpc", msg.call_id), None)
+            if fut is not None and not fut.done():
+                fut.set_result((msg.ok, msg.value))
 
     def _fail_inflight(self, reason: str) -> None:
         for fut in self._pending.values():
@@ -248,10 +267,10 @@ class EngineClient:
         if self.state != "ready":
             raise EngineDeadError("the engine is restarting; retry shortly")
 
-    def _send(self, msg: tuple) -> bool:
+    def _send(self, msg: ToEngine) -> bool:
         """Send without waiting; False where no engine is connected to take it."""
         try:
-            fut = self._push.send_pyobj(msg, flags=zmq.DONTWAIT)
+            fut = self._push.send(encode(msg), flags=zmq.DONTWAIT)
         except zmq.Again:
             return False
         if fut.done():
@@ -259,50 +278,36 @@ class EngineClient:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True
 
-    async def add(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue,
-        tag: Any = None,
-        extra_key: Any = None,
-        prefill_peer: str | None = None,
-        segments: list[tuple[int, int]] | None = None,
-        recompute_ratio: float | None = None,
-    ) -> None:
+    async def add(self, spec: RequestSpec, queue: asyncio.Queue, tag: Any = None) -> None:
         """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
         Raises ``ValueError`` with the engine's message if the engine rejects it, and
-        ``EngineDeadError`` if there is no engine to take it. ``prefill_peer``: on a decode
-        instance, the prefill instance to take the prompt's KV from."""
+        ``EngineDeadError`` if there is no engine to take it."""
         self._check_ready()
+        rid = spec.request_id
         fut = asyncio.get_running_loop().create_future()
-        self._pending[("add", request_id)] = fut
-        self._queues[request_id] = (queue, tag)
-        options: dict[str, Any] = {"prefill_peer": prefill_peer} if prefill_peer else {}
-        if self.config.step_trace:  # the engine's trace records when the request left here
-            options["sent_at"] = time.monotonic()
-        if segments:  # RAG segments: reusable prompt ranges (engine/segments.py)
-            options.update(segments=segments, recompute_ratio=recompute_ratio)
-        if not self._send(("add", request_id, prompt_ids, params, extra_key, options)):
-            self._pending.pop(("add", request_id), None)
-            self._queues.pop(request_id, None)
+        self._pending[("add", rid)] = fut
+        self._queues[rid] = (queue, tag)
+        # the engine's step trace records when the request left here
+        sent_at = time.monotonic() if self.config.step_trace else None
+        if not self._send(AddRequest(spec, sent_at)):
+            self._pending.pop(("add", rid), None)
+            self._queues.pop(rid, None)
             raise EngineDeadError("the engine is not taking requests; retry shortly")
         error = await fut
         if error is not None:
-            self._queues.pop(request_id, None)
+            self._queues.pop(rid, None)
             raise ValueError(error)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.ready:
-            self._send(("abort", request_id, reason))
+            self._send(Abort(request_id, reason))
 
     async def call(self, name: str, **kwargs: Any) -> Any:
         self._check_ready()
         call_id = next(self._calls)
         fut = asyncio.get_running_loop().create_future()
         self._pending[("rpc", call_id)] = fut
-        if not self._send(("rpc", call_id, name, kwargs)):
+        if not self._send(Rpc(call_id, name, kwargs)):
             self._pending.pop(("rpc", call_id), None)
             raise EngineDeadError("the engine is not taking requests; retry shortly")
         ok, value = await fut

@@ -1,17 +1,7 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
-Messages in (PULL, pickled tuples):
-    ("add", request_id, prompt_ids, SamplingParams, extra_key, options)
-                                                      -> ("added", id) or ("rejected", id, msg)
-        options (optional): more keyword arguments of Engine.add_request (prefill_peer), and
-        "sent_at" (the HTTP side's monotonic clock) when the step trace is on
-    ("abort", request_id, reason)                     -> the request's final output
-    ("rpc", call_id, name, kwargs)                    -> ("rpc", call_id, ok, value, stats)
-    ("shutdown",)                                     -> the process exits
-Messages out (PUSH): the above replies, ("outputs", [StepOutput], stats, after_step) after
-every step (after_step True) or abort (False),
-("ready", EngineInfo, pid) once the model is loaded, ("fatal", traceback) before dying on a
-bug.
+Messages in and out are the typed ones of ``messages.py``: requests arrive as a
+``RequestSpec`` inside an ``AddRequest``, outputs leave in an ``Outputs`` after every step.
 
 New messages are read between steps: the loop never blocks while requests are running, and
 sleeps on the socket when idle. In a disaggregation mode it also wakes on KV transfer
@@ -38,6 +28,7 @@ import os
 import signal
 import time
 import traceback
+from typing import Any
 
 import zmq
 
@@ -46,9 +37,23 @@ from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
-from radixserve.engine.step_trace import StepTraceWriter
+from radixserve.engine.step_trace import StepTraceWriter, TierTrace
 from radixserve.kvevents.publisher import KVEventPublisher
 from radixserve.server.event_bridge import EventBridge
+from radixserve.server.messages import (
+    Abort,
+    Added,
+    AddRequest,
+    Fatal,
+    Outputs,
+    Ready,
+    Rejected,
+    Rpc,
+    RpcReply,
+    Shutdown,
+    ToEngine,
+    decode,
+)
 
 IDLE_POLL_MS = 200
 WAITING_POLL_MS = 20  # requests exist but none could run (their KV is on its way)
@@ -76,45 +81,44 @@ class EngineLoop:
         self.engine, self.pull, self.push = engine, pull, push
         self.events = events
         self.trace = trace  # --step-trace: every step and admission, timed (step_trace.py)
+        self._tiers_before: Any = None  # the tiers' counters at the last traced step
         engine.record_step_shape = trace is not None
         self._streaming: set[str] = set()  # traced requests that have had a token
         self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
 
-    def handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, rid, prompt_ids, params, extra_key, *rest = msg
-            options = dict(rest[0]) if rest else {}
-            sent = options.pop("sent_at", None)  # the HTTP side's clock, with --step-trace
-            if self.trace is not None:
-                self.trace.added(rid, sent, time.monotonic())
-            try:
-                self.engine.add_request(rid, prompt_ids, params, extra_key=extra_key, **options)
-            except ValueError as e:
-                self.push.send_pyobj(("rejected", rid, str(e)))
-            except Exception:
-                log.exception("request %s could not be added", rid)
-                self._forget(rid)
-                self.push.send_pyobj(("rejected", rid, ADD_ERROR))
-            else:
-                self.push.send_pyobj(("added", rid))
-        elif kind == "abort":
-            _, rid, reason = msg
-            out = self.engine.abort_request(rid, reason)
-            self._streaming.discard(rid)
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            out = self.engine.abort_request(msg.request_id, msg.reason)
+            self._streaming.discard(msg.request_id)
             if out is not None:
-                self.push.send_pyobj(("outputs", [out], self.engine.stats(), False))
-        elif kind == "shutdown":
+                self.push.send_pyobj(Outputs([out], self.engine.stats(), False))
+        elif isinstance(msg, Shutdown):
             raise _Shutdown
-        elif kind == "rpc":
-            _, call_id, name, kwargs = msg
-            try:
-                value, ok = getattr(self, f"rpc_{name}")(**kwargs), True
-            except Exception as e:  # report to the caller; the loop goes on
+        elif isinstance(msg, Rpc):
+            try:  # report to the caller; the loop goes on
+                value, ok = getattr(self, f"rpc_{msg.name}")(**msg.kwargs), True
+            except Exception as e:
                 value, ok = f"{type(e).__name__}: {e}", False
-            self.push.send_pyobj(("rpc", call_id, ok, value, self.engine.stats()))
+            self.push.send_pyobj(RpcReply(msg.call_id, ok, value, self.engine.stats()))
         else:
-            raise ValueError(f"unknown message {kind!r}")
+            raise ValueError(f"unknown message {msg!r}")
+
+    def _add(self, msg: AddRequest) -> None:
+        rid = msg.spec.request_id
+        if self.trace is not None:
+            self.trace.added(rid, msg.sent_at, time.monotonic())
+        try:
+            self.engine.add(msg.spec)
+        except ValueError as e:
+            self.push.send_pyobj(Rejected(rid, str(e)))
+        except Exception:
+            log.exception("request %s could not be added", rid)
+            self._forget(rid)
+            self.push.send_pyobj(Rejected(rid, ADD_ERROR))
+        else:
+            self.push.send_pyobj(Added(rid))
 
     def _forget(self, rid: str) -> None:
         """Drop what a failed ``add_request`` may have left of request ``rid``."""
@@ -127,7 +131,7 @@ class EngineLoop:
     def receive(self) -> None:
         """Read and handle one message; whatever goes wrong is logged, never raised."""
         try:
-            msg = self.pull.recv_pyobj()
+            msg = decode(self.pull.recv())
         except Exception:
             log.exception("an unreadable message was dropped")
             return
@@ -136,7 +140,7 @@ class EngineLoop:
         except _Shutdown:
             raise
         except Exception:
-            log.exception("handling a %r message failed", msg[0] if msg else None)
+            log.exception("handling a %s message failed", type(msg).__name__)
 
     def step(self) -> None:
         start = time.monotonic() if self.trace is not None else 0.0
@@ -149,25 +153,30 @@ class EngineLoop:
                 self.engine.check_integrity()
             except Exception:
                 log.critical("the KV slot ledger is broken after a failed step; exiting")
-                self.push.send_pyobj(("outputs", outputs, self.engine.stats(), True))
+                self.push.send_pyobj(Outputs(outputs, self.engine.stats(), True))
                 raise SystemExit(EXIT_CORRUPT) from None
         stats = self.engine.stats()
         counts = (stats.num_running, stats.num_waiting, stats.num_loading)
         # a look at KV transfer traffic that ran nothing reports only what changed
         if outputs or not self.engine.last_step_empty or counts != self._counts:
-            self.push.send_pyobj(("outputs", outputs, stats, True))
+            self.push.send_pyobj(Outputs(outputs, stats, True))
             self._counts = counts
         shape = self.engine.last_step_shape
         if self.trace is not None and shape is not None:
-            self._trace_step(start, shape, outputs)
+            self._trace_step(start, shape, outputs, stats.tiers)
 
-    def _trace_step(self, start: float, shape: tuple, outputs: list) -> None:
+    def _trace_step(self, start: float, shape: tuple, outputs: list, tiers: Any) -> None:
         first = [o.request_id for o in outputs
                  if o.new_token_ids and o.request_id not in self._streaming]  # fmt: skip
         finished = [o.request_id for o in outputs if o.finished]
         self._streaming.update(first)
         self._streaming.difference_update(finished)
-        self.trace.step(start, time.monotonic(), *shape, first, finished)
+        moved = None
+        if tiers is not None:  # what moved since the last traced step (this one's moves)
+            if self._tiers_before is not None:
+                moved = TierTrace.between(self._tiers_before, tiers)
+            self._tiers_before = tiers
+        self.trace.step(start, time.monotonic(), *shape, first, finished, moved)
 
     def _fail_unfinished(self) -> list:
         outputs = []
@@ -276,11 +285,11 @@ def run_engine_process(
             bridge = EventBridge(engine, publisher)
         if config.step_trace:
             trace = StepTraceWriter(config.step_trace)
-        push.send_pyobj(("ready", info, os.getpid()))
+        push.send_pyobj(Ready(info, os.getpid()))
         EngineLoop(engine, pull, push, bridge, trace).run()
     except Exception:
         # the traceback goes to the HTTP process's log, never to a client
-        push.send_pyobj(("fatal", traceback.format_exc()))
+        push.send_pyobj(Fatal(traceback.format_exc()))
         push.close(linger=1000)  # give the message time to leave
         raise
     finally:

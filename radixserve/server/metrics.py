@@ -94,41 +94,34 @@ class Metrics:
 
     # ------------------------------------------------------------------ export
     def collect(self):
+        yield from self._cache_families()
+        yield from self._request_families()
+        yield from self._pool_families()
+        yield from self._segment_families()
+        yield from tier_families(self.stats, self.model_name)
+
+    def _cache_families(self):
         s, cache, m = self.stats, self.stats.cache, self.model_name
-
-        def counter(name: str, doc: str, value: float):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([m], value)
-            return c
-
-        def gauge(name: str, doc: str, value: float):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([m], value)
-            return g
-
         hit_rate, avg_match = self.window_hit_rate()
-        yield counter(
-            "radix_cache_query_tokens",
-            "Prompt tokens looked up in the radix cache",
-            cache.lookup_tokens,
-        )
-        yield counter(
-            "radix_cache_hit_tokens",
-            "Prompt tokens served from the radix cache",
-            cache.hit_tokens,
-        )
-        yield counter(
-            "radix_evicted_tokens",
-            "Tokens evicted from the radix cache",
-            cache.evicted_tokens,
-        )
-        yield counter(
-            "radix_retracted_requests",
-            "Requests preempted for lack of KV slots",
-            s.num_retractions,
-        )
-        yield counter("prompt_tokens", "Prompt tokens of admitted requests", self.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens", self.generation_tokens)
+        yield counter(m, "radix_cache_query_tokens", "Prompt tokens looked up in the radix cache",
+                      cache.lookup_tokens)  # fmt: skip
+        yield counter(m, "radix_cache_hit_tokens", "Prompt tokens served from the radix cache",
+                      cache.hit_tokens)  # fmt: skip
+        yield counter(m, "radix_evicted_tokens", "Tokens evicted from the radix cache",
+                      cache.evicted_tokens)  # fmt: skip
+        yield counter(m, "radix_retracted_requests", "Requests preempted for lack of KV slots",
+                      s.num_retractions)  # fmt: skip
+        window = f"over the last {WINDOW_SECONDS:.0f} s"
+        yield gauge(m, "radix_cache_hit_rate", f"Cache hit rate {window}", hit_rate)
+        yield gauge(m, "radix_avg_prefix_match_len",
+                    f"Average matched prefix per admitted request {window}", avg_match)  # fmt: skip
+        yield gauge(m, "radix_cache_cached_tokens", "Tokens held by the radix tree",
+                    s.cached_tokens)  # fmt: skip
+
+    def _request_families(self):
+        m = self.model_name
+        yield counter(m, "prompt_tokens", "Prompt tokens of admitted requests", self.prompt_tokens)
+        yield counter(m, "generation_tokens", "Generated tokens", self.generation_tokens)
         finished = CounterMetricFamily(
             "requests_finished",
             "Finished requests by reason",
@@ -145,43 +138,42 @@ class Metrics:
         for reason, n in sorted(self.rejected.items()):
             rejected.add_metric([m, reason], n)
         yield rejected
-        yield counter(
-            "engine_restarts",
-            "Times the engine process died and was started again",
-            self.engine_restarts(),
-        )
-        yield gauge(
-            "radix_cache_hit_rate", f"Cache hit rate over the last {WINDOW_SECONDS:.0f} s", hit_rate
-        )
-        yield gauge(
-            "radix_avg_prefix_match_len",
-            f"Average matched prefix per admitted request over the last {WINDOW_SECONDS:.0f} s",
-            avg_match,
-        )
-        yield gauge("radix_cache_cached_tokens", "Tokens held by the radix tree", s.cached_tokens)
-        yield gauge("kv_cache_usage_ratio", "Share of KV slots not obtainable now", s.kv_usage)
-        yield gauge("kv_cache_used_tokens", "KV slots in use (held or cached)", s.kv_used_tokens)
-        yield gauge("kv_cache_capacity_tokens", "KV pool size in slots", s.kv_capacity_tokens)
-        yield gauge(
-            "kv_cache_bytes_per_token",
-            "KV bytes per slot (all layers, K and V)",
-            self.info.kv_bytes_per_token,
-        )
-        yield gauge("num_running_reqs", "Requests in the running batch", s.num_running)
-        yield gauge("num_queue_reqs", "Requests waiting for admission", s.num_waiting)
-        seg = s.segments
-        yield counter("radix_segment_lookups", "RAG segments looked up", seg.lookups)
-        yield counter("radix_segment_hits", "RAG segments reused from the store", seg.hits)
-        yield counter("radix_segment_fills", "RAG segments computed and stored", seg.fills)
-        yield counter(
-            "radix_segment_reused_tokens", "Prompt tokens whose KV came from stored segments",
-            seg.reused_tokens,
-        )  # fmt: skip
-        yield counter(
-            "radix_segment_recomputed_tokens", "Reused segment tokens computed again",
-            seg.recomputed_tokens,
-        )  # fmt: skip
-        yield from tier_families(s, m)
+        yield counter(m, "engine_restarts", "Times the engine process died and was started again",
+                      self.engine_restarts())  # fmt: skip
+        yield gauge(m, "num_running_reqs", "Requests in the running batch", self.stats.num_running)
+        yield gauge(m, "num_queue_reqs", "Requests waiting for admission", self.stats.num_waiting)
+
+    def _pool_families(self):
+        s, m = self.stats, self.model_name
+        yield gauge(m, "kv_cache_usage_ratio", "Share of KV slots not obtainable now", s.kv_usage)
+        yield gauge(m, "kv_cache_used_tokens", "KV slots in use (held or cached)",
+                    s.kv_used_tokens)  # fmt: skip
+        yield gauge(m, "kv_cache_capacity_tokens", "KV pool size in slots", s.kv_capacity_tokens)
+        yield gauge(m, "kv_cache_bytes_per_token", "KV bytes per slot (all layers, K and V)",
+                    self.info.kv_bytes_per_token)  # fmt: skip
+
+    def _segment_families(self):
+        seg, m = self.stats.segments, self.model_name
+        yield counter(m, "radix_segment_lookups", "RAG segments looked up", seg.lookups)
+        yield counter(m, "radix_segment_hits", "RAG segments reused from the store", seg.hits)
+        yield counter(m, "radix_segment_fills", "RAG segments computed and stored", seg.fills)
+        yield counter(m, "radix_segment_reused_tokens",
+                      "Prompt tokens whose KV came from stored segments",
+                      seg.reused_tokens)  # fmt: skip
+        yield counter(m, "radix_segment_recomputed_tokens", "Reused segment tokens computed again",
+                      seg.recomputed_tokens)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def counter(model_name: str, name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c.add_metric([model_name], value)
+    return c
+
+
+def gauge(model_name: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+    g.add_metric([model_name], value)
+    return g

@@ -26,9 +26,9 @@ def usage(job: Job, num_prompts: int) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {
-            "cached_tokens": sum(t.cached_tokens for t in firsts),
-            "cached_tokens_by_tier": tier_sum(t.cached_by_tier() for t in firsts),
-            **{k: sum(t.segment_usage()[k] for t in firsts) for k in SEGMENT_USAGE},
+            "cached_tokens": sum(t.usage.cached_tokens for t in firsts),
+            "cached_tokens_by_tier": tier_sum(t.usage.cached_by_tier() for t in firsts),
+            **{k: sum(t.usage.segment_usage()[k] for t in firsts) for k in SEGMENT_USAGE},
         },
     }
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from radixserve.api.errors import ApiError
+from radixserve.api.protocol import PLACEHOLDER
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.errors import ApiError
 
 Ranges = list[tuple[int, int]]
 
@@ -58,6 +59,3 @@ def encode_chat_segments(
     for text, after in zip(reusable, cuts[1:], strict=True):
         pieces += [(tokenizer.encode(text, False), True), (tokenizer.encode(after, False), False)]
     return join_pieces(pieces)
-
-
-PLACEHOLDER = "\x00reusable\x00"  # where ChatMessage.text puts a reusable part's text

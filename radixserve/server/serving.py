@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from radixserve.api.config import ServerConfig
+from radixserve.api.errors import ApiError, internal_error, unavailable
 from radixserve.engine import SamplingParams
 from radixserve.engine.output import OutputTracker
+from radixserve.engine.spec import RequestSpec
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.config import ServerConfig
 from radixserve.server.engine_client import EngineClient, EngineDeadError
-from radixserve.server.errors import ApiError, internal_error, unavailable
 from radixserve.server.metrics import Metrics
 
 DISCONNECT_POLL_SECONDS = 0.2
@@ -110,11 +111,9 @@ class Serving:
         kind: str,
         prompts: list[list[int]],
         params: list[SamplingParams],
-        extra_key: str | None = None,
-        prefill_peer: str | None = None,
-        segments: list[tuple[int, int]] | None = None,
-        recompute_ratio: float | None = None,
+        spec: RequestSpec,
     ) -> tuple[Job, asyncio.Queue]:
+        """One engine request per prompt, each ``spec`` with its own id, prompt and params."""
         self.check_size(len(prompts))
         limit = self.client.info.max_model_len
         longest = max(map(len, prompts), default=0)
@@ -134,10 +133,7 @@ class Serving:
                 rid = f"{base}-{i}"
                 job.trackers.append(OutputTracker(rid, self.tokenizer, p))
                 job.request_ids.append(rid)
-                await self.client.add(
-                    rid, ids, p, queue, tag=i, extra_key=extra_key, prefill_peer=prefill_peer,
-                    segments=segments, recompute_ratio=recompute_ratio,
-                )  # fmt: skip
+                await self.client.add(spec.with_prompt(rid, ids, p), queue, tag=i)
         except ValueError as e:
             await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e
@@ -170,7 +166,7 @@ class Serving:
                 self.metrics.on_tokens(len(out.new_token_ids))
                 if tag not in last_token_at:
                     self.metrics.ttft.labels(self.metrics.model_name).observe(now - job.arrival)
-                    self.metrics.on_admitted(out.prompt_tokens, out.cached_tokens)
+                    self.metrics.on_admitted(out.usage.prompt_tokens, out.usage.cached_tokens)
                 else:
                     self.metrics.itl.labels(self.metrics.model_name).observe(
                         now - last_token_at[tag]

@@ -13,16 +13,11 @@ List options (``--kv-tokens``, ``--eviction``, ``--cache-threshold``, ``--instan
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import shlex
-import sys
-import time
-from pathlib import Path
-from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.config import SCHEDULE_POLICIES
+from radixserve.sim.cli_args import build_trace, check_plots, out_dir, run_meta
 
 EPILOG = """\
 traces (--trace):
@@ -45,14 +40,6 @@ examples:
       --eviction lru,lfu,slru,cost-aware,belady
   radixserve simulate fit --output my-cpu.json --server
 """
-
-
-def _split(text: str, cast=str) -> list:
-    return [cast(x.strip()) for x in str(text).split(",") if x.strip()]
-
-
-def _threshold(text: str) -> float | None:
-    return None if text.lower() in ("none", "off", "0") else float(text)
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
@@ -136,85 +123,6 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     return p
 
 
-def build_trace(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    from radixserve.sim import workloads as w
-    from radixserve.sim.trace import TraceError, load_mooncake
-
-    extra = _kv_pairs(args.trace_args)
-    kind, _, rest = args.trace.partition(":")
-    think = w.ThinkTime(args.think_time or 0.0, args.think_time_dist)
-    try:
-        if kind == "synthetic":
-            if args.think_time is not None:
-                extra["think_time"] = think
-            spec = w.SyntheticSpec(num_sessions=args.sessions or 1000, **extra)
-            trace = w.synthetic_trace(spec, args.seed)
-        elif kind == "mooncake" or args.trace.endswith(".jsonl"):
-            trace = load_mooncake(rest or args.trace, seed=args.seed, **extra)
-        elif kind in ("sharegpt", "bench"):
-            tokenizer = _tokenizer(args.model)
-            if kind == "sharegpt":
-                trace = w.sharegpt_trace(tokenizer, args.sessions or 200, args.max_turns,
-                                         args.max_message_tokens, w.ThinkTime(
-                                             30.0 if args.think_time is None else args.think_time,
-                                             args.think_time_dist),
-                                         args.dataset_path, args.seed, **extra)  # fmt: skip
-            else:
-                trace = w.bench_trace(tokenizer, rest, args.seed, think, **extra)
-        else:
-            parser.error(f"--trace: unknown {args.trace!r} (sharegpt, bench:NAME, synthetic, "
-                         "mooncake:PATH)")  # fmt: skip
-    except (TraceError, ValueError, TypeError) as e:
-        parser.error(f"--trace {args.trace}: {e}")
-    if args.max_requests:
-        trace = trace.head(args.max_requests)
-    return trace
-
-
-def _kv_pairs(text: str) -> dict[str, Any]:
-    pairs = {}
-    for item in _split(text):
-        key, _, value = item.partition("=")
-        pairs[key.strip()] = _parse_value(value.strip())
-    return pairs
-
-
-def _parse_value(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return None if text.lower() == "none" else text
-
-
-def _tokenizer(model: str | None):
-    from radixserve.model.loader import resolve_model_path
-    from radixserve.model.tokenizer import Tokenizer
-
-    return Tokenizer.from_model_path(resolve_model_path(model), eos_token_ids=[])
-
-
-def _meta(trace, **extra) -> dict[str, Any]:
-    return {"command": shlex.join(["radixserve", *sys.argv[1:]]),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "trace": {"name": trace.name, "sessions": len(trace.sessions),
-                      "requests": trace.num_requests, "params": trace.params}, **extra}  # fmt: skip
-
-
-def _out_dir(args) -> Path:
-    return Path(args.output_dir or f"sim_results/{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def _grid(parser, args) -> list[tuple[int, str, float | None]]:
-    try:
-        kv = _split(args.kv_tokens, int) if args.kv_tokens else []
-        thresholds = _split(args.cache_threshold, _threshold)
-    except ValueError as e:
-        parser.error(f"--kv-tokens / --cache-threshold: {e}")
-    return list(itertools.product(kv, _split(args.eviction), thresholds))
-
-
 def cmd_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from radixserve.sim.grid import simulate_grid
 
@@ -226,10 +134,11 @@ def cmd_replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     from radixserve.sim.replay_cli import replay_rows
     from radixserve.sim.report import write_report
 
+    check_plots(parser, args)
     trace = build_trace(parser, args)
     order = replay_order(trace, args.max_concurrency, args.session_rate, args.seed)
     rows = replay_rows(parser, args, trace, order)
-    out = write_report(_out_dir(args), "radixserve simulate replay", rows, _meta(trace),
+    out = write_report(out_dir(args), "radixserve simulate replay", rows, run_meta(trace),
                        not args.no_plots)  # fmt: skip
     print(json.dumps({"ok": True, **out, "rows": len(rows)}))
     return 0

@@ -146,7 +146,7 @@ def fit_engine(
         "model": engine.model_name,
         "device": engine.config.device,
         "dtype": str(engine.pool.shape.dtype).removeprefix("torch."),
-        "chunked_prefill_size": engine.config.chunked_prefill_size,
+        "chunked_prefill_size": engine.config.scheduler.chunked_prefill_size,
         "machine": platform.machine(),
         "processor": _cpu_name(),
         "threads": _threads(),

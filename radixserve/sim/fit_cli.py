@@ -73,7 +73,7 @@ def cmd_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.concurrency < 2:
         parser.error(f"--concurrency must be at least 2, got {args.concurrency}")
     try:
-        config = EngineConfig(
+        config = EngineConfig.from_options(
             model=args.model, dtype=args.dtype, device=args.device,
             max_total_tokens=args.max_total_tokens, load_progress=False,
         )  # fmt: skip

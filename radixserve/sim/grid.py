@@ -16,7 +16,15 @@ import json
 import sys
 
 from radixserve.config import EngineConfig
-from radixserve.sim.cli import _grid, _kv_pairs, _meta, _out_dir, _split, build_trace
+from radixserve.sim.cli_args import (
+    build_trace,
+    cache_grid,
+    check_plots,
+    kv_pairs,
+    out_dir,
+    run_meta,
+    split_list,
+)
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
 from radixserve.sim.report import write_report
@@ -25,23 +33,24 @@ from radixserve.sim.timing import TimingModel
 
 
 def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_plots(parser, args)
     try:
-        instances = _split(args.instances, int)
+        instances = split_list(args.instances, int)
     except ValueError as e:
         parser.error(f"--instances: {e}")
     configs = []  # every configuration is validated before anything runs
     for (kv, policy, threshold), n, routing in itertools.product(
-        _grid(parser, args), instances, _split(args.routing)
+        cache_grid(parser, args), instances, split_list(args.routing)
     ):
         try:
-            engine = EngineConfig(
+            engine = EngineConfig.from_options(
                 max_total_tokens=kv, page_size=args.page_size, eviction_policy=policy,
                 cache_threshold=threshold, schedule_policy=args.schedule_policy,
                 chunked_prefill_size=args.chunked_prefill_size,
                 max_running_requests=args.max_running_requests, load_progress=False,
             )  # fmt: skip
             route = RoutingConfig(routing, args.event_delay, args.event_loss, args.seed,
-                                  _kv_pairs(args.router_args))  # fmt: skip
+                                  kv_pairs(args.router_args))  # fmt: skip
             configs.append(SimConfig(engine, n, route, args.max_concurrency, args.session_rate,
                                      args.seed))  # fmt: skip
         except ValueError as e:
@@ -74,8 +83,8 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
               f"TTFT p50 {row['ttft_p50_s']:.3f} s ({row['wall_s']:.1f} s)",
               file=sys.stderr)  # fmt: skip
         rows.append(row)
-    meta = _meta(trace, timing=timing.__dict__)
-    out = write_report(_out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
+    meta = run_meta(trace, timing=timing.__dict__)
+    out = write_report(out_dir(args), "radixserve simulate", rows, meta, not args.no_plots)
     print(json.dumps({"ok": True, **out, "rows": len(rows)}))
     return 0
 
@@ -98,8 +107,8 @@ def flag_names(message: str) -> str:
 def pooled(config: SimConfig) -> SimConfig:
     """One instance holding what ``config``'s N instances hold, N times as fast."""
     n, e = config.instances, config.engine
-    engine = dataclasses.replace(e, max_total_tokens=n * e.max_total_tokens,
-                                 max_running_requests=n * e.max_running_requests)  # fmt: skip
+    engine = e.replace(max_total_tokens=n * e.cache.max_total_tokens,
+                       max_running_requests=n * e.scheduler.max_running_requests)  # fmt: skip
     return dataclasses.replace(config, engine=engine, instances=1, pooled=n,
                                routing=RoutingConfig(seed=config.seed))  # fmt: skip
 

@@ -1,49 +1,63 @@
-"""One simulated engine: the real tree, ledger and scheduler; a timing model for the model.
+"""One simulated engine: the engine's own core with a timing model instead of the model.
 
-``SimInstance`` builds what ``Engine`` builds (``PagedAllocator``, ``RadixCache`` with the
-configured eviction policy, ``RequestKV``, ``Scheduler``) with no KV tensors and no model, and
-does per step what ``Engine.step`` does around the forward pass: schedule, commit what the
-step computed, publish finished prefill chunks to the tree, append one token per sampled
-request, finish requests at their output length. The tokens appended are the trace's, so the
-tree caches exactly what a real run would.
+``SimInstance`` builds the tree, the ledger and an ``EngineCore`` as ``Engine`` does, with
+no KV tensors and no model; its executor (``TimingExecutor``) computes nothing: a step's
+duration comes from the fitted timing model, and the token each request draws is the
+trace's next output token, so the tree caches exactly what a real run would. Scheduling,
+committing, publishing, stopping and finishing are the core's, the same code the server runs.
 
 Pure-decode runs. When nobody waits and every running request is decoding, ``schedule()``
 does the same thing step after step: one slot per request, a decay of the output
 reservation ratio. Such a run of ``k`` steps (``k`` up to the first finish, and no more than
-the memory obtainable now) is simulated in one go, its step times summed in closed form; a
-request routed here mid-run cuts it at the step boundary after its arrival, where the real
-engine would admit it. This keeps 1,000 instances x 100,000 requests within minutes.
+the memory obtainable now, ``EngineCore.decode_run_length``) is applied in one go
+(``EngineCore.advance_decodes``), its step times summed in closed form; a request routed
+here mid-run cuts it at the step boundary after its arrival, where the real engine would
+admit it. This keeps 1,000 instances x 100,000 requests within minutes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from radixserve.cache import KVEventQueue, NullCache, PagedAllocator, RadixCache
 from radixserve.config import EngineConfig
-from radixserve.engine import scheduler as sched
+from radixserve.engine.core import EngineCore, Limits, StepOutput, StepResult
 from radixserve.engine.kv_manager import RequestKV
-from radixserve.engine.request import Request, RequestStatus
+from radixserve.engine.request import Request, Usage
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.scheduler import Step
+from radixserve.engine.spec import RequestSpec
 from radixserve.sim.timing import TimingModel, step_features
 
-PARAMS = SamplingParams(temperature=0.0)
+NO_CONTEXT_LIMIT = 2**62  # a simulated instance is bounded by its pool alone
 
 
-class SimRequest(Request):
-    """A request whose output tokens are known: ``output`` is appended token by token."""
+class TimingExecutor:
+    """The simulator's executor: a step takes the timing model's time, and each request
+    draws the next token of its known output."""
 
-    def __init__(self, request_id: str, prompt: np.ndarray, output: np.ndarray, extra_key, arrival):
-        super().__init__(request_id, prompt, PARAMS, max(len(output), 1), 0, extra_key, arrival)
-        self.output = output if len(output) else np.zeros(1, np.int32)
-        self.tag = None  # whatever the event loop attaches (its own record)
+    def __init__(self, timing: TimingModel):
+        self.timing = timing
+        self.outputs: dict[str, np.ndarray] = {}  # request id -> the output it will draw
 
-    def append_outputs(self, n: int) -> None:
-        k = self.num_output
-        self._ids[self.num_tokens : self.num_tokens + n] = self.output[k : k + n]
-        self.num_tokens += n
+    def duration(self, step: Step) -> float:
+        feats = step_features(
+            [(n, r.num_computed) for r, n in step.prefills], [r.num_computed for r in step.decodes]
+        )
+        return float(feats @ self.timing.coefficients())
+
+    def run(self, step: Step) -> StepResult:
+        return StepResult([(r, (int(self.next_tokens(r, 1)[0]), None)) for r in step.sampling()])
+
+    def next_tokens(self, req: Request, k: int) -> np.ndarray:
+        k0 = req.num_output
+        return self.outputs[req.request_id][k0 : k0 + k]
+
+    def forget(self, request_id: str) -> None:
+        del self.outputs[request_id]
 
 
 class SimInstance:
@@ -72,11 +86,14 @@ class SimInstance:
                 self.allocator, policy, self.events, cache_threshold=config.cache_threshold
             )
         self.kv = RequestKV(self.cache, self.allocator)
-        self.scheduler = sched.Scheduler(config, self.kv)
-        self._arrivals = 0
+        self.core = EngineCore(config, self.kv, Limits(NO_CONTEXT_LIMIT))
+        self.scheduler = self.core.scheduler
+        self.executor = TimingExecutor(timing)
+        self._params: dict[int, SamplingParams] = {}  # by output length
+        self._tags: dict[str, Any] = {}
         self.busy = False
         self.version = 0  # bumps when a planned step end moves (a cut run)
-        self._step: sched.Step | None = None
+        self._step: Step | None = None
         self._run: tuple[float, np.ndarray, int] | None = None  # (start, step ends, steps)
         self.busy_time = 0.0
         self.steps = 0
@@ -89,10 +106,20 @@ class SimInstance:
         pages = -(-(prompt_len + max(output_len, 1)) // self.allocator.page_size)
         return pages <= self.allocator.num_pages
 
-    def add(self, req: SimRequest) -> None:
-        req.arrival = self._arrivals
-        self._arrivals += 1
-        self.scheduler.add(req)
+    def add(
+        self, request_id: str, prompt: np.ndarray, output: np.ndarray, namespace, tag: Any
+    ) -> None:
+        """Queue a request whose output is known; ``tag`` comes back when it progresses."""
+        if not len(output):
+            output = np.zeros(1, np.int32)
+        params = self._params.get(len(output))
+        if params is None:
+            params = SamplingParams(max_tokens=len(output), temperature=0.0, seed=0)
+            self._params[len(output)] = params
+        self.executor.outputs[request_id] = output
+        self._tags[request_id] = tag
+        self.core.add(RequestSpec(request_id=request_id, prompt_ids=prompt, params=params,
+                                  namespace=namespace))  # fmt: skip
 
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -100,32 +127,22 @@ class SimInstance:
     # ------------------------------------------------------------------ steps
     def start_step(self, now: float) -> float | None:
         """Plan the next step (or pure-decode run); return when it ends, None if idle."""
-        s = self.scheduler
         self._step, self._run = None, None
-        if (
-            self.decode_runs
-            and not s.waiting
-            and s.running
-            and all(r.is_decoding and r.num_output for r in s.running)
-        ):  # (a request with no output yet times its first token: one step alone)
-            batch = len(s.running)
-            k = min(r.remaining_output for r in s.running)
-            # each request may need one page more than its k slots
-            k = min(k, (self.kv.available() - batch * self.allocator.page_size) // batch)
+        if self.decode_runs:
+            # (a request with no output yet times its first token: one step alone)
+            k = self.core.decode_run_length(2**62)
             if k >= 2:
-                ctx = sum(r.num_computed for r in s.running)
-                ends = self.timing.decode_run(len(s.running), ctx, k)
+                running = self.scheduler.running
+                ctx = sum(r.num_computed for r in running)
+                ends = self.timing.decode_run(len(running), ctx, k)
                 self._run = (now, ends, k)
                 return self._begin(now, float(ends[-1]))
-        step = s.schedule()
+        step = self.core.schedule()
         if step.empty:
             self.busy = False
             return None
         self._step = step
-        feats = step_features(
-            [(n, r.num_computed) for r, n in step.prefills], [r.num_computed for r in step.decodes]
-        )
-        return self._begin(now, float(feats @ self.timing.coefficients()))
+        return self._begin(now, self.executor.duration(step))
 
     def _begin(self, now: float, duration: float) -> float:
         self.busy = True
@@ -147,51 +164,32 @@ class SimInstance:
         self.version += 1
         return start + float(ends[j - 1])
 
-    def end_step(self) -> tuple[list[SimRequest], list[SimRequest]]:
-        """Apply the planned step; return (requests that got their first token, finished)."""
+    def end_step(self) -> tuple[list[Any], list[tuple[Any, Usage]]]:
+        """Apply the planned step; return the tags of the requests that got their first
+        token, and the tags and usage of those that finished."""
         self.steps += 1
         if self._run is not None:
-            return self._end_run()
-        step, kv = self._step, self.kv
-        assert step is not None
-        sampled = list(step.decodes)
-        for r in step.decodes:
-            kv.commit(r, 1)
-        for r, n in step.prefills:
-            kv.commit(r, n)
-            kv.publish(r)
-            self.prefill_tokens += n
-            if r.num_computed == r.num_tokens:
-                sampled.append(r)
-        self.decode_tokens += len(step.decodes)
-        return self._emit(sampled, 1)
+            _, _, k = self._run
+            self.decode_tokens += k * len(self.scheduler.running)
+            first = []
+            outputs = self.core.advance_decodes(k, self.executor.next_tokens)
+        else:
+            step = self._step
+            self.prefill_tokens += sum(n for _, n in step.prefills)
+            self.decode_tokens += len(step.decodes)
+            result = self.executor.run(step)
+            first = [self._tags[r.request_id] for r, _ in result.sampled if r.num_output == 0]
+            outputs = self.core.postprocess(step, result)
+        return first, self._finished(outputs)
 
-    def _end_run(self) -> tuple[list[SimRequest], list[SimRequest]]:
-        _, _, k = self._run
-        s, kv = self.scheduler, self.kv
-        running = list(s.running)
-        for r in running:
-            if not kv.extend(r, k):  # cannot happen: k was bounded by what was obtainable
-                raise RuntimeError(f"{r!r}: a planned decode run found no memory")
-            kv.commit(r, k)
-        s.new_token_ratio = max(
-            sched.MIN_NEW_TOKEN_RATIO, s.new_token_ratio - k * sched.NEW_TOKEN_RATIO_DECAY
-        )
-        self.decode_tokens += k * len(running)
-        return self._emit(running, k)
-
-    def _emit(self, sampled: list, k: int) -> tuple[list[SimRequest], list[SimRequest]]:
-        first, finished = [], []
-        for r in sampled:
-            if r.num_output == 0:
-                first.append(r)
-            r.append_outputs(k)
-            if r.num_output >= r.max_tokens:
-                self.scheduler.finish(r, "length")
-                finished.append(r)
+    def _finished(self, outputs: list[StepOutput]) -> list[tuple[Any, Usage]]:
+        done = []
+        for out in outputs:
+            if out.finished:
+                self.executor.forget(out.request_id)
+                done.append((self._tags.pop(out.request_id), out.usage))
                 self.served += 1
-        return first, finished
+        return done
 
     def check_integrity(self) -> None:
-        running = [r for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
-        self.kv.check_integrity(running)
+        self.core.check_integrity()

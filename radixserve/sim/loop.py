@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from radixserve.config import EngineConfig
-from radixserve.sim.instance import SimInstance, SimRequest
+from radixserve.sim.instance import SimInstance
 from radixserve.sim.routing import RoutingConfig, SimRouter
 from radixserve.sim.timing import TimingModel
 from radixserve.sim.trace import Trace
@@ -58,8 +58,8 @@ class SimConfig:
             raise ValueError(f"instances must be a positive integer, got {self.instances!r}")
         if self.pooled > 1 and self.instances != 1:
             raise ValueError("a pooled configuration is one instance")
-        if self.engine.max_total_tokens is None:
-            raise ValueError("engine.max_total_tokens (the KV pool per instance) is required")
+        if self.engine.cache.max_total_tokens is None:
+            raise ValueError("max_total_tokens (the KV pool per instance) is required")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.session_rate is not None and not self.session_rate > 0:
@@ -180,13 +180,12 @@ class Simulation:
             self.failed += 1
             self._session_done(t, session_index)
             return
-        i, ticket = self.router.route(turn.prompt, session.extra_key, session.id, t)
+        i, ticket = self.router.route(turn.prompt, session.namespace, session.id, t)
         inst = self.instances[i]
         outside = self.timing.outside_time(len(turn.prompt), inst.load() / self.config.pooled)
         row = self.records.add(t, len(turn.prompt), len(turn.output), i, k, session_index, outside)
-        req = SimRequest(str(row), turn.prompt, turn.output, session.extra_key, 0)
-        req.tag = (row, session_index, k, ticket)
-        inst.add(req)
+        tag = (row, session_index, k, ticket)
+        inst.add(str(row), turn.prompt, turn.output, session.namespace, tag)
         if not inst.busy:
             inst.busy = True  # until the kick: later arrivals of this instant just queue
             self._push(t, KICK, inst.index)
@@ -211,14 +210,13 @@ class Simulation:
                     self.router.apply_events(inst.index, batch)
                 else:
                     self._push(t + delay, EVENTS, (inst.index, batch))
-        for r in first:
-            rec.first_token[r.tag[0]] = t
-            self.router.first_token(r.tag[3], t)
-        for r in finished:
-            row, si, k, ticket = r.tag
+        for tag in first:
+            rec.first_token[tag[0]] = t
+            self.router.first_token(tag[3], t)
+        for (row, si, k, ticket), usage in finished:
             rec.finish[row] = t
-            rec.cached[row] = r.cached_tokens
-            self.router.finish(ticket, r.cached_tokens, t)
+            rec.cached[row] = usage.cached_tokens
+            self.router.finish(ticket, usage.cached_tokens, t)
             turns = self.trace.sessions[si].turns
             if k + 1 < len(turns):
                 self._push(t + overhead + turns[k + 1].think_time, ARRIVE, (si, k + 1))

@@ -76,21 +76,6 @@ def summarize(result: SimResult) -> dict[str, Any]:
     }
 
 
-def per_instance(result: SimResult) -> list[dict[str, Any]]:
-    return [
-        {
-            "instance": inst.index,
-            "requests": inst.served,
-            "busy_s": inst.busy_time,
-            "prefill_tokens": inst.prefill_tokens,
-            "decode_tokens": inst.decode_tokens,
-            "cached_tokens_at_end": inst.cache.total_size(),
-            "evicted_tokens": inst.cache.stats.evicted_tokens,
-        }
-        for inst in result.instances
-    ]
-
-
 def finite(x: Any) -> Any:
     """JSON has no NaN or infinity: None instead."""
     if isinstance(x, float) and not math.isfinite(x):

@@ -28,11 +28,14 @@ import numpy as np
 
 from radixserve.cache import PagedAllocator, RadixCache
 from radixserve.engine.kv_manager import RequestKV
-from radixserve.sim.instance import SimRequest
+from radixserve.engine.request import Request
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.spec import RequestSpec
 from radixserve.sim.oracle import BeladyPolicy, FutureUses
 from radixserve.sim.trace import Session, Trace, Turn
 
 Order = list[tuple[Session, Turn]]
+_GREEDY = SamplingParams(temperature=0.0, seed=0)
 OFFLINE_POLICIES = ("belady", "unbounded")
 
 
@@ -87,9 +90,6 @@ class ReplayResult:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "hit_rate": self.hit_rate}
-
 
 def computed(turn: Turn) -> np.ndarray:
     """What a finished request leaves in the tree: prompt and output but the last token."""
@@ -131,7 +131,7 @@ def replay(
         evict: Any = "lru"
     elif policy == "belady":
         future = future or FutureUses(
-            [(t.prompt, computed(t), s.extra_key) for s, t in order], page_size
+            [(t.prompt, computed(t), s.namespace) for s, t in order], page_size
         )
         evict = BeladyPolicy(future)
     else:
@@ -141,7 +141,7 @@ def replay(
     kv = RequestKV(cache, alloc)
     failed = prompt_tokens = cached = 0
     for j, (s, turn) in enumerate(order):
-        req = SimRequest(str(j), turn.prompt, turn.output, s.extra_key, j)
+        req = _known_request(str(j), turn, s.namespace)
         prompt_tokens += req.prompt_len
         need = -(-(req.prompt_len + req.max_tokens) // page_size)
         match = kv.match(req)
@@ -152,13 +152,20 @@ def replay(
             kv.release(req)
             failed += 1
             continue
-        cached += req.cached_tokens
+        cached += req.usage.cached_tokens
         kv.commit(req, n)
-        req.append_outputs(req.max_tokens)
+        req.append_tokens(turn.output if len(turn.output) else np.zeros(1, np.int32))
         kv.release(req)
     return ReplayResult(cache.eviction_policy if policy not in OFFLINE_POLICIES else policy,
                         kv_tokens, page_size, len(order), failed, prompt_tokens, cached,
                         cache.stats.evicted_tokens, cache.total_size())  # fmt: skip
+
+
+def _known_request(request_id: str, turn: Turn, namespace: str | None) -> Request:
+    """A request whose output is the turn's (at least one token)."""
+    spec = RequestSpec(request_id=request_id, prompt_ids=turn.prompt, params=_GREEDY,
+                       namespace=namespace)  # fmt: skip
+    return Request(spec, max(len(turn.output), 1), 0)
 
 
 LLAMACPP_SLOT_SIMILARITY = 0.1  # llama-server's --slot-prompt-similarity default

@@ -20,6 +20,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.sim.cli_args import parse_threshold, split_list
 from radixserve.sim.oracle import FutureUses
 from radixserve.sim.replay import Order, computed, peak_live_tokens, replay, slot_replay
 
@@ -27,7 +28,7 @@ DESIGNS = {"tree": 1, "blocks": 16, "slots": 1}  # design: page size
 
 
 def _future(order: Order, page_size: int) -> FutureUses:
-    return FutureUses([(t.prompt, computed(t), s.extra_key) for s, t in order], page_size)
+    return FutureUses([(t.prompt, computed(t), s.namespace) for s, t in order], page_size)
 
 
 def min_pool(hit_rate: Callable[[int], float], target: float, lo: int, hi: int) -> int | None:
@@ -47,21 +48,19 @@ def min_pool(hit_rate: Callable[[int], float], target: float, lo: int, hi: int) 
 def replay_rows(
     parser: argparse.ArgumentParser, args: argparse.Namespace, trace: Any, order: Order
 ) -> list[dict[str, Any]]:
-    from radixserve.sim.cli import _split, _threshold
-
-    designs = _split(args.design)
+    designs = split_list(args.design)
     for d in designs:
         if d not in DESIGNS:
             parser.error(f"--design: unknown {d!r}; choose from {', '.join(DESIGNS)}")
-    policies = _split(args.eviction)
-    thresholds = _split(args.cache_threshold, _threshold)
+    policies = split_list(args.eviction)
+    thresholds = split_list(args.cache_threshold, parse_threshold)
     ceiling = replay(order, 0, "unbounded")
     working_set, live = ceiling.tree_tokens, peak_live_tokens(order)
     if args.kv_fraction:
         whole = live if args.working_set == "live" else working_set
-        pools = [max(1, int(float(f) * whole)) for f in _split(args.kv_fraction)]
+        pools = [max(1, int(float(f) * whole)) for f in split_list(args.kv_fraction)]
     else:
-        pools = _split(args.kv_tokens, int)
+        pools = split_list(args.kv_tokens, int)
     longest = trace.max_sequence()
     base = {"trace": trace.name, "working_set_tokens": working_set,
             "live_working_set_tokens": live, "unbounded_hit_rate": ceiling.hit_rate}  # fmt: skip

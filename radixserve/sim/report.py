@@ -6,7 +6,8 @@ command, the trace, the timing model, every row), ``report.md`` (the rows as a t
 where the grid varies it, one plot per x axis: hit rate against KV tokens (one curve per
 eviction policy or design) and hit rate against instance count (one curve per routing
 policy). Curves are grouped by every other column that varies, so no two settings share one.
-Figures are drawn on ``matplotlib.figure.Figure`` (no pyplot state, no display).
+Figures are drawn on ``matplotlib.figure.Figure`` (no pyplot state, no display); matplotlib is
+the ``plot`` extra, imported only when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
-
-from matplotlib.figure import Figure
-from matplotlib.ticker import ScalarFormatter
 
 from radixserve.sim.metrics import finite
 
@@ -58,6 +56,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], x: str, path: Path, label: str, log_x: bool) -> Path:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import ScalarFormatter
+
     series_cols = [c for c in varying(rows, SETTINGS) if c != x]
     curves: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:

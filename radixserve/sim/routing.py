@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.cache.base import Namespace
 from radixserve.kvevents.hashing import chain_block_hashes
 from radixserve.router.policy import Policy, PolicyConfig, RouteRequest, make_policy
 
@@ -99,15 +100,15 @@ class SimRouter:
         self.events_lost = 0
         self.events_applied = 0
 
-    def route(self, prompt, extra_key: Any, session_id: str, now: float) -> tuple[int, int]:
+    def route(self, prompt, namespace: Namespace, session_id: str, now: float) -> tuple[int, int]:
         """(instance index, ticket)."""
         if len(self._names) == 1:
             return 0, -1
-        hashes = self._block_hashes(prompt, extra_key, session_id) if self._needs_hashes else []
+        hashes = self._block_hashes(prompt, namespace, session_id) if self._needs_hashes else []
         route = self.policy.route(RouteRequest(hashes, len(prompt), session_id), now)
         return int(route.worker), route.ticket
 
-    def _block_hashes(self, prompt: np.ndarray, extra_key: Any, session_id: str) -> list[int]:
+    def _block_hashes(self, prompt: np.ndarray, namespace: Namespace, session_id: str) -> list[int]:
         """The prompt's chained block hashes. A chat's next prompt extends the previous one,
         so the session's hashes are extended (after checking the prefix is unchanged), not
         recomputed: the same values, in time linear in the conversation."""
@@ -118,7 +119,7 @@ class SimRouter:
             k, hashes = 0, []
         if blocks > k:
             parent = hashes[-1] if hashes else None
-            hashes = hashes + chain_block_hashes(parent, prompt[k * b : blocks * b], b, extra_key)
+            hashes = hashes + chain_block_hashes(parent, prompt[k * b : blocks * b], b, namespace)
         self._session_hashes[session_id] = (prompt, hashes)
         return hashes[:blocks]
 

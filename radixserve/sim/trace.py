@@ -47,7 +47,7 @@ class Session:
     id: str
     turns: list[Turn]
     arrival: float | None = None
-    extra_key: Any = None
+    namespace: str | None = None  # the tenant's cache namespace
 
 
 @dataclass
@@ -80,21 +80,6 @@ class Trace:
             kept.append(s)
             n += len(s.turns)
         return Trace(self.name, kept, {**self.params, "num_requests": n})
-
-
-def session_from_chat(
-    session_id: str,
-    tokens: np.ndarray,
-    turns: list[tuple[int, int, int]],
-    think_times: list[float],
-    arrival: float | None = None,
-) -> Session:
-    """A session over one conversation buffer; ``turns`` are (prompt end, output start, output
-    end) offsets into ``tokens``."""
-    out = []
-    for (p_end, o_start, o_end), think in zip(turns, think_times, strict=True):
-        out.append(Turn(tokens[:p_end], tokens[o_start:o_end], think))
-    return Session(session_id, out, arrival)
 
 
 def block_tokens(hash_id: int, block_size: int, salt: int = 0) -> np.ndarray:

@@ -86,15 +86,18 @@ torch::Tensor paged_values(torch::Tensor probs, torch::Tensor v, torch::Tensor c
   return out;
 }
 
-// A weight matrix in one of the formats of kernels.h; keeps its tensors alive.
+// A weight matrix in one of the formats of kernels.h; keeps its tensors alive. A Stack's
+// pieces are QWeights too; their views live in one shared vector that copies keep pointing at.
 struct QWeight {
   WeightView view;
   torch::Tensor qs, d, m;
+  std::vector<QWeight> parts;
+  std::shared_ptr<std::vector<WeightView>> part_views;
 
   QWeight(int64_t fmt, int64_t n, int64_t k, torch::Tensor qs_, std::optional<torch::Tensor> d_,
           std::optional<torch::Tensor> m_)
       : qs(std::move(qs_)) {
-    TORCH_CHECK(fmt >= 0 && fmt <= 2, "unknown weight format ", fmt);
+    TORCH_CHECK(fmt >= 0 && fmt < static_cast<int64_t>(WFormat::Stack), "unknown weight format ", fmt);
     TORCH_CHECK(k % kBlock == 0 && n > 0, "weights need K a multiple of 32, got ", k);
     view.fmt = static_cast<WFormat>(fmt);
     view.n = n;
@@ -103,6 +106,11 @@ struct QWeight {
     const int64_t nb = n * (k / kBlock);
     if (view.fmt == WFormat::F32) {
       TORCH_CHECK(qs.scalar_type() == torch::kFloat32 && qs.numel() == n * k, "F32: float [N, K]");
+    } else if (const int64_t inputs = block_inputs(view.fmt)) {
+      TORCH_CHECK(k % inputs == 0, "this format needs K a multiple of ", inputs, ", got ", k);
+      view.row_bytes = k / inputs * block_bytes(view.fmt);
+      TORCH_CHECK(qs.element_size() == 1 && qs.numel() == n * view.row_bytes,
+                  "GGUF blocks: uint8 [N, ", view.row_bytes, "]");
     } else {
       const int64_t bytes = view.fmt == WFormat::Q8_0 ? n * k : n * k / 2;
       TORCH_CHECK(qs.element_size() == 1 && qs.numel() == bytes, "quantized data has wrong size");
@@ -121,6 +129,28 @@ struct QWeight {
     }
     view.qs = qs.data_ptr();
   }
+
+  // The rows of `pieces` one after another (all quantized, one K).
+  static QWeight stack(std::vector<QWeight> pieces) {
+    TORCH_CHECK(!pieces.empty(), "a stack needs pieces");
+    QWeight w;
+    w.view.fmt = WFormat::Stack;
+    w.view.k = pieces[0].view.k;
+    w.part_views = std::make_shared<std::vector<WeightView>>();
+    for (const auto& p : pieces) {
+      TORCH_CHECK(p.view.fmt != WFormat::F32 && p.view.fmt != WFormat::Stack && p.view.k == w.view.k,
+                  "stack pieces: quantized, not stacks, one K");
+      w.view.n += p.view.n;
+      w.part_views->push_back(p.view);
+    }
+    w.parts = std::move(pieces);
+    w.view.parts = w.part_views->data();
+    w.view.num_parts = static_cast<int64_t>(w.part_views->size());
+    return w;
+  }
+
+ private:
+  QWeight() = default;
 };
 
 torch::Tensor qgemm_op(torch::Tensor x, const QWeight& w, std::optional<torch::Tensor> out) {
@@ -134,6 +164,14 @@ torch::Tensor qgemm_op(torch::Tensor x, const QWeight& w, std::optional<torch::T
               "out must be contiguous float32 [M, N]");
   qgemm(x.data_ptr<float>(), x.size(0), w.view, y.data_ptr<float>(), accumulate);
   return y;
+}
+
+// The plain C++ dequantization of a GGUF block format, whatever the build (for the tests).
+torch::Tensor dequantize_reference_op(const QWeight& w) {
+  TORCH_CHECK(block_inputs(w.view.fmt) > 0, "a GGUF block format only");
+  auto out = torch::empty({w.view.n, w.view.k}, torch::kFloat32);
+  for (int64_t r = 0; r < w.view.n; ++r) dequant_gguf_row(w.view, r, out.data_ptr<float>() + r * w.view.k, true);
+  return out;
 }
 
 torch::Tensor dequantize_op(const QWeight& w, std::optional<torch::Tensor> rows) {
@@ -360,7 +398,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_values", &rs::paged_values, "probs . V over paged slots", nogil());
   py::class_<rs::QWeight>(m, "QWeight")
       .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, std::optional<torch::Tensor>,
-                    std::optional<torch::Tensor>>());
+                    std::optional<torch::Tensor>>())
+      .def_static("stack", &rs::QWeight::stack, "the rows of several weights, one after another")
+      .def_property_readonly("shape", [](const rs::QWeight& w) { return std::make_pair(w.view.n, w.view.k); });
+  m.def("dequantize_reference", &rs::dequantize_reference_op, "a GGUF block format's plain C++ dequantization",
+        nogil());
   m.def("qgemm", &rs::qgemm_op, "x @ W^T (added into out, when given)", py::arg("x"), py::arg("w"),
         py::arg("out") = py::none(), nogil());
   m.def("dequantize", &rs::dequantize_op, "W (or some of its rows) as float32", py::arg("w"),

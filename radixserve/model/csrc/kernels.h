@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,13 +22,22 @@
 
 namespace rs {
 
-// Block-quantized weights, one block of 32 consecutive inputs per scale:
+// Block-quantized weights. Two formats hold codes and float scales apart, one block of 32
+// consecutive inputs per scale:
 //   Q8_0: w = d * q, q int8                 (qs: int8 [N, K], d: [N, K/32])
 //   Q4_1: w = d * q + m, q in 0..15         (qs: uint8 [N, K/2], d, m: [N, K/32]); in each
 //         block's 16 bytes, byte j holds input j (low nibble) and input j + 16 (high nibble),
 //         GGUF's own layout
+// The others are GGUF block formats kept as the file's bytes (qs: uint8 [N, row_bytes], each
+// row its blocks back to back; d, m unused; block_formats.cpp has their layouts):
+//   Q5_0, Q5_1 (32 inputs a block), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256 a block)
 //   F32:  dense float [N, K]
-enum class WFormat : int { F32 = 0, Q8_0 = 1, Q4_1 = 2 };
+//   Stack: the rows of `parts` one after another (a fused QKV or gate/up matrix whose pieces
+//          come in different formats, or in GGUF bytes that are not copied to be joined)
+enum class WFormat : int {
+  F32 = 0, Q8_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q2_K = 5, Q3_K = 6, Q4_K = 7, Q5_K = 8,
+  Q6_K = 9, Stack = 10
+};
 constexpr int64_t kBlock = 32;
 
 struct WeightView {
@@ -36,7 +46,45 @@ struct WeightView {
   const void* qs = nullptr;
   const float* d = nullptr;
   const float* m = nullptr;
+  int64_t row_bytes = 0;                // GGUF block formats: bytes of one row
+  const WeightView* parts = nullptr;    // Stack: the pieces, top to bottom
+  int64_t num_parts = 0;
 };
+
+// Calls fn(piece, row in piece, row in w) for rows [begin, end) of w (a Stack's pieces).
+template <typename Fn>
+inline void for_rows(const WeightView& w, int64_t begin, int64_t end, Fn&& fn) {
+  if (w.fmt != WFormat::Stack) {
+    for (int64_t n = begin; n < end; ++n) fn(w, n, n);
+    return;
+  }
+  int64_t off = 0;
+  for (int64_t p = 0; p < w.num_parts; off += w.parts[p].n, ++p) {
+    const int64_t lo = std::max(begin, off), hi = std::min(end, off + w.parts[p].n);
+    for (int64_t n = lo; n < hi; ++n) fn(w.parts[p], n - off, n);
+  }
+}
+
+// GGUF block formats (block_formats.cpp): inputs and bytes of one block, 0 for others.
+int64_t block_inputs(WFormat f);
+int64_t block_bytes(WFormat f);
+// One row of a GGUF-block-format W as floats (vector code where the CPU has it, unless
+// reference: the plain C++ twin, kept for the tests).
+void dequant_gguf_row(const WeightView& w, int64_t row, float* out, bool reference = false);
+// The largest row count of x the integer dot products serve for W (0: none; quant_gemm.cpp).
+int64_t integer_rows(const WeightView& w);
+
+// x's rows rounded per block of 32 for the integer dot products: q = round(x / d) with
+// d = max|x| / 32767 (int16), and the exact float sum of each block.
+struct XBlocks {
+  const int16_t* q;
+  const float* d;
+  const float* sum;
+};
+// y[i * ldy] (+)= x row i . W row `row`, for the M rows of x, W in a GGUF block format with
+// integer dot products (integer_rows > 0); AVX2 builds only.
+void gguf_row_dot(const XBlocks& x, int64_t M, const WeightView& w, int64_t row, float* y,
+                  int64_t ldy, bool accumulate);
 
 // y[M, N] = x[M, K] @ W^T, or y += that when accumulate; x, y row-major and contiguous.
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);

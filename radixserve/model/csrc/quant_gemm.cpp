@@ -157,15 +157,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
   }
 }
 
-// x's rows as quantize_rows left them, as plain pointers: read in the innermost loops, where
-// going through the thread-local QuantizedRows would cost a TLS lookup each time (in a
-// shared library).
-struct XBlocks {
-  const int16_t* q;
-  const float* d;
-  const float* sum;
-};
-
 // One block of one row of W against MR rows of x: the weight codes widened to int16 once,
 // then per row two madds (32 multiply-adds into 8 int32 sums), scaled by both blocks' scales.
 // Q4_1's minimum is added later as m * sum(x) with the exact float sums.
@@ -196,7 +187,7 @@ inline void block_dot(const uint8_t* wq_ptr, const float* dw_ptr, const XBlocks&
 // One row of W against MR rows of x. Blocks go in pairs with two accumulators per row, so
 // consecutive blocks' FMAs do not wait on each other.
 template <int MR, WFormat F>
-inline void small_row(const XBlocks& x, const WeightView& w, int64_t row, float* y,
+inline void small_row(const XBlocks& x, const WeightView& w, int64_t row, float* y, int64_t ldy,
                       bool accumulate) {
   const int64_t K = w.k, nb = K / kBlock;
   constexpr int64_t bytes = F == WFormat::Q4_1 ? kBlock / 2 : kBlock;
@@ -222,36 +213,40 @@ inline void small_row(const XBlocks& x, const WeightView& w, int64_t row, float*
       s += hsum256(mv);
       for (; j < nb; ++j) s += m[j] * xs[j];
     }
-    y[i * w.n + row] = accumulate ? y[i * w.n + row] + s : s;
+    y[i * ldy] = accumulate ? y[i * ldy] + s : s;
   }
 }
 
-// Rows of W split over threads; each row of W meets x's rows 4 at a time while it is in L1.
+// One row of a Q8_0 / Q4_1 W against x's rows, 4 at a time while it is in L1.
 template <WFormat F>
-void gemm_small_f(const XBlocks& x, int64_t M, const WeightView& w, float* y, bool accumulate) {
+void split_row_dot(const XBlocks& x, int64_t M, const WeightView& w, int64_t row, float* y,
+                   int64_t ldy, bool accumulate) {
   const int64_t nb = w.k / kBlock;
-  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t i = 0; i < M; i += 4) {
-        const XBlocks xi{x.q + i * w.k, x.d + i * nb, x.sum + i * nb};
-        float* yi = y + i * w.n;
-        switch (std::min<int64_t>(M - i, 4)) {
-          case 1: small_row<1, F>(xi, w, n, yi, accumulate); break;
-          case 2: small_row<2, F>(xi, w, n, yi, accumulate); break;
-          case 3: small_row<3, F>(xi, w, n, yi, accumulate); break;
-          default: small_row<4, F>(xi, w, n, yi, accumulate); break;
-        }
-      }
+  for (int64_t i = 0; i < M; i += 4) {
+    const XBlocks xi{x.q + i * w.k, x.d + i * nb, x.sum + i * nb};
+    float* yi = y + i * ldy;
+    switch (std::min<int64_t>(M - i, 4)) {
+      case 1: small_row<1, F>(xi, w, row, yi, ldy, accumulate); break;
+      case 2: small_row<2, F>(xi, w, row, yi, ldy, accumulate); break;
+      case 3: small_row<3, F>(xi, w, row, yi, ldy, accumulate); break;
+      default: small_row<4, F>(xi, w, row, yi, ldy, accumulate); break;
     }
-  });
+  }
 }
 
+// Rows of W (of any format with integer dot products, or a Stack of them) split over threads.
 void gemm_small(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
   thread_local QuantizedRows rows;
   quantize_rows(x, M, w.k, rows);
   const XBlocks xb{rows.q.data(), rows.d.data(), rows.sum.data()};
-  if (w.fmt == WFormat::Q4_1) gemm_small_f<WFormat::Q4_1>(xb, M, w, y, accumulate);
-  else gemm_small_f<WFormat::Q8_0>(xb, M, w, y, accumulate);
+  at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
+    for_rows(w, begin, end, [&](const WeightView& part, int64_t row, int64_t n) {
+      float* yn = y + n;
+      if (part.fmt == WFormat::Q8_0) split_row_dot<WFormat::Q8_0>(xb, M, part, row, yn, w.n, accumulate);
+      else if (part.fmt == WFormat::Q4_1) split_row_dot<WFormat::Q4_1>(xb, M, part, row, yn, w.n, accumulate);
+      else gguf_row_dot(xb, M, part, row, yn, w.n, accumulate);
+    });
+  });
 }
 #endif
 
@@ -267,6 +262,16 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
   const int64_t K = w.k, nb = K / kBlock;
   if (w.fmt == WFormat::F32) {
     std::memcpy(out, static_cast<const float*>(w.qs) + row0 * K, rows * K * sizeof(float));
+    return;
+  }
+  if (w.fmt == WFormat::Stack) {
+    for_rows(w, row0, row0 + rows, [&](const WeightView& part, int64_t row, int64_t n) {
+      dequant_rows(part, row, 1, out + (n - row0) * K);
+    });
+    return;
+  }
+  if (block_inputs(w.fmt) > 0) {
+    for (int64_t r = 0; r < rows; ++r) dequant_gguf_row(w, row0 + r, out + r * K);
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -291,14 +296,31 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
   }
 }
 
+int64_t integer_rows(const WeightView& w) {
+  switch (w.fmt) {
+    // measured on the default model's matrices (Zen 3, one core): from 8 rows on, the float
+    // lanes beat the integer dot products on Q4_1 by 1.1-1.7x; on Q8_0 (the LM head) the
+    // integer path stays ahead up to 64 rows
+    case WFormat::Q8_0: return kSmallRows;
+    case WFormat::Q4_1:
+    case WFormat::Q5_0:
+    case WFormat::Q5_1:
+    case WFormat::Q4_K:
+    case WFormat::Q5_K:
+    case WFormat::Q6_K: return kLaneRows - 1;
+    case WFormat::Stack: {
+      int64_t rows = kSmallRows;
+      for (int64_t p = 0; p < w.num_parts; ++p) rows = std::min(rows, integer_rows(w.parts[p]));
+      return rows;
+    }
+    default: return 0;  // F32, Q2_K, Q3_K: the float paths
+  }
+}
+
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
   if (M <= 0) return;
 #ifdef RS_AVX2
-  // measured on the default model's matrices (Zen 3, one core): from 8 rows on, the float
-  // lanes beat the integer dot products on Q4_1 by 1.1-1.7x; on Q8_0 (the LM head) the
-  // integer path stays ahead up to 64 rows
-  const int64_t small = w.fmt == WFormat::Q8_0 ? kSmallRows : kLaneRows - 1;
-  if (M <= small && w.fmt != WFormat::F32) return gemm_small(x, M, w, y, accumulate);
+  if (M <= integer_rows(w)) return gemm_small(x, M, w, y, accumulate);
 #endif
   if (M < kLaneRows) return gemm_buffered(x, M, w, y, accumulate);
   gemm_lanes(x, M, w, y, accumulate);

@@ -1,0 +1,1 @@
+"""The radix tree and the cache tiers (host, storage)."""

@@ -1,0 +1,1 @@
+"""Engine speed and quantization quality."""

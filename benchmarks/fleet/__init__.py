@@ -1,0 +1,1 @@
+"""Router, prefill/decode disaggregation and simulated fleets."""

@@ -1,0 +1,1 @@
+"""RAG segments: quality per recomputation ratio, selection variants, TTFT."""

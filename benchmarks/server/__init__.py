@@ -1,0 +1,1 @@
+"""The HTTP server's reliability under bad input and load."""

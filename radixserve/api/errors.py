@@ -1,0 +1,125 @@
+"""Every error the server and the router answer, in OpenAI's envelope, with a short message.
+
+``{"error": {"message", "type", "param", "code"}}`` for every 4xx and 5xx: our own
+``ApiError``s, FastAPI's validation errors, Starlette's 404/405/400 (unknown route, wrong
+method, a body that is not UTF-8), a dead or restarting engine (503 with ``Retry-After``) and
+anything unexpected (500). Clients never see a traceback: it goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("radixserve.server")
+
+RETRY_AFTER_SECONDS = 2
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status,
+            message,
+            param,
+            kind,
+            code,
+        )
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def unavailable(message: str) -> ApiError:
+    """503 that a client should retry: the engine is restarting or the queue is full."""
+    return ApiError(
+        503, message, kind="server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )
+
+
+_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+
+
+def _from_http_exception(e: StarletteHTTPException) -> ApiError:
+    message = e.detail if isinstance(e.detail, str) else "request failed"
+    if e.status_code == 400 and "parsing the body" in message:
+        message = "the body is not valid JSON in UTF-8"
+    kind = _KINDS.get(e.status_code, "server_error" if e.status_code >= 500 else None)
+    return ApiError(e.status_code, message, kind=kind or "invalid_request_error", headers=e.headers)
+
+
+def _from_validation_error(e: RequestValidationError) -> ApiError:
+    err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None  # the top-level field the client sent
+    if err.get("type") == "json_invalid":
+        message = f"the body is not valid JSON: {err.get('msg')}"
+    elif not loc and err.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        message = "the body must be a JSON object (with Content-Type: application/json)"
+    elif not loc and err.get("type") == "value_error" and "error" in err.get("ctx", {}):
+        message = str(err["ctx"]["error"])  # a check of the whole body; it names the field
+        param = message.split(" ")[0].split(".")[0]
+    elif err.get("type") == "extra_forbidden":
+        message = f"unsupported parameter {'.'.join(loc)!r}"
+    else:
+        message = f"invalid {'.'.join(loc) or 'body'}: {err.get('msg')}"
+    return ApiError(400, message, param)
+
+
+def install_error_handlers(app: FastAPI, retryable: tuple[type[Exception], ...] = ()) -> None:
+    """Answer every error in the envelope; the ``retryable`` exceptions (a dead or restarting
+    engine) as 503 with ``Retry-After``."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _from_validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _from_http_exception(e).response()
+
+    async def retry_later(_: Request, e: Exception) -> JSONResponse:
+        return unavailable(str(e)).response()
+
+    for kind in retryable:
+        app.add_exception_handler(kind, retry_later)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=e)
+        return internal_error().response()
+
+
+def internal_error() -> ApiError:
+    return ApiError(
+        500, "internal server error; the details are in the server log", kind="server_error"
+    )

@@ -1,0 +1,349 @@
+"""OpenAI-compatible request bodies, and the one place they become ``SamplingParams``.
+
+Every field is either honoured or rejected: unknown fields fail validation (``extra=forbid``)
+and known OpenAI fields we do not implement (tools, logit_bias, ...) are refused with a
+message naming them, unless they carry their neutral value. Types are strict (``true`` is not
+a count, ``2.5`` is not an integer), floats finite, and no string anywhere in a body may hold
+a lone surrogate (the tokenizer cannot encode one). Parameters a request leaves out take the
+server's defaults (the model's recommendation, see ``generation_defaults``); ``model`` may be
+left out too. ``cache_salt`` puts the request's prefixes in a cache namespace of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from radixserve.api.errors import ApiError
+from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
+
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_SALT_CHARS = 256
+
+PLACEHOLDER = "\x00reusable\x00"  # where ChatMessage.text puts a reusable part's text
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate_at(key) is not None:
+            return path or "body"
+        found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: strict types, and every string valid Unicode."""
+
+    model_config = STRICT
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone surrogate, which is not valid Unicode")
+        return data
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and text completions (OpenAI names plus common extensions)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None  # an end-user id for the caller's logs; no effect on generation
+    # unsupported OpenAI fields: accepted only with their neutral value
+    logit_bias: dict[str, float] | None = None
+    # extensions (as in vLLM / SGLang)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def _unsupported(self) -> dict[str, Any]:
+        return {"logit_bias": self.logit_bias or None}
+
+    def reject_unsupported(self) -> None:
+        for name, value in self._unsupported().items():
+            if value not in (None, False):
+                raise ApiError(400, f"parameter {name!r} is not supported by this server", name)
+        if not 1 <= self.n <= 16:
+            raise ApiError(400, "n must be between 1 and 16", "n")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                400, "stream_options is only allowed with stream: true", "stream_options"
+            )
+
+    def choice_params(self, defaults: dict[str, Any]) -> list[SamplingParams]:
+        """Validated sampling parameters for each of the ``n`` choices (seeds differ);
+        ``defaults`` fill what the request leaves out."""
+        self.reject_unsupported()
+        return [self.to_sampling_params(defaults, i) for i in range(self.n)]
+
+    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
+        raise NotImplementedError
+
+    def sampling_params(
+        self,
+        defaults: dict[str, Any],
+        max_tokens: int | None,
+        logprobs: int | None,
+        seed_offset: int = 0,
+    ) -> SamplingParams:
+        seed = self.seed
+        if seed is not None and seed <= SEED_MAX < seed + seed_offset:
+            seed -= 2**64  # wrap, so that choice i's seed stays within what torch takes
+        fields = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": None if seed is None else seed + seed_offset,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        return build_params(fields, defaults)
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def build_params(
+    fields: dict[str, Any], defaults: dict[str, Any], where: str = ""
+) -> SamplingParams:
+    """``SamplingParams`` from what a request gave (None: left out), over ``defaults``.
+    A ``max_tokens`` left out with no default means up to the context. ``where`` prefixes
+    the field names in errors (``"sampling_params."`` for ``/generate``), so a message names
+    the field as the client wrote it."""
+    unknown = [k for k in fields if k not in SAMPLING_FIELDS]
+    if unknown:
+        name = where + unknown[0]
+        raise ApiError(
+            400,
+            f"{name} is not supported; the supported fields are {', '.join(SAMPLING_FIELDS)}",
+            name,
+        )
+    given = {k: v for k, v in fields.items() if v is not None}
+    merged = {"max_tokens": None, **defaults, **given}
+    try:
+        return SamplingParams(**merged)
+    except ValueError as e:
+        param = _param_named_in(str(e), merged)
+        message = where + str(e) if param else str(e)
+        raise ApiError(400, message, where + param if param else None) from e
+
+
+def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
+    return next((name for name in fields if message.startswith(name)), None)
+
+
+class ChatMessage(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, mark_reusable: bool = False) -> str:
+        """The content as text; with ``mark_reusable``, each reusable part (the extension
+        ``"reusable": true``, a RAG segment) replaced by ``PLACEHOLDER``."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            if not isinstance(part.get("reusable", False), bool):
+                raise ApiError(400, "a content part's reusable must be true or false", "messages")
+            reusable = part.get("reusable", False) and part["text"]
+            parts.append(PLACEHOLDER if mark_reusable and reusable else part["text"])
+        return "".join(parts)
+
+    def reusable_parts(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p["text"] for p in self.content if p.get("reusable") is True and p.get("text")]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # extension, with reusable content parts (RAG segments): share of their tokens recomputed
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    def _unsupported(self) -> dict[str, Any]:
+        fmt = self.response_format
+        return {
+            **super()._unsupported(),
+            "tools": self.tools or None,
+            "tool_choice": None if self.tool_choice in (None, "none") else self.tool_choice,
+            "functions": self.functions or None,
+            "function_call": None if self.function_call in (None, "none") else self.function_call,
+            "response_format": None if fmt in (None, {"type": "text"}) else fmt,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+
+    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
+        if not self.messages:
+            raise ApiError(400, "messages must not be empty", "messages")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+        return self.sampling_params(defaults, max_tokens, logprobs, seed_offset)
+
+    def conversation(self, mark_reusable: bool = False) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role
+        return [
+            {"role": "system" if m.role == "developer" else m.role,
+             "content": m.text(mark_reusable)}
+            for m in self.messages
+        ]  # fmt: skip
+
+    def reusable_parts(self) -> list[str]:
+        """The texts of the reusable content parts, in order (empty: no RAG segments)."""
+        parts = [text for m in self.messages for text in m.reusable_parts()]
+        if self.recompute_ratio is not None and not parts:
+            raise ApiError(400, "recompute_ratio applies to reusable content parts only",
+                           "recompute_ratio")  # fmt: skip
+        return parts
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _unsupported(self) -> dict[str, Any]:
+        return {
+            **super()._unsupported(),
+            "echo": self.echo,
+            "suffix": self.suffix,
+            "best_of": None if self.best_of in (None, 1, self.n) else self.best_of,
+        }
+
+    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
+        # OpenAI's default for completions is 16 tokens
+        max_tokens = defaults.get("max_tokens", 16) if self.max_tokens is None else self.max_tokens
+        return self.sampling_params(defaults, max_tokens, self.logprobs, seed_offset)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+# the OpenAPI description of /generate's sampling_params: SamplingParams' own fields
+_SAMPLING_SCHEMA = {
+    "properties": TypeAdapter(SamplingParams).json_schema()["properties"],
+    "additionalProperties": False,
+}
+
+
+class PromptSegment(BaseModel):
+    """One piece of a ``/generate`` prompt given as segments: text or token ids. A reusable
+    one (a retrieved passage) has its KV stored and reused wherever it appears later."""
+
+    model_config = STRICT
+    text: str | None = None
+    input_ids: list[int] | None = None
+    reusable: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptSegment:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("a segment needs exactly one of text and input_ids")
+        if not (self.text or self.input_ids):
+            raise ValueError("a segment may not be empty")
+        return self
+
+
+class GenerateRequest(_Body):
+    """The native endpoint: token ids (or text, or a list of segments) in, token ids out.
+    ``sampling_params`` are ``SamplingParams`` fields, checked there (strictly typed, since
+    JSON reaches it as is). ``recompute_ratio`` (with segments): share of the reused segment
+    tokens computed again; None: the server's default."""
+
+    input_ids: list[int] | None = None
+    text: str | None = None
+    segments: list[PromptSegment] | None = Field(default=None, min_length=1)
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra=_SAMPLING_SCHEMA
+    )
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [f for f in ("input_ids", "text", "segments") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of input_ids, text and segments")
+        if self.recompute_ratio is not None and self.segments is None:
+            raise ValueError("recompute_ratio applies to segments only")
+        return self
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens
+        defaults = {"max_tokens": 16, **defaults}
+        return build_params(self.sampling_params, defaults, "sampling_params.")

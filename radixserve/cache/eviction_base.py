@@ -1,0 +1,44 @@
+"""The interface of an eviction policy: what it may read of a tree node and the hooks the tree
+calls. ``eviction`` holds the policies and the heap; a policy in its own module (``eviction_odds``)
+builds on this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+
+class EvictableNode(Protocol):
+    id: int
+    parent: Any
+    key: Any
+    last_access: int
+    hit_count: int
+    depth: int  # tokens from the root to the end of this node's edge
+    created: int  # admission count when the node was cached
+    policy_state: Any  # owned by the policy; None until it first sees the node
+
+
+class EvictionPolicy:
+    """How evictable leaves are ordered. Subclasses override ``priority`` and maybe hooks."""
+
+    name = "base"
+
+    def priority(self, node: Any, now: int) -> tuple:
+        raise NotImplementedError
+
+    def changes_at(self, node: Any, now: int) -> int | None:
+        """The admission count at which ``priority(node)`` changes with no event on the node."""
+        return None
+
+    def on_hit(self, node: Any, now: int) -> Iterable[Any]:
+        """A request was admitted through ``node`` (and its ancestors); return other nodes
+        whose priority this changed."""
+        return ()
+
+    def on_split(self, upper: Any, lower: Any) -> None:
+        """``upper`` was cut from the top of ``lower``'s edge and copied its attributes."""
+
+    def on_evict(self, node: Any, priority: tuple) -> None:
+        """``node`` (which had ``priority``) leaves the tree."""

@@ -1,0 +1,282 @@
+"""TierController: the one owner of every KV move between the device pool (L1), the host
+pool (L2) and a storage tier (L3), with their queues and acknowledgements.
+
+The radix tree (``radix_cache.py``) records where each node's KV lives; this controller
+decides and performs the copies, then tells the tree (``set_host``, ``set_device``,
+``attach_host``). The tree calls it back through ``LowerTiers``: a node was cached, was hit,
+is about to leave the device. Storage I/O runs on ``storage_io.StorageIO``'s threads, which
+this controller alone drives and polls.
+
+Write policies, i.e. when a node's KV is copied to the host:
+
+- ``write_through``: as soon as it enters the tree (every computed page);
+- ``write_through_selective`` (default): once it is reused (``on_hit``; with the insert
+  counted as its first hit, this is its second);
+- ``write_back``: only when it is evicted from the device.
+
+A device leaf with host-only children is copied before it leaves whatever the policy (else
+they would hang below nothing), or, with the host full, deleted with them.
+
+``load_back`` copies a match's host part to freshly allocated device slots, only from
+``load_back_min_tokens`` tokens up: all of it, or, when the device pool cannot make room for
+all (running requests hold it), its longest leading part that fits, so a full pool still
+saves what it can. Every page copied to the host is then written to storage (keys chained
+from the root); ``start_prefetch`` asks storage for the pages past a waiting request's
+cached prefix, and ``poll`` hangs what arrived below that prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds, as_token_array
+from radixserve.cache.events import MEDIUM_STORAGE
+from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.storage import (
+    ClearResult,
+    PageLayout,
+    StorageScope,
+    chain_page_keys,
+    open_backend,
+)
+from radixserve.cache.storage_io import Fetched, Prefetch, StorageIO
+from radixserve.cache.tier_stats import TierStats
+
+WRITE_POLICIES = ("write_through_selective", "write_through", "write_back")
+SELECTIVE_MIN_HITS = 1  # write_through_selective copies a node once it was hit this often
+
+
+class TierController:
+    def __init__(self, tree: RadixCache, host: HostKVPool,
+                 write_policy: str = "write_through_selective",
+                 load_back_min_tokens: int = 1):  # fmt: skip
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"unknown write policy {write_policy!r}; choose one of {WRITE_POLICIES}"
+            )
+        if host.page_size != tree.page_size:
+            raise ValueError("the host pool and the device pool must use the same page size")
+        self.tree, self.host, self.page_size = tree, host, tree.page_size
+        self.write_policy = write_policy
+        self.load_back_min_tokens = load_back_min_tokens
+        self.tiers = TierStats(write_policy=write_policy, host_capacity_tokens=host.num_slots,
+                               host_bytes_per_token=host.page_nbytes // host.page_size)  # fmt: skip
+        self.storage: StorageIO | None = None
+        self._scope: StorageScope | None = None
+        tree.attach_tiers(self)
+
+    # ------------------------------------------------------------------ what the tree tells
+    def on_cached(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self.backup(node)
+
+    def on_hit(self, node: TreeNode | None) -> None:
+        if self.write_policy != "write_through_selective":
+            return
+        while node is not None and node.parent is not None:
+            if node.host_value is None and node.hit_count >= SELECTIVE_MIN_HITS:
+                self.backup(node)
+            node = node.parent
+
+    def before_evict(self, node: TreeNode) -> None:
+        if self.write_policy == "write_back" or node.children:
+            self.backup(node)
+
+    def free_host(self, slots: torch.Tensor) -> None:
+        self.host.free(slots)
+
+    def check(self, host_slots: torch.Tensor) -> None:
+        held = self.storage.held_host_slots() if self.storage is not None else EMPTY_INDICES
+        self.host.check(host_slots, held)
+
+    # ------------------------------------------------------------------ device <-> host
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        """``n`` host slots, evicting host-only leaves when short; None if impossible."""
+        slots = self.host.alloc(n)
+        if slots is None:
+            self.tree.evict_host(n - self.host.allocator.free_size())
+            slots = self.host.alloc(n)
+        return slots
+
+    def backup(self, node: TreeNode) -> bool:
+        """Copy a device node's KV to the host (making host room if needed), then to storage."""
+        slots = self.alloc_host(len(node.key))
+        if slots is None:
+            self.tiers.backup_failures += 1
+            return False
+        start = time.perf_counter()
+        self.host.backup(node.value, slots)
+        self.tiers.backup_seconds += time.perf_counter() - start
+        self.tree.set_host(node, slots)
+        if self.storage is not None:
+            self.storage.write(self._storage_keys(node), slots, self._on_stored(node))
+        return True
+
+    def _alloc_device(self, n: int) -> torch.Tensor | None:
+        allocator = self.tree.allocator
+        slots = allocator.alloc(n)
+        if slots is None:
+            self.tree.evict(n - allocator.free_size())
+            slots = allocator.alloc(n)
+        return slots
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Copy the host part of ``match`` onto the device: all of it, or, when the device
+        cannot make room for all, its longest leading part that fits (a partial load); the
+        match it became, or ``match`` itself when what fits is under the minimum."""
+        if match.host_len == 0 or match.host_len < self.load_back_min_tokens:
+            return match
+        with self.tree.pinned(match):
+            room = self.tree.allocator.free_size() + self.tree.evictable_size()
+            n = min(match.host_len, room - room % self.page_size)
+            slots = self._alloc_device(n) if n >= max(self.load_back_min_tokens, 1) else None
+        if slots is None:
+            self.tiers.load_failures += 1
+            return match
+        nodes = self._host_path(match, n)
+        start = time.perf_counter()
+        try:
+            self.host.restore(torch.cat([node.host_value for node in nodes]), slots)
+        except BaseException:
+            self.tree.allocator.free(slots)
+            raise
+        offset = 0
+        for node in nodes:
+            self.tree.set_device(node, slots[offset : offset + len(node.key)])
+            offset += len(node.key)
+        self.tiers.loads += 1
+        self.tiers.partial_loads += n < match.host_len
+        self.tiers.load_latency.observe(time.perf_counter() - start)
+        return MatchResult(
+            device_indices=torch.cat([match.device_indices, slots]),
+            handle=nodes[-1],
+            device_len=match.device_len + n,
+            host_len=match.host_len - n,
+            storage_len=match.storage_len,
+            lower_handle=match.lower_handle if n < match.host_len else None,
+        )
+
+    def _host_path(self, match: MatchResult, n: int) -> list[TreeNode]:
+        """The nodes holding the first ``n`` tokens of ``match``'s host part, from the top;
+        the last one is split so that it ends exactly there."""
+        nodes: list[TreeNode] = []
+        node = match.lower_handle
+        while node is not match.handle:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        taken, cut = 0, 0
+        while taken + len(nodes[cut].key) <= n:
+            taken += len(nodes[cut].key)
+            cut += 1
+            if cut == len(nodes):
+                return nodes
+        if taken < n:
+            nodes[cut] = self.tree.split(nodes[cut], n - taken)
+            cut += 1
+        return nodes[:cut]
+
+    # ------------------------------------------------------------------ host <-> storage
+    def attach_storage(self, url: str, model_id: str, capacity_bytes: int | None,
+                       min_tokens: int, timeout: float) -> StorageIO:  # fmt: skip
+        """Open the backend for ``url`` below the host tier. At most a quarter of the host
+        pool waits for write-outs at any time."""
+        self._scope = StorageScope(
+            model_id, PageLayout.from_shape(self.host.device_pool.shape, self.page_size)
+        )
+        backend = open_backend(url, self._scope, capacity_bytes)
+        max_pending = max(1, self.host.allocator.num_pages // 4)
+        self.storage = StorageIO(self.host, backend, self.tiers, self.alloc_host, min_tokens,
+                                 timeout, max_pending)  # fmt: skip
+        self.tiers.storage_url = url
+        return self.storage
+
+    def _page_keys(self, namespace: Any, tokens, parent: bytes | None) -> list[bytes]:
+        return chain_page_keys(self._scope, parent, tokens, namespace)
+
+    def _storage_keys(self, node: TreeNode) -> list[bytes]:
+        """The node's chained storage keys, computed (and kept) down from the nearest
+        ancestor that has them."""
+        chain = []
+        n = node
+        while n.parent is not None and n.storage_keys is None:
+            chain.append(n)
+            n = n.parent
+        prev = n.storage_keys[-1] if n.parent is not None else None
+        for n in reversed(chain):
+            n.storage_keys = self._page_keys(n.namespace, n.key, prev)
+            prev = n.storage_keys[-1]
+        return node.storage_keys
+
+    def _on_stored(self, node: TreeNode):
+        """A callback that reports the node's first pages written to storage (KV events)."""
+        whole = self.tree.stored_event(node, MEDIUM_STORAGE)
+        if whole is None:
+            return None
+        offset, block = node.offset, self.tree.event_block_size
+
+        def emit(pages: int) -> None:
+            # the node's blocks that end inside its first ``pages`` pages are all in storage
+            count = (offset + pages * self.page_size) // block - offset // block
+            if count > 0:  # dropped by the tree if events went off meanwhile
+                self.tree.emit_event(dataclasses.replace(
+                    whole, block_hashes=whole.block_hashes[:count],
+                    token_ids=whole.token_ids[: count * block],
+                ))  # fmt: skip
+
+        return emit
+
+    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Prefetch | None:
+        """Ask storage for the pages past the cached prefix of a waiting request (None:
+        fewer than the minimum to fetch, no storage, or a store that stopped answering)."""
+        if self.storage is None:
+            return None
+        key = as_token_array(token_ids)
+        start = self.tree.peek_prefix(key, extra_key).length
+        end = len(key) - len(key) % self.page_size
+        if end - start < self.storage.min_tokens or self.storage.stalled():
+            return None
+        keys = self._page_keys(extra_key, key[:end], None)[start // self.page_size :]
+        return self.storage.lookup(key[:end].copy(), extra_key, start, keys)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Apply finished storage transfers (waiting up to ``timeout`` s for one)."""
+        if self.storage is not None:
+            self._attach(self.storage.poll(timeout))
+
+    def _attach(self, fetched: list[Fetched]) -> None:
+        for f in fetched:
+            p, got = f.prefetch, f.num_pages * self.page_size
+            if got:
+                tokens, slots = p.token_ids[: p.start + got], f.host_slots[:got]
+                keys = p.keys[: f.num_pages]
+                added = self.tree.attach_host(tokens, p.extra_key, p.start, slots, keys)
+                p.fetched = (p.start + got - added, p.start + got)
+            self.host.free(f.host_slots[got:])
+
+    # ------------------------------------------------------------------ interface
+    def stats(self) -> TierStats:
+        t, moved = self.tiers, self.host.stats
+        t.host_cached_tokens = self.tree.host_size()
+        t.pages_to_host, t.bytes_to_host = moved.pages_to_host, moved.bytes_to_host
+        t.pages_to_device, t.bytes_to_device = moved.pages_to_device, moved.bytes_to_device
+        if self.storage is not None:
+            t.storage = self.storage.backend.stats()
+            t.prefetches_in_flight = self.storage.reads_in_flight()
+        return t.snapshot()
+
+    def clear_storage(self) -> ClearResult | None:
+        if self.storage is None:
+            return None
+        fetched, result = self.storage.clear()
+        self._attach(fetched)
+        return result
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self._attach(self.storage.close())

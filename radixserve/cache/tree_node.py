@@ -1,0 +1,64 @@
+"""TreeNode: one edge of the radix tree and where its tokens' KV lives.
+
+A node's KV is on the device (``value``: device slot indices), on the host (``host_value``:
+host slot indices), or on both; a tree without lower tiers only ever has ``value``. Storage
+keys (``storage_keys``, one chained key per page) are computed once a node is first written
+to storage. The fields the tree keeps for eviction, events and statistics sit beside them.
+Nothing here moves KV: the tier controller does, and the tree records the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class TreeNode:
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "value",
+        "host_value",
+        "storage_keys",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "page_hashes",
+        "offset",
+        "namespace",
+        "depth",
+        "created",
+        "policy_state",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        key: np.ndarray,
+        value: torch.Tensor | None,
+        namespace: Any = None,
+    ):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[Any, TreeNode] = {}
+        self.key = key
+        self.value = value  # device slots, or None: not on the device
+        self.host_value: torch.Tensor | None = None  # host slots, or None: not on the host
+        self.storage_keys: list[bytes] | None = None  # chained page keys, computed on need
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.page_hashes: list[int] = []  # the KV-event blocks it owns (tree_events.py)
+        self.offset = 0  # tokens above its edge, kept while events are on
+        self.namespace = namespace
+        self.depth = 0  # tokens from the root to the end of this edge
+        self.created = 0  # the cache's admission count when this node was cached
+        self.policy_state: Any = None  # the eviction policy's own (eviction.py)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"

@@ -1,0 +1,100 @@
+"""ModelExecutor: runs a scheduled step on the model (the core's bookkeeping is not here).
+
+``run(step)`` computes the step's tokens over the paged KV pool and draws the next token of
+every request that samples (``Step.sampling``); ``EngineCore.postprocess`` then commits what
+was computed. A prefill that reuses RAG segments takes another strategy: it runs alone, as
+one sparse forward over its whole context (``SegmentBlender.prefill``); every other request
+of the step shares one batched forward.
+
+Failures stay with the requests they hit: if a segment prefill raises, its request fails;
+if the batched forward raises, every request of the step fails; if sampling the batch
+raises, each row is sampled alone and only the rows that raise fail. The tracebacks go to
+the log, never to a client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixserve.engine.core import Drawn, StepResult
+from radixserve.engine.request import Request
+from radixserve.engine.sampler import sample
+from radixserve.engine.scheduler import Step
+from radixserve.engine.segments import SegmentBlender
+from radixserve.model import build_forward_batch
+
+log = logging.getLogger("radixserve")
+
+
+class ModelExecutor:
+    def __init__(self, model, pool, segments: SegmentBlender):
+        self.model, self.pool, self.segments = model, pool, segments
+
+    def run(self, step: Step) -> StepResult:
+        result = StepResult()
+        blended, logits = self._blend(step, result)
+        done = {r.request_id for r, _ in result.failed} | {r.request_id for r in blended}
+        prefills = [(r, n) for r, n in step.prefills if r.request_id not in done]
+        try:
+            if step.decodes or prefills:
+                logits.insert(0, self._forward(step.decodes, prefills))
+        except Exception as e:
+            log.exception("the forward pass failed; failing the requests of this step")
+            failed = step.decodes + [r for r, _ in prefills] + blended
+            result.failed += [(r, e) for r in failed]
+            return result
+        sampling = [r for r in step.sampling() if r.request_id not in done] + blended
+        if sampling:
+            drawn = self.sample(torch.cat(logits) if len(logits) > 1 else logits[0], sampling)
+            result.sampled = list(zip(sampling, drawn, strict=True))
+        return result
+
+    def _blend(self, step: Step, result: StepResult) -> tuple[list[Request], list[torch.Tensor]]:
+        """Run each prefill that reuses RAG segments alone; return those done, their logits
+        (its failures go to ``result``)."""
+        done, logits = [], []
+        for r, n in step.prefills:
+            if not self.segments.applies(r, n):
+                continue
+            try:
+                logits.append(self.segments.prefill(r))
+                done.append(r)
+            except Exception as e:
+                log.exception("a segment prefill failed; failing its request")
+                result.failed.append((r, e))
+        return done, logits
+
+    def _forward(self, decodes: list[Request], prefills: list[tuple[Request, int]]):
+        decode = [
+            (int(r.token_ids[r.num_computed]), r.num_computed, r.kv.slots[: r.num_computed + 1])
+            for r in decodes
+        ]
+        prefill = [
+            (
+                torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
+                r.num_computed,
+                r.kv.slots[: r.num_computed + n],
+                r.num_computed + n == r.num_tokens and not r.spec.prefill_only,
+            )
+            for r, n in prefills
+        ]
+        batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
+        return self.model.forward(batch, self.pool)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[Drawn]:
+        """One ``(token, logprob)`` per request, or the exception its row raised."""
+        try:
+            return list(sample(logits, reqs))
+        except Exception:
+            log.exception("sampling a batch failed; sampling its rows one by one")
+        drawn: list[Drawn] = []
+        # Each request draws from its own generator, so a row sampled alone gets what it would
+        # have got in the batch (unless the failed batch call had already advanced it).
+        for i, r in enumerate(reqs):
+            try:
+                drawn.append(sample(logits[i : i + 1], [r])[0])
+            except Exception as e:
+                drawn.append(e)
+        return drawn

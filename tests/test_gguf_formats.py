@@ -1,0 +1,171 @@
+"""GGUF block formats kept as the file's bytes (Q5_0, Q5_1, K-quants) and stacked weights.
+
+Each format's native dequantization (the vector code and its plain C++ twin) must give what
+the ``gguf`` package gives on random blocks, and the native matmul (integer dot products for
+few rows, float lanes for many, dequantize + BLAS beyond) must equal ``x @ dequantize(W).T``.
+A model file mixing the formats as a Q4_K_M file does must compute, kept quantized, what the
+same file computes dequantized.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_hf_model
+from gguf_writer import random_blocks, write_llama_gguf
+from test_quantization import gguf_model, run_steps
+
+from radixserve.model import native
+from radixserve.model.quant import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
+
+Q = gguf.GGMLQuantizationType
+BLOCK_TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# rows of x: the integer kernel in groups of 4, the float lanes (8+), dequantize + BLAS (65+)
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 70)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = native.paged_ops()
+    if ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    return ops
+
+
+def dequantized(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    w = gguf.quants.dequantize(raw, Q[qtype]).reshape(raw.shape[0], -1)
+    return torch.from_numpy(w.astype(np.float32))
+
+
+def block_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
+    """A random weight of ``qtype`` and its bytes."""
+    raw = random_blocks(n, k, Q[qtype], np.random.default_rng(seed))
+    return from_gguf_blocks(raw, qtype, (n, k)), raw
+
+
+# the codes' bytes of the formats with a min (w = scale * q + min): zeroed, a block is its min
+CODE_BYTES = {"Q5_1": slice(4, 24), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}
+
+
+def integer_reference(x: torch.Tensor, raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """What the integer kernels compute: x rounded to int16 per block of 32 (own scale each)
+    meets the codes; the mins meet x's exact block sums."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    seen = (torch.round(blocks * inv) * d).reshape(x.shape)
+    ref = seen @ dequantized(raw, qtype).T
+    if qtype in CODE_BYTES:
+        size = gguf.GGML_QUANT_SIZES[Q[qtype]][1]
+        mins = raw.reshape(raw.shape[0], -1, size).copy()
+        mins[..., CODE_BYTES[qtype]] = 0
+        ref += (x - seen) @ dequantized(mins.reshape(raw.shape[0], -1), qtype).T
+    return ref
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    return (a - b).abs().max().item() <= rel * b.abs().max().item()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_block_formats_dequantize_as_gguf_does(qtype, ops):
+    weight, raw = block_weight(qtype, 37, 512)
+    assert weight.fmt == qtype.lower() and weight.shape == (37, 512)
+    assert weight.qs.dtype == torch.uint8 and weight.d is None  # the file's bytes, untouched
+    ref = dequantized(raw, qtype)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    # one rounding apart at most: (d * sc) * q - dmin * m against a fused multiply-add
+    assert close(weight.dequantize(), ref, 1e-6)
+    assert close(ops.dequantize_reference(weight.native_view()), ref, 1e-6)
+    ids = torch.tensor([5, 0, 36, 5])
+    assert close(weight.embedding(ids, torch.float32), ref[ids], 1e-6)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_block_format_matmul_equals_dequantized_matmul(qtype, ops):
+    n, k = 45, 768  # N not a multiple of the 3- or 12-row tiles; K three K-quant blocks
+    weight, raw = block_weight(qtype, n, k, seed=1)
+    dense = dequantized(raw, qtype)
+    gen = torch.Generator().manual_seed(2)
+    for m in ROW_COUNTS:
+        x = torch.randn(m, k, generator=gen)
+        x[:, 5] *= 30  # an outlier input, as real activations have
+        ref = x @ dense.T
+        # up to 7 rows, x is rounded to int16 per block of 32 (up to 1e-4 of a product with
+        # the outlier's block), and the kernels compute exactly that up to float
+        # rounding; Q2_K and Q3_K use the float path
+        if m < 8 and qtype not in ("Q2_K", "Q3_K"):
+            ref = integer_reference(x, raw, qtype)
+        assert close(ops.qgemm(x, weight.native_view()), ref, 1e-5), m
+        base = torch.randn(m, n, generator=gen)
+        out = ops.qgemm(x, weight.native_view(), base.clone())
+        assert close(out - base, ref, 1e-5), m
+        assert close(weight.matmul(x), ref, 1e-5), m  # the Python entry, BLAS beyond 64 rows
+
+
+def test_stacked_weights_of_mixed_formats(ops):
+    k = 512
+    parts = [block_weight(t, n, k, seed=i) for i, (t, n) in
+             enumerate([("Q5_0", 20), ("Q6_K", 7), ("Q4_K", 13)])]  # fmt: skip
+    q8 = gguf.quants.quantize(np.random.default_rng(9).normal(0, 0.2, (11, k)), Q.Q8_0)
+    parts.append((from_gguf_blocks(q8, "Q8_0", (11, k)), q8))
+    types = ["Q5_0", "Q6_K", "Q4_K", "Q8_0"]
+    stacked = QuantizedWeight.cat([w for w, _ in parts])
+    dense = torch.cat([dequantized(raw, t) for (_, raw), t in zip(parts, types, strict=True)])
+    assert stacked.fmt == "stack" and stacked.shape == (51, k)
+    assert stacked.parts[0].qs.data_ptr() == parts[0][0].qs.data_ptr()  # no copy
+    assert close(stacked.dequantize(), dense, 1e-6)
+    ids = torch.tensor([50, 0, 19, 20, 27, 26, 40])  # rows of every piece and their seams
+    assert close(stacked.embedding(ids, torch.float32), dense[ids], 1e-6)
+    for m in ROW_COUNTS:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        ref = x @ dense.T
+        if m < 8:
+            ref = torch.cat([integer_reference(x, raw, t) for (_, raw), t in
+                             zip(parts, types, strict=True)], 1)  # fmt: skip
+        assert close(ops.qgemm(x, stacked.native_view()), ref, 1e-5), m
+    with pytest.raises(ValueError, match="same inputs"):
+        QuantizedWeight.cat([parts[0][0], block_weight("Q4_K", 4, 256)[0]])
+
+
+def test_block_format_without_kernels_uses_gguf(monkeypatch):
+    weight, raw = block_weight("Q4_K", 6, 256)
+    monkeypatch.setattr(native, "paged_ops", lambda: None)
+    assert torch.equal(weight.dequantize(), dequantized(raw, "Q4_K"))
+
+
+def test_every_kept_format_has_a_native_code():
+    from radixserve.model.quant import FORMAT_CODES, GGUF_FORMATS
+
+    assert set(GGUF_FORMATS.values()) <= FORMAT_CODES.keys()
+    assert {t.lower() for t in BLOCK_TYPES} == GGUF_BLOCKS.keys()
+
+
+# a Q4_K_M-like mix: Q5_0 attention and gate/up, Q8_0 V, K-quant down projections and
+# embedding (the widths are multiples of 256, as K-quants need)
+MIX = {"attn_v": Q.Q8_0, "ffn_down": Q.Q6_K, "ffn_gate": Q.Q4_K, "token_embd": Q.Q5_K}
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kquant")
+    hf = save_tiny_hf_model(path / "hf", seed=4, hidden_size=256, intermediate_size=512)
+    write_llama_gguf(hf, path / "mixed.gguf", Q.Q5_0, types=MIX)
+    return path / "mixed.gguf"
+
+
+def test_mixed_quantized_model_equals_its_dequantized_self(tiny_mixed_gguf, ops):
+    quantized, dense = gguf_model(tiny_mixed_gguf, "auto"), gguf_model(tiny_mixed_gguf, "none")
+    layer = quantized.layers[0]
+    assert layer["qkv"].fmt == "stack"  # Q5_0, Q5_0, Q8_0
+    assert [p.fmt for p in layer["qkv"].parts] == ["q5_0", "q5_0", "q8_0"]
+    assert layer["down"].fmt == "q6_k" and quantized.embed.fmt == "q5_k"
+    assert [p.fmt for p in layer["gate_up"].parts] == ["q4_k", "q5_0"]
+    assert isinstance(dense.layers[0]["down"], torch.Tensor)
+    ours, tokens = run_steps(quantized)
+    assert quantized._native[1] is not None  # the decode steps ran in the native decoder
+    ref, ref_tokens = run_steps(dense)
+    assert (ours - ref).abs().max() < 1e-3 * ref.abs().max()
+    assert tokens == ref_tokens
