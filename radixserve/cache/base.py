@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.cache.storage.base import ClearResult
+
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 # A cache namespace: None (shared), a tenant's, or one derived from a tenant's (a RAG segment
 # store: ``("rag-segment", tenant)``). Namespaces never share nodes; hashes salt with its repr.
@@ -197,9 +199,9 @@ class PrefixCache(ABC):
         """A snapshot of the lower tiers (``TierStats``), or None without them."""
         return None
 
-    def clear_storage(self) -> Any:
-        """Delete every page in the storage tier: a ``storage.ClearResult`` (whether none is
-        left, else why not), or None when there is no storage tier."""
+    def clear_storage(self) -> ClearResult | None:
+        """Delete every page in the storage tier: whether none is left (else why not), or
+        None when there is no storage tier."""
         return None
 
     def close(self) -> None:
