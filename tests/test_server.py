@@ -393,3 +393,10 @@ def test_the_kv_events_address_is_for_the_admin_only(server):
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
     # the admin learns that this server publishes none (it was started without them)
     assert httpx.get(server + "/kv_events", headers=ADMIN).status_code == 404
+
+
+@pytest.mark.parametrize("ids", [[2**64], [10**23], [-1], [49152]])
+def test_token_ids_beyond_the_vocabulary_are_a_400(server, ids):
+    for path, body in (("/generate", {"input_ids": ids}), ("/v1/completions", {"prompt": ids})):
+        r = post(server, path, body)
+        assert r.status_code == 400 and "prompt token ids" in r.json()["error"]["message"], r.text
