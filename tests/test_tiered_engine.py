@@ -248,6 +248,22 @@ def test_a_redis_that_is_down_costs_a_recomputation(engines, reference, caplog):
     assert any(r.levelno >= 30 for r in caplog.records)
 
 
+def test_a_redis_outage_counts_write_outs_as_write_errors_and_clear_says_so(engines, reference):
+    with RedisServer() as redis:
+        engine = engines(kv_storage=redis.url)
+        run(engine, SHARED + TAILS[0], "a")
+        redis.kill()  # an outage: the next write-outs fail
+        before = engine.stats().tiers.storage
+        out, tokens = run(engine, filler(0), "b")
+        deadline = time.monotonic() + 30
+        while engine.stats().tiers.storage.write_errors == before.write_errors:
+            assert time.monotonic() < deadline, "failed write-outs were not counted as writes"
+            engine.cache.poll_transfers(timeout=0.1)
+        result = engine.clear_storage()
+        assert not result.cleared and f"127.0.0.1:{redis.port}" in result.reason
+        engine.check_integrity()
+
+
 def test_a_hung_redis_delays_admission_by_the_timeout_only(engines, reference):
     with RedisServer() as redis:
         first = engines(kv_storage=redis.url)
@@ -278,6 +294,28 @@ def test_storage_writes_are_kv_events_of_medium_storage(engines, tmp_path):
         engine.cache.poll_transfers(timeout=0.1)
         media |= {getattr(e, "medium", None) for e in engine.kv_events.drain()}
     assert {"device", "host", "storage"} <= media
+
+
+def test_storage_writes_landing_after_events_went_off_are_dropped_not_a_crash(engines, tmp_path):
+    """A subscriber leaves (events off) while write-outs announced as events are under way:
+    they land without an event, and a later subscriber gets a fresh snapshot."""
+    engine = engines(kv_storage=f"file://{tmp_path}", enable_kv_events=True)
+    backend, gate = engine.cache.storage.backend, threading.Event()
+    real_set = backend.set
+    backend.set = lambda keys, pages: gate.wait(30) and real_set(keys, pages)
+    run(engine, SHARED + TAILS[0], "a")  # write-outs queued, their events pending
+    engine.set_kv_events(False)
+    gate.set()
+    deadline = time.monotonic() + 30
+    while engine.stats().tiers.pages_to_storage < len(SHARED) // PAGE:
+        assert time.monotonic() < deadline, "the write-outs never landed"
+        engine.cache.poll_transfers(timeout=0.1)  # lands them, with no event to announce
+    assert engine.drain_kv_events() == []
+    engine.set_kv_events(True)
+    events = engine.drain_kv_events()
+    assert type(events[0]).__name__ == "AllBlocksCleared" and len(events) > 1
+    run(engine, SHARED + TAILS[1], "b")
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize(

@@ -55,10 +55,12 @@ from radixserve.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventQueue,
     default_block_size,
 )
 from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
+from radixserve.cache.storage import ClearResult
 from radixserve.cache.tree_check import TreeState, check_host_tier, check_tree, tree_summary, walk
 from radixserve.cache.tree_events import TreeEvents
 from radixserve.cache.tree_node import TreeNode
@@ -151,6 +153,14 @@ class RadixCache(PrefixCache):
         """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
         self.events = None
 
+    def emit_event(self, event: KVEvent | None) -> None:
+        """Queue ``event`` while events are on, else drop it. ``self.events`` is the one
+        on/off state, and every event goes out through here, those emitted later too (a
+        storage write-out's callback): a subscriber leaving meanwhile costs the event, never
+        a step."""
+        if self.events is not None and event is not None:
+            self.events.append(event)
+
     def snapshot_events(self) -> list[BlockStored]:
         """Every cached block as ``BlockStored`` events, parents first (a full dump)."""
         return self._hasher.snapshot()
@@ -171,11 +181,9 @@ class RadixCache(PrefixCache):
             return
         if kind is BlockRemoved:
             if node.page_hashes:
-                self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
+                self.emit_event(BlockRemoved(node.page_hashes, node.namespace, medium))
             return
-        event = self._hasher.stored(node, medium)
-        if event is not None:
-            self.events.append(event)
+        self.emit_event(self._hasher.stored(node, medium))
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
@@ -279,9 +287,7 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            event = self._hasher.hash_node(leaf)
-            if event is not None:
-                self.events.append(event)
+            self.emit_event(self._hasher.hash_node(leaf))
         if self.controller is not None:
             self.controller.on_cached(leaf)
         return leaf
@@ -304,8 +310,8 @@ class RadixCache(PrefixCache):
         self._evictable_size -= size
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
-        if self.events is not None and leaf.page_hashes:
-            self.events.append(self._hasher.removed(leaf))
+        if self.events is not None:
+            self.emit_event(self._hasher.removed(leaf))
         if parent.parent is not None:
             if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
@@ -503,8 +509,8 @@ class RadixCache(PrefixCache):
         finally:
             self._flushing = False
         freed += self.evict_host(self._host_size)
-        if self.events is not None and self.total_size() == 0 and self._host_size == 0:
-            self.events.append(AllBlocksCleared())
+        if self.total_size() == 0 and self._host_size == 0:
+            self.emit_event(AllBlocksCleared())
         return freed
 
     # ------------------------------------------------------------------ host-tier nodes
@@ -631,8 +637,8 @@ class RadixCache(PrefixCache):
     def tier_stats(self) -> Any:
         return self.controller.stats() if self.controller is not None else None
 
-    def clear_storage(self) -> bool:
-        return self.controller.clear_storage() if self.controller is not None else False
+    def clear_storage(self) -> ClearResult | None:
+        return self.controller.clear_storage() if self.controller is not None else None
 
     def close(self) -> None:
         if self.controller is not None:

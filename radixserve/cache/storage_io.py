@@ -39,7 +39,7 @@ import torch
 
 from radixserve.cache.base import EMPTY_INDICES, Namespace
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.storage import StorageBackend
+from radixserve.cache.storage import ClearResult, StorageBackend
 from radixserve.cache.tier_stats import TierStats
 
 log = logging.getLogger("radixserve")
@@ -103,6 +103,7 @@ class StorageIO:
         self._reads_out = 0  # reader jobs not answered yet
         self._last_read = time.monotonic()  # when the reader last answered (or went idle)
         self._held: dict[int, torch.Tensor] = {}  # id(prefetch) -> host slots being fetched
+        self._cleared = ClearResult(False)  # what the last clear did
         self._results: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
@@ -205,15 +206,16 @@ class StorageIO:
         if on_done is not None and present + sent:
             on_done(present + sent)
 
-    def _on_cleared(self, done: threading.Event) -> None:
+    def _on_cleared(self, done: threading.Event, result: ClearResult) -> None:
+        self._cleared = result
         done.set()
 
     def held_host_slots(self) -> torch.Tensor:
         return torch.cat(list(self._held.values())) if self._held else EMPTY_INDICES
 
-    def clear(self, timeout: float = 60.0) -> list[Fetched]:
+    def clear(self, timeout: float = 60.0) -> tuple[list[Fetched], ClearResult]:
         """Delete every page of this model and layout from the store (waits for the writer);
-        returns the fetches that finished meanwhile."""
+        returns the fetches that finished meanwhile, and whether none of the pages is left."""
         done = threading.Event()
         self._writes.put(("clear", done))
         deadline = time.monotonic() + timeout
@@ -221,8 +223,8 @@ class StorageIO:
         while not done.is_set() and time.monotonic() < deadline:
             fetched += self.poll(timeout=0.05)
         if not done.is_set():
-            raise TimeoutError("the storage tier did not clear in time")
-        return fetched
+            return fetched, ClearResult(False, f"the KV store did not clear in {timeout:g} s")
+        return fetched, self._cleared
 
     def close(self) -> list[Fetched]:
         """Finish the write-outs already queued (warm restarts need them), stop the threads;
@@ -256,12 +258,11 @@ class StorageIO:
             return ("fetched", p, pages, self.backend.get(p.keys[: len(blocks)], blocks))
         if kind == "write":  # blocks stored already (another instance's) are not sent again
             _, keys, pages, on_done = job
-            present = self.backend.exists(keys)
+            present = self.backend.exists(keys, writing=True)
             rest = self.host.pages(pages[present * self.per_block :], self.per_block)
             sent = self.backend.set(keys[present:], rest)
             return ("written", pages, present, sent, on_done)
-        self.backend.clear()
-        return ("cleared", job[1])
+        return ("cleared", job[1], self.backend.clear())
 
     @staticmethod
     def _failed(job: tuple) -> tuple:
@@ -272,4 +273,4 @@ class StorageIO:
             return ("fetched", job[1], job[2], 0)
         if kind == "write":
             return ("written", job[2], 0, 0, job[3])
-        return ("cleared", job[1])
+        return ("cleared", job[1], ClearResult(False, "the KV store failed; see the log"))

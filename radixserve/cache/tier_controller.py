@@ -39,7 +39,13 @@ from radixserve.cache.base import EMPTY_INDICES, MatchResult, Namespace, TokenId
 from radixserve.cache.events import MEDIUM_STORAGE
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
-from radixserve.cache.storage import PageLayout, StorageScope, chain_page_keys, open_backend
+from radixserve.cache.storage import (
+    ClearResult,
+    PageLayout,
+    StorageScope,
+    chain_page_keys,
+    open_backend,
+)
 from radixserve.cache.storage_io import Fetched, Prefetch, StorageIO
 from radixserve.cache.tier_stats import TierStats
 
@@ -240,11 +246,11 @@ class TierController:
         storage_block = self.storage.block_tokens
 
         def emit(blocks: int) -> None:
+            # the node's event blocks that end inside its first ``blocks`` storage blocks
             stored_end = min(lo + blocks * storage_block, offset + len(node.key))
             count = stored_end // block - offset // block
-            events = self.tree.events  # None once events were switched off meanwhile
-            if count > 0 and events is not None:
-                events.append(dataclasses.replace(
+            if count > 0:  # dropped by the tree if events went off meanwhile
+                self.tree.emit_event(dataclasses.replace(
                     whole, block_hashes=whole.block_hashes[:count],
                     token_ids=whole.token_ids[: count * block],
                 ))  # fmt: skip
@@ -291,11 +297,12 @@ class TierController:
             t.prefetches_in_flight = self.storage.reads_in_flight()
         return t.snapshot()
 
-    def clear_storage(self) -> bool:
+    def clear_storage(self) -> ClearResult | None:
         if self.storage is None:
-            return False
-        self._attach(self.storage.clear())
-        return True
+            return None
+        fetched, result = self.storage.clear()
+        self._attach(fetched)
+        return result
 
     def close(self) -> None:
         if self.storage is not None:
