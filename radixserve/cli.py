@@ -88,8 +88,8 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     n, usage = len(tracker.token_ids), tracker.usage
     prompt, cached = usage.prompt_tokens, usage.cached_tokens
     rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
-    tiers = ""
-    if llm.config.host_kv_memory or llm.config.kv_storage:  # which tier the cached tokens came from
+    tiers, tier_config = "", llm.config.tiers
+    if tier_config.host_kv_memory or tier_config.kv_storage:  # which tier the tokens came from
         split = usage.cached_by_tier().items()
         tiers = " (" + ", ".join(f"{count} {tier}" for tier, count in split) + ")"
     print(

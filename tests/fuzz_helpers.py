@@ -7,16 +7,20 @@ import os
 import httpx
 
 FUZZ_EXAMPLES = int(os.environ.get("RADIXSERVE_FUZZ_EXAMPLES", "10"))
+# what only an internal exception's text would say: errors name the API's fields instead
+INTERNAL_WORDS = ("SamplingParams", "__init__", "keyword argument", "Traceback")
 
 
-def fuzz(url: str, op, mode, seen: dict[int, int], failures: list[str], headers, model) -> None:
-    """``FUZZ_EXAMPLES`` cases of one operation; valid bodies name the served ``model``."""
+def fuzz(
+    url: str, op, mode, seen: dict[int, int], failures: list[str], headers, model, examples
+) -> None:
+    """``examples`` cases of one operation; valid bodies name the served ``model``."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
 
     positive = mode.name == "POSITIVE"
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case):
@@ -24,7 +28,7 @@ def fuzz(url: str, op, mode, seen: dict[int, int], failures: list[str], headers,
             case.body["model"] = model
         r = case.call(base_url=url, headers=headers, timeout=120)
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        if r.status_code >= 500:
+        if r.status_code >= 500 or any(word in r.text for word in INTERNAL_WORDS):
             failures.append(f"{op.method} {op.path} {case.body!r} -> {r.text[:300]}")
 
     try:
@@ -33,9 +37,12 @@ def fuzz(url: str, op, mode, seen: dict[int, int], failures: list[str], headers,
         pass  # nothing to make invalid (an operation without a body or parameters)
 
 
-def fuzz_schema(url: str, headers: dict[str, str], model: str, skip=()) -> tuple[dict, list]:
-    """Valid and (for POST) invalid cases of every operation but those in ``skip``
-    (``"METHOD /path"``): the status codes seen, and the 5xx answers."""
+def fuzz_schema(
+    url: str, headers: dict[str, str], model: str, examples: int = FUZZ_EXAMPLES, skip=()
+) -> tuple[dict, list]:
+    """``examples`` valid and (for POST) invalid cases of every operation but those in
+    ``skip`` (``"METHOD /path"``): the status codes seen, and the 5xx answers and the errors
+    that name internals (a class, a constructor's complaint)."""
     import schemathesis
     from schemathesis import GenerationMode
 
@@ -48,7 +55,7 @@ def fuzz_schema(url: str, headers: dict[str, str], model: str, skip=()) -> tuple
         op = result.ok()
         if f"{op.method.upper()} {op.path}" in skip:
             continue
-        fuzz(url, op, GenerationMode.POSITIVE, seen, failures, headers, model)
+        fuzz(url, op, GenerationMode.POSITIVE, seen, failures, headers, model, examples)
         if op.method.upper() == "POST":
-            fuzz(url, op, GenerationMode.NEGATIVE, seen, failures, headers, model)
+            fuzz(url, op, GenerationMode.NEGATIVE, seen, failures, headers, model, examples)
     return seen, failures

@@ -1,5 +1,6 @@
-"""The code's shape, checked on the source with ``ast``: no private name imported across
-packages. (The import layers and circles are ``lint-imports``'s, run by ``make test``.)"""
+"""The code's shape, checked on the source with ``ast``: no function over 80 lines and no
+private name imported across packages. (The import layers and circles are ``lint-imports``'s,
+run by ``make test``.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "radixserve"
+MAX_FUNCTION_LINES = 80
 
 
 def modules() -> list[tuple[str, ast.Module]]:
@@ -38,3 +40,14 @@ def test_no_private_name_is_imported_across_packages():
                 if alias.name.startswith("_"):
                     found.append(f"{name}:{node.lineno} imports {node.module}.{alias.name}")
     assert not found, "\n".join(found)
+
+
+def test_no_function_is_over_80_lines():
+    long = []
+    for name, tree in modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1  # from its def, decorators aside
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name} (line {node.lineno}): {lines} lines")
+    assert not long, "split these:\n" + "\n".join(long)

@@ -11,12 +11,17 @@ left out too. ``cache_salt`` puts the request's prefixes in a cache namespace of
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from radixserve.api.errors import ApiError
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
+
+# a token id as a request may give it: beyond int32 no vocabulary reaches, and the engine's
+# messages carry 64-bit integers at most, so a bigger number is a 400 here
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_SALT_CHARS = 256
@@ -90,7 +95,7 @@ class _Sampling(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -147,17 +152,32 @@ class _Sampling(_Body):
         return build_params(fields, defaults)
 
 
-def build_params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def build_params(
+    fields: dict[str, Any], defaults: dict[str, Any], where: str = ""
+) -> SamplingParams:
     """``SamplingParams`` from what a request gave (None: left out), over ``defaults``.
-    A ``max_tokens`` left out with no default means up to the context."""
+    A ``max_tokens`` left out with no default means up to the context. ``where`` prefixes
+    the field names in errors (``"sampling_params."`` for ``/generate``), so a message names
+    the field as the client wrote it."""
+    unknown = [k for k in fields if k not in SAMPLING_FIELDS]
+    if unknown:
+        name = where + unknown[0]
+        raise ApiError(
+            400,
+            f"{name} is not supported; the supported fields are {', '.join(SAMPLING_FIELDS)}",
+            name,
+        )
     given = {k: v for k, v in fields.items() if v is not None}
     merged = {"max_tokens": None, **defaults, **given}
     try:
         return SamplingParams(**merged)
-    except TypeError as e:
-        raise ApiError(400, f"unknown sampling parameter: {e}", "sampling_params") from e
     except ValueError as e:
-        raise ApiError(400, str(e), _param_named_in(str(e), merged)) from e
+        param = _param_named_in(str(e), merged)
+        message = where + str(e) if param else str(e)
+        raise ApiError(400, message, where + param if param else None) from e
 
 
 def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
@@ -248,7 +268,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -291,7 +311,7 @@ class PromptSegment(BaseModel):
 
     model_config = STRICT
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     reusable: bool = False
 
     @model_validator(mode="after")
@@ -309,7 +329,7 @@ class GenerateRequest(_Body):
     JSON reaches it as is). ``recompute_ratio`` (with segments): share of the reused segment
     tokens computed again; None: the server's default."""
 
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     text: str | None = None
     segments: list[PromptSegment] | None = Field(default=None, min_length=1)
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -329,4 +349,5 @@ class GenerateRequest(_Body):
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens
-        return build_params(self.sampling_params, {"max_tokens": 16, **defaults})
+        defaults = {"max_tokens": 16, **defaults}
+        return build_params(self.sampling_params, defaults, "sampling_params.")

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.cache.storage.base import ClearResult
+
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 # A cache namespace: None (shared), a tenant's, or one derived from a tenant's (a RAG segment
 # store: ``("rag-segment", tenant)``). Namespaces never share nodes; hashes salt with its repr.
@@ -116,13 +118,13 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(
-        self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
+        self, token_ids: TokenIds, namespace: Namespace = None, record_stats: bool = True
     ) -> MatchResult:
         """Longest cached prefix (page-aligned). May split an edge; never changes what is
         cached. ``record_stats=False`` for matches that admit nothing."""
 
     @abstractmethod
-    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+    def peek_prefix(self, token_ids: TokenIds, namespace: Namespace = None) -> PrefixPeek:
         """The length ``match_prefix`` would return over all tiers, without any side effect:
         no split, no recency or hit update, no statistics."""
 
@@ -145,7 +147,9 @@ class PrefixCache(ABC):
         self.stats.storage_hit_tokens += storage_tokens
 
     @abstractmethod
-    def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
+    def insert(
+        self, token_ids: TokenIds, indices: torch.Tensor, namespace: Namespace = None
+    ) -> int:
         """Cache ``token_ids -> indices``; return how many leading tokens were cached already."""
 
     @abstractmethod
@@ -184,7 +188,7 @@ class PrefixCache(ABC):
         """Bring the host part of ``match`` onto the device; the match it became."""
         return match
 
-    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Any:
+    def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Any:
         """Start fetching from storage what follows the cached prefix; an opaque ticket with
         ``done`` and ``expired(now)``, or None when there is nothing worth fetching."""
         return None
@@ -197,9 +201,10 @@ class PrefixCache(ABC):
         """A snapshot of the lower tiers (``TierStats``), or None without them."""
         return None
 
-    def clear_storage(self) -> bool:
-        """Delete every page in the storage tier; False when there is none."""
-        return False
+    def clear_storage(self) -> ClearResult | None:
+        """Delete every page in the storage tier: whether none is left (else why not), or
+        None when there is no storage tier."""
+        return None
 
     def close(self) -> None:
         """Finish pending writes to lower tiers and stop their threads."""
@@ -207,6 +212,7 @@ class PrefixCache(ABC):
 
     # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
     event_block_size: int = 0
+    events: Any = None  # the queue events go to while they are on; None while off
 
     def enable_events(self, queue: Any) -> None:
         """Emit what is cached now, then every change, to ``queue`` (a ``KVEventQueue``)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,12 +29,13 @@ import torch
 from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
+from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
-from radixserve.engine.hooks import Feature
+from radixserve.engine.hooks import Feature, KVTransfer
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
@@ -50,7 +52,14 @@ log = logging.getLogger("radixserve")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        transfer: Callable[[Engine], KVTransfer] | None = None,
+    ):
+        """``transfer``: in a disaggregation mode, builds the KV transfer feature of this
+        engine (``radixserve.disagg.Disaggregation``)."""
         self.config = config = config or EngineConfig()
         if loaded is None:
             loaded = load_model(
@@ -62,6 +71,34 @@ class Engine:
         self.model_name = loaded.name
         model_len = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self._build_kv(config, loaded)
+        self.disagg: KVTransfer | None = None
+        if config.disaggregation_mode != "off":
+            if transfer is None:
+                raise ValueError(
+                    f"disaggregation_mode {config.disaggregation_mode!r} needs the KV transfer "
+                    "feature: Engine(config, transfer=radixserve.disagg.Disaggregation)"
+                )
+            self.disagg = transfer(self)
+        self.record = StepRecord(self.cache)
+        features: list[Feature] = [self.record, TierTransfers(self.cache, self._has_waiting)]
+        if self.disagg is not None:
+            features.append(self.disagg)
+        vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
+        limits = Limits(self.max_model_len, vocab, eos)
+        source = self.disagg and self.disagg.kv_source
+        self.core = EngineCore(config, self.kv, limits, source, features)
+        self.scheduler, self.requests = self.core.scheduler, self.core.requests
+        select = RecomputeSelector(
+            self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
+        )
+        self.segments = SegmentBlender(self.model, self.pool, self.cache, self.kv,
+                                       config.segment_recompute_ratio, select,
+                                       prefix_tokens=config.segment_prefix_tokens)  # fmt: skip
+        self.executor = ModelExecutor(self.model, self.pool, self.segments)
+
+    def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
         shape = self.model.kv_shape()
         if config.max_total_tokens is not None:
             num_slots = config.max_total_tokens
@@ -72,37 +109,11 @@ class Engine:
             native.paged_ops()  # build (first run) or load the kernels now, not mid-request
         self.allocator = PagedAllocator(num_slots, config.page_size)
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
-        self.kv_events = KVEventQueue() if config.enable_kv_events else None
+        events = KVEventQueue() if config.enable_kv_events else None
         self.cache = build_cache(
-            config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
+            config, self.allocator, self.pool, events, loaded.path, loaded.name
         )
         self.kv = RequestKV(self.cache, self.allocator)
-        self.disagg = None
-        if config.disaggregation_mode != "off":
-            from radixserve.disagg.engine_side import Disaggregation
-
-            self.disagg = Disaggregation(self)
-        self.record = StepRecord(self.cache)
-        features: list[Feature] = [self.record, TierTransfers(self.cache, self._has_waiting)]
-        if self.disagg is not None:
-            features.append(self.disagg)
-        vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
-        limits = Limits(self.max_model_len, vocab, eos)
-        source = self.disagg and self.disagg.source
-        self.core = EngineCore(config, self.kv, limits, source, features)
-        self.scheduler, self.requests = self.core.scheduler, self.core.requests
-        self.segments = SegmentBlender(
-            self.model,
-            self.pool,
-            self.cache,
-            self.kv,
-            config.segment_recompute_ratio,
-            RecomputeSelector(
-                self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
-            ),
-            prefix_tokens=config.segment_prefix_tokens,
-        )
-        self.executor = ModelExecutor(self.model, self.pool, self.segments)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -201,8 +212,9 @@ class Engine:
         """Drop every unlocked cached token from the device and host tiers (not storage)."""
         return self.cache.reset()
 
-    def clear_storage(self) -> bool:
-        """Delete this model's pages from the storage tier; False when there is none."""
+    def clear_storage(self) -> ClearResult | None:
+        """Delete this model's pages from the storage tier: whether none is left (else why
+        not), or None when there is no storage tier."""
         return self.cache.clear_storage()
 
     def close(self) -> None:
@@ -213,15 +225,19 @@ class Engine:
         self.cache.close()
 
     # ------------------------------------------------------------------ KV events
+    @property
+    def kv_events(self) -> KVEventQueue | None:
+        """The queue of KV events while they are on, else None: the cache's own state, the
+        only one (what emits an event later, such as a storage write-out, asks the cache)."""
+        return self.cache.events
+
     def set_kv_events(self, on: bool) -> None:
         """Switch KV events on (``AllBlocksCleared`` and a snapshot of the tree come first) or
         off (no hashing at all until they are switched on again)."""
         if on and self.kv_events is None:
-            self.kv_events = KVEventQueue()
-            self.cache.enable_events(self.kv_events)
+            self.cache.enable_events(KVEventQueue())
         elif not on and self.kv_events is not None:
             self.cache.disable_events()
-            self.kv_events = None
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv_events.drain() if self.kv_events is not None else []

@@ -33,6 +33,8 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     # decode peer and samples nothing
     prefill_peer: str | None = None
     prefill_only: bool = False
+    # (what constrains the output, a grammar for structured output, belongs here too: one
+    # more field, compiled by the executor into its sampler's token mask)
 
     def check(self) -> None:
         """``ValueError`` naming the field that is not what its type says (the lengths are

@@ -1,28 +1,24 @@
-"""The FastAPI application: OpenAI endpoints, native ``/generate``, cache tools, metrics.
+"""The FastAPI application: OpenAI endpoints, native ``/generate``, and (``admin_routes.py``)
+cache tools and metrics.
 
 Errors always come back as OpenAI-style bodies (``api/errors.py``): 400 for bad input (malformed
 JSON, wrong types, unknown or unsupported parameters, prompts that do not fit), 401/403
 without the right key (``api/guard.py``), 404 for an unknown model or route, 413 for a body over
 the limit, 503 with ``Retry-After`` while the engine restarts or the queue is full.
-``/cache`` shows counts and hashes of the cached prefixes, their text only with
-``debug_cache_text``; a request's ``cache_salt`` (and, with ``salt_from_api_key``, its key)
+A request's ``cache_salt`` (and, with ``salt_from_api_key``, its key)
 selects its cache namespace, so tenants never share cached tokens or their timing.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import time
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixserve.api.config import ServerConfig
-from radixserve.api.errors import ApiError, install_error_handlers, unavailable
+from radixserve.api.errors import ApiError, install_error_handlers
 from radixserve.api.guard import Guard, cache_namespace
 from radixserve.api.protocol import (
     ChatCompletionRequest,
@@ -31,11 +27,12 @@ from radixserve.api.protocol import (
 )
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
-from radixserve.engine.stats import EngineStats
 from radixserve.model.generation_defaults import GenerationDefaults
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.admin_routes import add_admin_routes
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.metrics import Metrics
+from radixserve.server.prefill_trust import PrefillTrust
 from radixserve.server.responses import (
     ChatStream,
     CompletionStream,
@@ -44,11 +41,10 @@ from radixserve.server.responses import (
 )
 from radixserve.server.segments import encode_chat_segments, encode_segments
 from radixserve.server.serving import Job, Serving
-from radixserve.server.tier_metrics import cache_tiers
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (docs/fleet.md).
+# the router sets it per request (docs/fleet.md); who may choose which: ``prefill_trust.py``.
 PREFILL_HEADER = "x-radixserve-prefill"
 
 
@@ -60,7 +56,6 @@ def create_app(
 ) -> FastAPI:
     served_model_name = config.served_model_name or "model"
     sampling = sampling or GenerationDefaults()
-    defaults = sampling.values
     app = FastAPI(title="radixserve", version="0.1.0")
     metrics = Metrics(served_model_name, client.info, lambda: client.num_restarts)
     client.on_stats = metrics.update_stats
@@ -70,60 +65,26 @@ def create_app(
     app.add_middleware(Guard, config=config)
     install_error_handlers(app, retryable=(EngineDeadError,))
     app.state.serving = serving  # the server closes its tokenizer thread on the way out
-    started = int(time.time())
+    app.state.prefill_trust = PrefillTrust(client.config.disagg, config.trusted_prefill)
+    add_info_routes(app, client, served_model_name, sampling)
+    add_openai_routes(app, serving, tokenizer, served_model_name, sampling.values)
+    add_generate_route(app, serving, tokenizer, sampling.values)
+    add_admin_routes(app, client, tokenizer, config, metrics)
+    return app
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise ApiError(
-                404,
-                f"model {name!r} not found; this server serves {served_model_name!r}",
-                "model",
-                code="model_not_found",
-            )
 
-    def request_spec(raw: Request, salt: str | None, **options: Any) -> RequestSpec:
-        """What every engine request of this HTTP request shares (``Serving.submit`` gives
-        each its id, prompt and sampling): the tenant's namespace, the prefill peer, RAG
-        segments."""
-        return RequestSpec(
-            request_id="",
-            prompt_ids=[],
-            params=SamplingParams(),
-            namespace=cache_namespace(getattr(raw.state, "tenant", None), salt),
-            prefill_peer=raw.headers.get(PREFILL_HEADER),
-            **options,
-        )
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if client.ready:
-            return JSONResponse({"status": "ok"})
-        reason = client.dead or f"the engine is {client.state}"
-        headers = None if client.dead else {"Retry-After": "2"}
-        return JSONResponse(
-            {"status": client.state, "reason": reason}, status_code=503, headers=headers
-        )
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model_name,
-                    "object": "model",
-                    "created": started,
-                    "owned_by": "radixserve",
-                    "max_model_len": client.info.max_model_len,
-                    "default_sampling": defaults,
-                    "default_sampling_source": sampling.source,
-                }
-            ],
-        }
+def add_openai_routes(
+    app: FastAPI,
+    serving: Serving,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    defaults: dict[str, Any],
+) -> None:
+    """``/v1/chat/completions`` and ``/v1/completions``."""
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
+        check_model(body.model, served_model_name)
         params = body.choice_params(defaults)
         serving.check_size(body.n)
         reusable = body.reusable_parts()
@@ -150,7 +111,7 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        check_model(body.model)
+        check_model(body.model, served_model_name)
         params = body.choice_params(defaults)
         serving.check_size(len(body.prompts()) * body.n, "prompt")
         prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
@@ -168,6 +129,12 @@ def create_app(
             )
         await serving.wait(job, queue, raw)
         return completion_response(job, served_model_name, tokenizer, want_lp, len(prompts))
+
+
+def add_generate_route(
+    app: FastAPI, serving: Serving, tokenizer: Tokenizer, defaults: dict[str, Any]
+) -> None:
+    """The native ``/generate``: token ids, text or RAG segments in, SGLang's response shape."""
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
@@ -191,99 +158,69 @@ def create_app(
         await serving.wait(job, queue, raw)
         return native_result(job, full=True)
 
-    @app.post("/flush_cache")
-    async def flush_cache() -> dict:
-        """Drop every unlocked cached token from the device and host tiers."""
-        return {"flushed_tokens": await engine_call("flush_cache")}
 
-    @app.post("/clear_kv_storage")
-    async def clear_kv_storage() -> dict:
-        """Delete this model's pages from the storage tier (other models' pages stay)."""
-        if not await engine_call("clear_storage"):
-            raise ApiError(400, "this server has no KV storage tier (see --kv-storage)")
-        return {"cleared": True}
-
-    @app.get("/cache")
-    async def cache(top: int = 10) -> dict:
-        summary = await engine_call("cache_summary", top=min(max(top, 1), 100))
-        prefixes = []
-        for prefix in summary.top_prefixes:
-            head = prefix.pop("head_token_ids")
-            if config.debug_cache_text:
-                prefixes.append(
-                    {**prefix, "head_text": tokenizer.decode(head, skip_special_tokens=False)}
-                )
-            else:  # who sent what stays private: a digest tells prefixes apart, nothing more
-                prefixes.append({**prefix, "head_hash": token_digest(head)})
-        stats: EngineStats = await engine_call("stats")
-        return {
-            "num_nodes": summary.num_nodes,
-            "cached_tokens": summary.cached_tokens,
-            "top_prefixes": prefixes,
-            "capacity_tokens": stats.kv_capacity_tokens,
-            "evictable_tokens": stats.evictable_tokens,
-            "stats": dataclasses.asdict(stats.cache),
-            "tiers": cache_tiers(stats),
-        }
-
-    @app.get("/kv_events")
-    async def kv_events() -> JSONResponse:
-        """Where this server publishes KV events (for a router), or 404 when it does not."""
-        info = client.info
-        if not info.kv_events_endpoint:
-            raise ApiError(404, "this server publishes no KV events (--kv-events-endpoint)")
-        return JSONResponse(
-            {
-                "endpoint": info.kv_events_endpoint,
-                "replay_endpoint": info.kv_events_replay_endpoint,
-                "block_size": info.kv_events_block_size,
-                "page_size": info.page_size,
-                "format": "vllm",
-            }
+def check_model(name: str | None, served_model_name: str) -> None:
+    if name is not None and name != served_model_name:
+        raise ApiError(
+            404,
+            f"model {name!r} not found; this server serves {served_model_name!r}",
+            "model",
+            code="model_not_found",
         )
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/disagg/info")
-    async def disagg_info() -> dict:
-        """This instance's disaggregation role, KV layout, transfer endpoint and counters."""
-        info = client.info.disaggregation
-        if info is None:
-            return {"mode": "off"}
-        stats: EngineStats = await engine_call("stats")
+def request_spec(raw: Request, salt: str | None, **options: Any) -> RequestSpec:
+    """What every engine request of this HTTP request shares (``Serving.submit`` gives
+    each its id, prompt and sampling): the tenant's namespace, the prefill peer, RAG
+    segments."""
+    return RequestSpec(
+        request_id="",
+        prompt_ids=[],
+        params=SamplingParams(),
+        namespace=cache_namespace(getattr(raw.state, "tenant", None), salt),
+        prefill_peer=raw.app.state.prefill_trust.peer(
+            raw.headers.get(PREFILL_HEADER), raw.state.admin
+        ),
+        **options,
+    )
+
+
+def add_info_routes(
+    app: FastAPI, client: EngineClient, served_model_name: str, sampling: GenerationDefaults
+) -> None:
+    """``/health`` and ``/v1/models``."""
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if client.ready:
+            return JSONResponse({"status": "ok"})
+        reason = client.dead or f"the engine is {client.state}"
+        headers = None if client.dead else {"Retry-After": "2"}
+        return JSONResponse(
+            {"status": client.state, "reason": reason}, status_code=503, headers=headers
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict:
         return {
-            "mode": info.mode,
-            "endpoint": info.endpoint,
-            "layout": dataclasses.asdict(info.layout),
-            "stats": dataclasses.asdict(stats.kv_transfer),
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "radixserve",
+                    "max_model_len": client.info.max_model_len,
+                    "default_sampling": sampling.values,
+                    "default_sampling_source": sampling.source,
+                }
+            ],
         }
-
-    @app.get("/debug/check_integrity")
-    async def check_integrity() -> dict:
-        """Run the engine's slot-ownership check (free + cached + held == capacity)."""
-        try:
-            await engine_call("check_integrity")
-        except RuntimeError as e:
-            raise ApiError(500, str(e), kind="server_error") from e
-        return {"ok": True}
-
-    async def engine_call(name: str, **kwargs) -> object:
-        try:
-            return await client.call(name, **kwargs)
-        except EngineDeadError as e:
-            raise unavailable(str(e)) from e
-
-    return app
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-
-
-def token_digest(token_ids: list[int]) -> str:
-    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 def native_result(job: Job, full: bool, index: int = 0) -> dict:
