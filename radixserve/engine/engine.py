@@ -33,6 +33,7 @@ from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
+from radixserve.engine.grammar import GrammarCompiler, GrammarStats
 from radixserve.engine.hooks import Feature
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
@@ -103,6 +104,7 @@ class Engine:
             prefix_tokens=config.segment_prefix_tokens,
         )
         self.executor = ModelExecutor(self.model, self.pool, self.segments)
+        self._grammars: GrammarCompiler | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -114,8 +116,24 @@ class Engine:
         )
 
     def add(self, spec: RequestSpec) -> Request:
-        """Validate and queue a request (``ValueError`` naming what is wrong)."""
-        return self.core.add(spec)
+        """Validate and queue a request (``ValueError`` naming what is wrong); a constrained
+        one starts compiling its grammar and is admitted once it is ready."""
+        req = self.core.add(spec)
+        if spec.grammar is not None:
+            req.grammar = self.grammars.start(*spec.grammar)
+        return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's vocabulary, built on first use."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf, self.model.config.vocab_size, self.tokenizer.eos_token_ids
+            )
+        return self._grammars
+
+    def grammar_stats(self) -> GrammarStats:
+        return dataclasses.replace(self._grammars.stats) if self._grammars else GrammarStats()
 
     def abort_request(self, request_id: str, reason: str = "abort") -> StepOutput | None:
         return self.core.abort(request_id, reason)
@@ -129,10 +147,18 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
+        failed = self._failed_grammars()
         step = self.core.schedule()
         if step.empty:
+            return failed
+        return failed + self.core.postprocess(step, self.executor.run(step))
+
+    def _failed_grammars(self) -> list[StepOutput]:
+        """Fail the waiting requests whose grammar could not be compiled."""
+        if self._grammars is None:
             return []
-        return self.core.postprocess(step, self.executor.run(step))
+        failed = [r for r in self.scheduler.waiting if r.grammar and r.grammar.error]
+        return [self.core.fail(r, r.grammar.error) for r in failed]
 
     def _has_waiting(self) -> bool:
         return bool(self.scheduler.waiting)
@@ -210,6 +236,8 @@ class Engine:
         the engine is not used afterwards."""
         if self.disagg is not None:
             self.disagg.close()
+        if self._grammars is not None:
+            self._grammars.close()
         self.cache.close()
 
     # ------------------------------------------------------------------ KV events
