@@ -1,21 +1,26 @@
 """OpenAI-compatible request bodies, and the one place they become ``SamplingParams``.
 
 Every field is either honoured or rejected: unknown fields fail validation (``extra=forbid``)
-and known OpenAI fields we do not implement (tools, logit_bias, ...) are refused with a
-message naming them, unless they carry their neutral value. Types are strict (``true`` is not
-a count, ``2.5`` is not an integer), floats finite, and no string anywhere in a body may hold
-a lone surrogate (the tokenizer cannot encode one). Parameters a request leaves out take the
-server's defaults (the model's recommendation, see ``generation_defaults``); ``model`` may be
-left out too. ``cache_salt`` puts the request's prefixes in a cache namespace of their own.
+and known OpenAI fields we do not implement (``functions``, ``echo``, ...) are refused with a
+message naming them, unless they carry their neutral value. Constrained output (chat's
+``response_format``; the extensions ``regex``, ``ebnf`` and ``json_schema``) becomes the
+spec's ``grammar``, checked here so a bad one is a 400 naming the problem. Types are
+strict (``true`` is not a count, ``2.5`` is not an integer), floats finite, and no string
+anywhere in a body may hold a lone surrogate (the tokenizer cannot encode one). Parameters
+a request leaves out take the server's defaults (the model's recommendation, see
+``generation_defaults``); ``model`` may be left out too. ``cache_salt`` puts the request's
+prefixes in a cache namespace of their own.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from radixserve.api.errors import ApiError
+from radixserve.engine.grammar import check_grammar
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -83,8 +88,11 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None  # an end-user id for the caller's logs; no effect on generation
-    # unsupported OpenAI fields: accepted only with their neutral value
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # extensions (as in vLLM / SGLang): constrained output, at most one
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
     # extensions (as in vLLM / SGLang)
     top_k: int | None = None
     min_p: float | None = None
@@ -95,7 +103,12 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
 
     def _unsupported(self) -> dict[str, Any]:
-        return {"logit_bias": self.logit_bias or None}
+        return {}
+
+    def grammar(self) -> tuple[str, str] | None:
+        """The output constraint this request asks for (checked), or None."""
+        given = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": self.json_schema}
+        return grammar_from(given)
 
     def reject_unsupported(self) -> None:
         for name, value in self._unsupported().items():
@@ -143,8 +156,45 @@ class _Sampling(_Body):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": parse_logit_bias(self.logit_bias),
         }
         return build_params(fields, defaults)
+
+
+def parse_logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token id strings -> bias in [-100, 100]) with integer keys."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ApiError(400, "logit_bias must map token ids to numbers", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) and not isinstance(key, int):
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def grammar_from(given: dict[str, Any]) -> tuple[str, str] | None:
+    """``(kind, text)`` from the one constraint field given (400 for several or a bad one)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ApiError(400, f"give at most one of {', '.join(given)}", next(iter(given)))
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    if name in ("json_schema", "response_format") and not isinstance(value, str):
+        value = json.dumps(value)
+    kind = "json_schema" if name in ("json_schema", "response_format") else name
+    if name == "json_object":
+        kind, value = "json_object", ""
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", name)
+    try:
+        check_grammar(kind, value)
+    except ValueError as e:
+        raise ApiError(400, f"{name}: {e}", name) from e
+    return kind, value
 
 
 def build_params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
@@ -208,16 +258,39 @@ class ChatCompletionRequest(_Sampling):
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
 
     def _unsupported(self) -> dict[str, Any]:
-        fmt = self.response_format
         return {
             **super()._unsupported(),
             "tools": self.tools or None,
             "tool_choice": None if self.tool_choice in (None, "none") else self.tool_choice,
             "functions": self.functions or None,
             "function_call": None if self.function_call in (None, "none") else self.function_call,
-            "response_format": None if fmt in (None, {"type": "text"}) else fmt,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
+
+    def grammar(self) -> tuple[str, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt == {"type": "text"}:
+            return super().grammar()
+        if super().grammar() is not None:
+            raise ApiError(400, "give response_format or a grammar extension, not both",
+                           "response_format")  # fmt: skip
+        kind = fmt.get("type")
+        if kind == "json_object" and set(fmt) == {"type"}:
+            return grammar_from({"json_object": True})
+        spec = fmt.get("json_schema")
+        if kind != "json_schema" or set(fmt) != {"type", "json_schema"}:
+            raise ApiError(400, "response_format must be {\"type\": \"text\"}, "
+                           "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                           "\"json_schema\": {...}}", "response_format")  # fmt: skip
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ApiError(400, "response_format.json_schema must be an object with a schema",
+                           "response_format")  # fmt: skip
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ApiError(400, f"response_format.json_schema: unknown field {name!r}",
+                           "response_format")  # fmt: skip
+        return grammar_from({"response_format": spec.get("schema", {"type": "object"})})
 
     def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
         if not self.messages:
@@ -278,9 +351,16 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")  # /generate's sampling_params extensions
+
 # the OpenAPI description of /generate's sampling_params: SamplingParams' own fields
 _SAMPLING_SCHEMA = {
-    "properties": TypeAdapter(SamplingParams).json_schema()["properties"],
+    "properties": {
+        **TypeAdapter(SamplingParams).json_schema()["properties"],
+        "regex": {"type": "string"},
+        "ebnf": {"type": "string"},
+        "json_schema": {"type": ["object", "string"]},
+    },
     "additionalProperties": False,
 }
 
@@ -329,4 +409,10 @@ class GenerateRequest(_Body):
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens
-        return build_params(self.sampling_params, {"max_tokens": 16, **defaults})
+        fields = {k: v for k, v in self.sampling_params.items() if k not in GRAMMAR_FIELDS}
+        if "logit_bias" in fields:
+            fields["logit_bias"] = parse_logit_bias(fields["logit_bias"])
+        return build_params(fields, {"max_tokens": 16, **defaults})
+
+    def grammar(self) -> tuple[str, str] | None:
+        return grammar_from({k: self.sampling_params.get(k) for k in GRAMMAR_FIELDS})

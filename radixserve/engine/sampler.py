@@ -3,9 +3,10 @@
 Order of processing: logit bias, grammar masks (a constrained request's forbidden tokens
 get ``-inf``, ``grammar.py``), penalties (repetition over prompt + output, frequency and
 presence over output) -> greedy rows take the argmax -> other rows: temperature, then
-top-k, top-p and min-p masks over one sort, then a draw. Each request draws with its own ``torch.Generator``
-(seeded from ``seed`` or from the engine's seed sequence), via the exponential race
-``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not depend on what else is in the batch.
+top-k, top-p and min-p masks over one sort, then a draw. Each request draws with its own
+``torch.Generator`` (seeded from ``seed`` or from the engine's seed sequence), via the
+exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not depend on what
+else is in the batch.
 Logprobs are of the model's distribution (raw logits, before penalties and temperature).
 Each constrained request's matcher then accepts the token drawn for it.
 """

@@ -93,7 +93,7 @@ def add_openai_routes(
             options = {"segments": tuple(ranges), "recompute_ratio": body.recompute_ratio}
         else:
             ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
-        spec = request_spec(raw, body.cache_salt, **options)
+        spec = request_spec(raw, body.cache_salt, grammar=body.grammar(), **options)
         job, queue = await serving.submit("chatcmpl", [ids] * body.n, params, spec)
         want_lp = body.logprobs
         if body.stream:
@@ -114,7 +114,7 @@ def add_openai_routes(
         serving.check_size(len(body.prompts()) * body.n, "prompt")
         prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
         ids = [p for p in prompts for _ in range(body.n)]
-        spec = request_spec(raw, body.cache_salt)
+        spec = request_spec(raw, body.cache_salt, grammar=body.grammar())
         job, queue = await serving.submit("cmpl", ids, params * len(prompts), spec)
         want_lp = body.logprobs is not None
         if body.stream:
@@ -137,7 +137,7 @@ def add_generate_route(
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
         params = body.to_sampling_params(defaults)
-        options: dict = {}
+        options: dict = {"grammar": body.grammar()}
         if body.input_ids is not None:
             ids = body.input_ids
         elif body.text is not None:
