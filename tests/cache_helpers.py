@@ -7,13 +7,13 @@ import torch
 from radixserve.cache import PagedAllocator, PrefixCache
 
 
-def cache_sequence(cache: PrefixCache, alloc: PagedAllocator, tokens: list[int], extra_key=None):
+def cache_sequence(cache: PrefixCache, alloc: PagedAllocator, tokens: list[int], namespace=None):
     """Do what a finishing request does: match, allocate the rest, insert, free duplicates.
 
     Returns the number of tokens that were already cached, or None if the pool is too small
     even after evicting everything evictable.
     """
-    match = cache.match_prefix(tokens, extra_key)
+    match = cache.match_prefix(tokens, namespace)
     cache.inc_lock_ref(match.handle)
     need = len(tokens) - match.device_len
     new = alloc.alloc(need)
@@ -25,7 +25,7 @@ def cache_sequence(cache: PrefixCache, alloc: PagedAllocator, tokens: list[int],
         return None
     slots = torch.cat([match.device_indices, new])
     aligned = len(tokens) // alloc.page_size * alloc.page_size
-    already = cache.insert(tokens[:aligned], slots[:aligned], extra_key)
+    already = cache.insert(tokens[:aligned], slots[:aligned], namespace)
     alloc.free(slots[match.device_len : max(already, match.device_len)])
     alloc.free(slots[aligned:])
     cache.dec_lock_ref(match.handle)

@@ -97,15 +97,15 @@ def kernels(request, monkeypatch):
 def make_engine(tiny_loaded):
     """Engine factory over the tiny model; every engine it made is integrity-checked at the end."""
     from radixserve.config import EngineConfig
+    from radixserve.disagg import Disaggregation
     from radixserve.engine import Engine
 
     engines = []
 
     def make(loaded=None, **options):
         options.setdefault("max_total_tokens", 4096)
-        engine = Engine(
-            EngineConfig.from_options(load_progress=False, **options), loaded or tiny_loaded
-        )
+        config = EngineConfig.from_options(load_progress=False, **options)
+        engine = Engine(config, loaded or tiny_loaded, transfer=Disaggregation)
         engines.append(engine)
         return engine
 

@@ -1,6 +1,7 @@
-"""Test helper: write a transformers Llama model to GGUF the way llama.cpp's converter does.
+"""Test helper: write a transformers Llama or Qwen2 model to GGUF the way llama.cpp's converter
+does.
 
-Q and K projection rows are permuted into llama.cpp's rotary layout, so loading the file
+Llama's Q and K projection rows are permuted into llama.cpp's rotary layout, so loading the file
 exercises the un-permutation that real GGUF files need. ``types`` gives some tensors another
 type than ``qtype`` (a Q4_K_M-like mix); the ``gguf`` package cannot quantize to K-quants,
 so those tensors get random blocks with sane scales (``random_blocks``) instead of the
@@ -58,15 +59,22 @@ def random_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, rng) -
 
 
 def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) -> None:
+    """A ``llama`` or ``qwen2`` model (QKV biases, an untied head where the model has one;
+    llama.cpp permutes only ``llama``'s Q and K rows)."""
     c = model.config
+    arch = c.model_type
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
     }
+    if not c.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
     for i in range(c.num_hidden_layers):
         for hf, cpp in _LAYER.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{cpp}.weight"
-    writer = gguf.GGUFWriter(str(path), "llama")
+            if hf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                names[f"model.layers.{i}.{hf}.bias"] = f"blk.{i}.{cpp}.bias"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -80,11 +88,11 @@ def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) 
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
         if name not in names:
-            continue  # lm_head is tied to the embedding
+            continue  # a tied lm_head is the embedding
         w = tensor.detach().float().numpy()
-        if ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:
             w = llama_cpp_permute(w, c.num_attention_heads)
-        elif ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in name:
             w = llama_cpp_permute(w, c.num_key_value_heads)
         t = qtype if w.ndim == 2 else gguf.GGMLQuantizationType.F32
         t = next((v for k, v in (types or {}).items() if k in names[name] and w.ndim == 2), t)

@@ -209,6 +209,15 @@ def test_a_prefill_peer_named_to_an_instance_not_in_decode_mode_is_an_error(make
         make_engine().add_request("x", [5, 6, 7], GREEDY, prefill_peer="tcp://127.0.0.1:1")
 
 
+def test_an_engine_in_a_disaggregation_mode_needs_its_transfer_feature(tiny_loaded):
+    from radixserve.config import EngineConfig
+    from radixserve.engine import Engine
+
+    config = EngineConfig.from_options(disaggregation_mode="decode", max_total_tokens=256)
+    with pytest.raises(ValueError, match="needs the KV transfer feature"):
+        Engine(config, tiny_loaded)
+
+
 def test_a_malformed_prefill_peer_is_an_error_and_local_means_here(make_engine, pair):
     prefill, decode = pair()
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):

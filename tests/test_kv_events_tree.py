@@ -69,7 +69,7 @@ def test_events_rebuild_exactly_the_cached_blocks(page_size, block_size):
             head = systems[int(rng.integers(3))] if rng.random() < 0.7 else []
             seq = head + rng.integers(0, 20, int(rng.integers(1, 60))).tolist()
             ns = None if rng.random() < 0.8 else "tenant-a"
-            cache_sequence(cache, alloc, seq, extra_key=ns)
+            cache_sequence(cache, alloc, seq, namespace=ns)
         elif op < 0.8:  # a match splits an edge without changing what is cached
             seq = systems[int(rng.integers(3))][: int(rng.integers(1, 30))]
             cache.match_prefix(seq, record_stats=False)

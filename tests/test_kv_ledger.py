@@ -117,7 +117,7 @@ def test_peek_agrees_with_match_and_changes_nothing():
     cache.peek_prefix([7, 7])  # no LRU touch: [7, 7] is still the oldest leaf
     assert cache.evict(1) == 2 and cache.match_prefix([7, 7]).device_len == 0
     assert cache.peek_prefix([1, 2, 3, 9]).length == cache.match_prefix([1, 2, 3, 9]).device_len
-    assert cache.peek_prefix([1, 2], extra_key="other").length == 0
+    assert cache.peek_prefix([1, 2], namespace="other").length == 0
 
 
 def test_null_cache_answers_every_call():

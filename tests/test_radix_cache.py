@@ -94,10 +94,10 @@ def test_page_alignment():
 
 def test_namespaces_never_share_nodes():
     cache, alloc = make()
-    cache_sequence(cache, alloc, [1, 2, 3], extra_key="lora-a")
+    cache_sequence(cache, alloc, [1, 2, 3], namespace="lora-a")
     assert cache.match_prefix([1, 2, 3]).device_len == 0
-    assert cache.match_prefix([1, 2, 3], extra_key="lora-b").device_len == 0
-    assert cache.match_prefix([1, 2, 3], extra_key="lora-a").device_len == 3
+    assert cache.match_prefix([1, 2, 3], namespace="lora-b").device_len == 0
+    assert cache.match_prefix([1, 2, 3], namespace="lora-a").device_len == 3
     assert cache_sequence(cache, alloc, [1, 2, 3]) == 0
     assert cache.total_size() == 6
     cache.reset()
@@ -200,7 +200,7 @@ def test_events_name_pages_by_chained_hash():
     cache, alloc = make(capacity=64, page_size=2, events=events, block_size=2)
     cache_sequence(cache, alloc, [1, 2, 3, 4])
     cache_sequence(cache, alloc, [1, 2, 3, 4, 5, 6])
-    cache_sequence(cache, alloc, [1, 2, 3, 4], extra_key="tenant")
+    cache_sequence(cache, alloc, [1, 2, 3, 4], namespace="tenant")
     stored = events.drain()
     assert [type(e) for e in stored] == [BlockStored] * 3
     first, second, other = stored

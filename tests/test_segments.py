@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.rag.selection_variants import SelectionVariants
 from radixserve import SamplingParams
 from radixserve.cache import KVPool
 from radixserve.engine.segments import segment_namespace
@@ -213,7 +214,7 @@ def test_recompute_selection_picks_the_budget_from_the_reused_tokens(make_engine
     prompt, segments = rag_prompt([2, 0, 1], DOCS, HEAD, QUESTION)
     engine = make_engine()
     drive(engine, [("w", prompt, {"segments": segments})])
-    select = engine.segments.select
+    select = engine.segments.select = SelectionVariants.replacing(engine.segments.select)
     select.deviation_on, select.quota = score, quota
     picks = []
     pick = select.pick
@@ -295,7 +296,7 @@ def test_gradual_filtering_picks_the_budget_from_its_candidates(make_engine, dee
     engine = make_engine(deep_loaded)
     plain = drive(make_engine(deep_loaded, enable_prefix_caching=False), [("p", prompt, {})])
     drive(engine, [("w", prompt, {"segments": segments})])
-    select = engine.segments.select
+    select = engine.segments.select = SelectionVariants.replacing(engine.segments.select)
     select.deviation_from, select.deviation_layer = 1, probe  # layers 1..probe, summed
     select.filter_layer, select.filter_keep = 3, 1.5
     picks, candidates = [], []

@@ -50,8 +50,8 @@ def test_models_layouts_and_namespaces_never_share_keys():
         chain_page_keys(
             StorageScope(SCOPE.model_id, PageLayout(3, 2, 8, 4, "float32")), None, TOKENS
         ),
-        chain_page_keys(SCOPE, None, TOKENS, extra_key="tenant-a"),
-        chain_page_keys(SCOPE, None, TOKENS, extra_key="tenant-b"),
+        chain_page_keys(SCOPE, None, TOKENS, namespace="tenant-a"),
+        chain_page_keys(SCOPE, None, TOKENS, namespace="tenant-b"),
     ]
     for keys in others:
         assert len(keys) == 4 and not base & set(keys)

@@ -8,6 +8,7 @@ import math
 import pickle
 
 import gguf
+import msgspec
 import pytest
 
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
@@ -16,7 +17,7 @@ from radixserve.engine import SamplingParams
 from radixserve.engine.spec import RequestSpec
 from radixserve.model.generation_defaults import generation_defaults
 from radixserve.server.engine_process import STEP_ERROR, EngineLoop
-from radixserve.server.messages import Added, AddRequest, Outputs, Rejected
+from radixserve.server.messages import Abort, Added, AddRequest, Outputs, Rejected, decode, encode
 
 BAD_PARAMS = [
     ({"top_k": 10**20}, "top_k"),  # once killed the engine (int64 overflow in the sampler)
@@ -87,6 +88,20 @@ def outputs_of(sent: list) -> list:
 
 def add_message(rid, prompt, params, sent_at=None) -> AddRequest:
     return AddRequest(RequestSpec(request_id=rid, prompt_ids=prompt, params=params), sent_at)
+
+
+def test_request_messages_round_trip_typed_and_refuse_what_breaks_the_schema():
+    spec = RequestSpec(request_id="r", prompt_ids=[5, 6, 7], namespace="ns-1",
+                       params=SamplingParams(max_tokens=3, stop=["x"]), segments=((0, 2),),
+                       recompute_ratio=0.5, prefill_peer="tcp://127.0.0.1:9")  # fmt: skip
+    got = decode(encode(AddRequest(spec, 1.5)))
+    assert got == AddRequest(spec, 1.5) and isinstance(got.spec.params, SamplingParams)
+    assert decode(encode(Abort("r", "stop"))) == Abort("r", "stop")
+    bad = msgspec.structs.replace(spec, namespace=7)  # a namespace is text or nothing
+    with pytest.raises(ValueError, match=r"\$\.spec\.namespace"):
+        decode(encode(AddRequest(bad)))
+    with pytest.raises(ValueError):
+        decode(b"garbage")
 
 
 def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monkeypatch):

@@ -16,6 +16,12 @@ prompt each time, so no prompt cache helps), greedy, ``ignore_eos``:
 - prefill: one ``--prefill-tokens``-token prompt with ``max_tokens=1``; tokens/s is
   ``prompt_tokens / time to first token``.
 
+Also reported, per server: ``startup_s`` (process start to a healthy ``/health``, the model
+load included) and ``rss_mb`` (resident memory of the server's process group after the
+measurements). With ``--agreement`` (and both servers), the greedy answers to 8 chat prompts
+(``radixserve/bench/agreement.py``: 32 tokens, repetition penalty off on both) are compared,
+each disagreement classed as a near tie or a real difference by radixserve's logprobs.
+
 Prints one JSON line: each figure for both servers and our/llama.cpp ratios. Extra flags for
 ``radixserve serve`` go in ``--radix-args`` (e.g. ``--radix-args "--quantization none"``).
 Usage: ``python -m benchmarks.engine.bench_decode_vs_llamacpp [--repeat 3] [--streams 16]``.
@@ -40,6 +46,7 @@ import httpx
 import numpy as np
 
 from radixserve.bench import baselines
+from radixserve.bench.agreement import greedy_agreement
 from radixserve.bench.client import RequestRecord, check_server, stream_request
 
 PROMPT_LEN = 32  # decode prompts: short, so the figure is decode
@@ -88,6 +95,11 @@ async def prefill(client, url, model, prompts, n: int) -> float:
     return r.prompt_tokens / r.ttft
 
 
+async def check_agreement(servers: dict[str, str]) -> dict:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        return await greedy_agreement(client, servers)
+
+
 async def measure(servers: dict[str, str], args) -> dict:
     prompts = Prompts()
     samples: dict[str, dict[str, list[float]]] = {
@@ -127,6 +139,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--radix-args", default="", help="extra `radixserve serve` flags")
     parser.add_argument("--systems", default="radix,llamacpp", help="radix, llamacpp or both")
+    parser.add_argument(
+        "--agreement", action="store_true", help="also compare greedy answers to chat prompts"
+    )
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     if not systems or set(systems) - {"radix", "llamacpp"}:
@@ -144,11 +159,16 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # radixserve's engine inherits it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
     with contextlib.ExitStack() as stack:
-        servers = {}
+        managed = {}
         for name in systems:
             server = baselines.ManagedServer(name, baselines.command(name, settings), settings)
-            servers[name] = stack.enter_context(server).base_url
+            managed[name] = stack.enter_context(server)
+        servers = {name: server.base_url for name, server in managed.items()}
+        agreement = asyncio.run(check_agreement(servers)) if args.agreement else None
         result = asyncio.run(measure(servers, args))
+        for name, server in managed.items():
+            result[name]["startup_s"] = round(server.startup_s or 0.0, 1)
+            result[name]["rss_mb"] = round(server.rss_bytes() / 2**20)
     out = {
         "bench": "decode_vs_llamacpp",
         "threads": args.threads,
@@ -159,11 +179,14 @@ def main() -> None:
         "repeat": args.repeat,
         **result,
     }
+    if agreement is not None:
+        out["greedy_agreement"] = agreement
     if len(systems) == 2:
         ours, peer = result["radix"], result["llamacpp"]
         out["ratio_vs_llamacpp"] = {
             k: round(ours[k] / peer[k], 2) for k in ("decode_1", "decode_n", "prefill")
         }
+        out["ratio_vs_llamacpp"]["startup"] = round(ours["startup_s"] / peer["startup_s"], 2)
     print(json.dumps(out))
     sys.stdout.flush()
 

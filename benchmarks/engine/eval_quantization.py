@@ -1,8 +1,8 @@
 """Quantized weights vs the dequantized model: greedy agreement and perplexity, real text.
 
-Method. The reference is the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) loaded with
-``--quantization none``: every tensor dequantized to float32, run by PyTorch op by op. Each
-path in ``--paths`` loads the same file with that ``--quantization`` (``auto``: the file's
+Method. The reference is the model (``--model``; default SmolLM2-135M-Instruct, Q4_1 GGUF)
+loaded with ``--quantization none``: every tensor dequantized to float32, run by PyTorch op by
+op. Each path in ``--paths`` loads the same file with that ``--quantization`` (``auto``: the file's
 own Q4_1/Q8_0 blocks computed directly; ``int8``: every matrix requantized to Q8_0;
 ``int4``: Q4_1 matrices, Q8_0 embedding) and runs through the engine (native kernels where
 they build), all float32.
@@ -117,16 +117,18 @@ def main() -> None:
     parser.add_argument("--ppl-tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--paths", default="auto,int8,int4")
+    parser.add_argument("--model", help="a .gguf file or known model name (default: SmolLM2)")
     args = parser.parse_args()
     chats = prompts(args.prompts)
     t0 = time.perf_counter()
-    reference = load_model(None, dtype="float32", progress=False, quantization="none")
+    reference = load_model(args.model, dtype="float32", progress=False, quantization="none")
     text = held_text(1000, reference.tokenizer, args.ppl_tokens)
     ref_out = greedy(reference, chats, args.new_tokens)
     ref_ppl = perplexity(reference, text, args.window)
     ref_dec = perplexity_decoded(reference, text, args.window)
     result = {
         "bench": "eval_quantization",
+        "model": args.model or "default",
         "prompts": len(chats),
         "new_tokens": args.new_tokens,
         "ppl_tokens": len(text),
@@ -140,7 +142,7 @@ def main() -> None:
     }
     del reference
     for path in args.paths.split(","):
-        loaded = load_model(None, dtype="float32", progress=False, quantization=path)
+        loaded = load_model(args.model, dtype="float32", progress=False, quantization=path)
         out = greedy(loaded, chats, args.new_tokens)
         same = sum(a == b for a, b in zip(out, ref_out, strict=True))
         prefix = []

@@ -59,6 +59,7 @@ from radixserve.model import load_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=30)
+    ap.add_argument("--model", help="a .gguf file or known model name (default: SmolLM2)")
     ap.add_argument("--passages", type=int, default=4)
     ap.add_argument("--passage-tokens", type=int, default=512)
     ap.add_argument("--ratios", default="0,0.05,0.1,0.15,0.25,0.5,1")
@@ -77,8 +78,9 @@ def main() -> None:
     ap.add_argument("--ttft-label", default="", help="the plot's TTFT note, e.g. 'CPU s'")
     args = ap.parse_args()
     if args.from_log:
-        meta = {"passages": args.passages, "passage_tokens": args.passage_tokens,
-                "dtype": args.dtype, "from_log": [str(p) for p in args.from_log]}  # fmt: skip
+        meta = {"model": args.model or "SmolLM2-135M", "passages": args.passages,
+                "passage_tokens": args.passage_tokens, "dtype": args.dtype,
+                "from_log": [str(p) for p in args.from_log]}  # fmt: skip
         result = summarize(*from_log(args.from_log), meta)
         if args.ttft_log:
             result = with_ttft_from(result, summarize(*from_log(args.ttft_log), {}))
@@ -92,12 +94,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_clock else time.perf_counter
-    loaded = load_model(None, "cpu", args.dtype, progress=False)
+    loaded = load_model(args.model, "cpu", args.dtype, progress=False)
     items = build_items(loaded.tokenizer, args.items, args.passages, args.passage_tokens,
                         args.seed, chat=args.chat)  # fmt: skip
     items, first = sliced(items, args.slice, ap.error)
     stored = args.items * (args.passage_tokens + 8)
-    opts = dict(load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
+    opts = dict(model=args.model, load_progress=False, dtype=args.dtype, chunked_prefill_size=4096)
     blend = Runner(Engine(EngineConfig.from_options(max_total_tokens=stored + 8192,
                                        segment_prefix_tokens=args.prefix_tokens, **opts),
                           loaded), clock)  # fmt: skip
@@ -144,6 +146,7 @@ def main() -> None:
         print(json.dumps(done), flush=True)  # per item, so a cut-short run still tells
     blend.engine.check_integrity()
     meta = {
+        "model": args.model or "SmolLM2-135M",
         "passages": args.passages,
         "passage_tokens": args.passage_tokens,
         "dtype": args.dtype,
@@ -263,7 +266,8 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("TTFT / full prefill (median)")
     note = f", {result['ttft_label']}" if result.get("ttft_label") else ""
     ax2.set_title(f"TTFT: {result.get('ttft_items', result['items'])} questions{note}", fontsize=9)
-    fig.suptitle(f"RAG segments, SmolLM2-135M, {result['items']} questions x "
+    model = result.get("model", "SmolLM2-135M")
+    fig.suptitle(f"RAG segments, {model}, {result['items']} questions x "
                  f"{result['passages']} passages x {result['passage_tokens']} tokens")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -43,13 +43,11 @@ import torch
 
 from benchmarks.rag.bench_rag import store_all
 from benchmarks.rag.rag_items import Runner, build_items, chosen_option, kl
+from benchmarks.rag.selection_variants import QUOTAS, SCORES, SelectionVariants
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
-
-SCORES = ("kv", "k", "v", "attention", "kvattn", "position")
-QUOTAS = ("global", "segment")
 
 
 def parse_variant(text: str) -> tuple:
@@ -122,7 +120,7 @@ def main() -> None:
     text = loaded.tokenizer.decode
     store_all(blend, [items[k] for k in picked], one)  # before any variant: standalone
     seg = blend.engine.segments  # the selection knobs, set per variant (a measurement hook)
-    sel = seg.select
+    sel = seg.select = SelectionVariants.replacing(seg.select)
     for k in picked:
         item = items[k]
         ref = full.run(item["prompt"], params)

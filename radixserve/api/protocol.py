@@ -15,13 +15,17 @@ prefixes in a cache namespace of their own.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from radixserve.api.errors import ApiError
 from radixserve.engine.grammar import check_grammar
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
+
+# a token id as a request may give it: beyond int32 no vocabulary reaches, and the engine's
+# messages carry 64-bit integers at most, so a bigger number is a 400 here
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_SALT_CHARS = 256
@@ -98,7 +102,7 @@ class _Sampling(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -321,7 +325,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -371,7 +375,7 @@ class PromptSegment(BaseModel):
 
     model_config = STRICT
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     reusable: bool = False
 
     @model_validator(mode="after")
@@ -389,7 +393,7 @@ class GenerateRequest(_Body):
     JSON reaches it as is). ``recompute_ratio`` (with segments): share of the reused segment
     tokens computed again; None: the server's default."""
 
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     text: str | None = None
     segments: list[PromptSegment] | None = Field(default=None, min_length=1)
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)

@@ -148,9 +148,11 @@ class ManagedServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(settings.log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None  # from the process start to a healthy /health
 
     def __enter__(self) -> ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -161,7 +163,22 @@ class ManagedServer:
         except BaseException:
             self.stop()
             raise
+        self.startup_s = time.monotonic() - t0
         return self
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's process group (the server and its engine)."""
+        if self.proc is None:
+            return 0
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:  # the process group id
+                    total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss in pages
+            except (OSError, IndexError, ValueError):
+                continue  # a process that ended meanwhile
+        return total
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -116,13 +116,13 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(
-        self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
+        self, token_ids: TokenIds, namespace: Namespace = None, record_stats: bool = True
     ) -> MatchResult:
         """Longest cached prefix (page-aligned). May split an edge; never changes what is
         cached. ``record_stats=False`` for matches that admit nothing."""
 
     @abstractmethod
-    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+    def peek_prefix(self, token_ids: TokenIds, namespace: Namespace = None) -> PrefixPeek:
         """The length ``match_prefix`` would return over all tiers, without any side effect:
         no split, no recency or hit update, no statistics."""
 
@@ -145,7 +145,9 @@ class PrefixCache(ABC):
         self.stats.storage_hit_tokens += storage_tokens
 
     @abstractmethod
-    def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
+    def insert(
+        self, token_ids: TokenIds, indices: torch.Tensor, namespace: Namespace = None
+    ) -> int:
         """Cache ``token_ids -> indices``; return how many leading tokens were cached already."""
 
     @abstractmethod
@@ -184,7 +186,7 @@ class PrefixCache(ABC):
         """Bring the host part of ``match`` onto the device; the match it became."""
         return match
 
-    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Any:
+    def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Any:
         """Start fetching from storage what follows the cached prefix; an opaque ticket with
         ``done`` and ``expired(now)``, or None when there is nothing worth fetching."""
         return None

@@ -7,8 +7,6 @@ call of the interface, so callers never ask which cache they hold.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from radixserve.cache.allocator import PagedAllocator
@@ -17,6 +15,7 @@ from radixserve.cache.base import (
     CacheHandle,
     CacheStats,
     MatchResult,
+    Namespace,
     PrefixCache,
     PrefixPeek,
     TokenIds,
@@ -32,16 +31,18 @@ class NullCache(PrefixCache):
         self.stats = CacheStats()
 
     def match_prefix(
-        self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
+        self, token_ids: TokenIds, namespace: Namespace = None, record_stats: bool = True
     ) -> MatchResult:
         if record_stats:
             self.record_hit(None, len(token_ids), 0)
         return MatchResult(device_indices=EMPTY_INDICES, handle=None, device_len=0)
 
-    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+    def peek_prefix(self, token_ids: TokenIds, namespace: Namespace = None) -> PrefixPeek:
         return PrefixPeek(0)
 
-    def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
+    def insert(
+        self, token_ids: TokenIds, indices: torch.Tensor, namespace: Namespace = None
+    ) -> int:
         if len(indices) != len(token_ids):
             raise ValueError(f"insert: {len(token_ids)} tokens but {len(indices)} slot indices")
         end = len(indices) - len(indices) % self.page_size

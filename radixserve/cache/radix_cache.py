@@ -2,7 +2,7 @@
 
 Each node's edge is a run of token ids (whole pages when ``page_size > 1``) with the matching
 run of slot indices; children are keyed by their first token (first page). Namespaces
-(``extra_key``) get separate roots and never share nodes. The tree stores indices, never
+(``namespace``) get separate roots and never share nodes. The tree stores indices, never
 tensors, and owns the slots of its nodes: it returns them to the allocator on eviction.
 
 Sizes, kept in O(1):
@@ -42,6 +42,7 @@ from radixserve.cache.base import (
     EMPTY_INDICES,
     CacheStats,
     MatchResult,
+    Namespace,
     PrefixCache,
     PrefixPeek,
     TokenIds,
@@ -177,16 +178,20 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
-        self, parent: TreeNode | None, key: np.ndarray, value: torch.Tensor, namespace: Any = None
+        self,
+        parent: TreeNode | None,
+        key: np.ndarray,
+        value: torch.Tensor,
+        namespace: Namespace = None,
     ) -> TreeNode:
         self._next_id += 1
         return self.node_class(self._next_id, parent, key, value, namespace)
 
-    def _root(self, extra_key: Any) -> TreeNode:
-        root = self._roots.get(extra_key)
+    def _root(self, namespace: Namespace) -> TreeNode:
+        root = self._roots.get(namespace)
         if root is None:
-            root = self._new_node(None, np.empty(0, np.int32), EMPTY_INDICES, extra_key)
-            self._roots[extra_key] = root
+            root = self._new_node(None, np.empty(0, np.int32), EMPTY_INDICES, namespace)
+            self._roots[namespace] = root
         return root
 
     def roots(self) -> list[TreeNode]:
@@ -329,10 +334,10 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ interface
     def match_prefix(
-        self, token_ids: TokenIds, extra_key: Any = None, record_stats: bool = True
+        self, token_ids: TokenIds, namespace: Namespace = None, record_stats: bool = True
     ) -> MatchResult:
         key = as_token_array(token_ids)
-        node = self._roots.get(extra_key)
+        node = self._roots.get(namespace)
         path: list[TreeNode] = []
         if node is not None:
             end = len(key) - len(key) % self.page_size
@@ -377,9 +382,9 @@ class RadixCache(PrefixCache):
             result.lower_handle = path[-1]
         return result
 
-    def peek_prefix(self, token_ids: TokenIds, extra_key: Any = None) -> PrefixPeek:
+    def peek_prefix(self, token_ids: TokenIds, namespace: Namespace = None) -> PrefixPeek:
         key = as_token_array(token_ids)
-        node = self._roots.get(extra_key)
+        node = self._roots.get(namespace)
         if node is None:
             return PrefixPeek(0)
         end = len(key) - len(key) % self.page_size
@@ -398,14 +403,16 @@ class RadixCache(PrefixCache):
             node = child
         return PrefixPeek(matched, tuple(path))
 
-    def insert(self, token_ids: TokenIds, indices: torch.Tensor, extra_key: Any = None) -> int:
+    def insert(
+        self, token_ids: TokenIds, indices: torch.Tensor, namespace: Namespace = None
+    ) -> int:
         key = as_token_array(token_ids)
         if len(indices) != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {len(indices)} slot indices")
         end = len(key) - len(key) % self.page_size
         if end == 0:
             return 0
-        node = self._root(extra_key)
+        node = self._root(namespace)
         pos = 0
         taken_from: int | None = None  # the first position whose slots the tree took over
         while pos < end:
@@ -562,19 +569,19 @@ class RadixCache(PrefixCache):
         self._host_leaves.add(node)  # a leaf now, whatever the heap says
         self._delete_host_leaf(node)
 
-    def attach_host(self, token_ids: TokenIds, extra_key: Any, start: int,
+    def attach_host(self, token_ids: TokenIds, namespace: Namespace, start: int,
                     host_slots: torch.Tensor, keys: list[bytes]) -> int:  # fmt: skip
         """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
         cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
         the tokens added (0 if the prefix is no longer cached)."""
         key = as_token_array(token_ids)[: start + len(host_slots)]
-        match = self.match_prefix(key, extra_key, record_stats=False)
+        match = self.match_prefix(key, namespace, record_stats=False)
         pos = match.total_len
         if pos < start or pos == len(key):
             self.controller.free_host(host_slots)
             return 0
         self.controller.free_host(host_slots[: pos - start])  # cached meanwhile: duplicates
-        parent = match.lower_handle or match.handle or self._root(extra_key)
+        parent = match.lower_handle or match.handle or self._root(namespace)
         leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
         leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
         leaf.storage_keys = keys[(pos - start) // self.page_size :]
@@ -608,10 +615,10 @@ class RadixCache(PrefixCache):
     def load_back(self, match: MatchResult) -> MatchResult:
         return self.controller.load_back(match) if self.controller is not None else match
 
-    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Any:
+    def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Any:
         if self.controller is None:
             return None
-        return self.controller.start_prefetch(token_ids, extra_key)
+        return self.controller.start_prefetch(token_ids, namespace)
 
     def poll_transfers(self, timeout: float = 0.0) -> None:
         if self.controller is not None:

@@ -30,12 +30,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-from radixserve.cache.base import EMPTY_INDICES
+from radixserve.cache.base import EMPTY_INDICES, Namespace
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.storage import StorageBackend
 from radixserve.cache.tier_stats import TierStats
@@ -51,7 +50,7 @@ class Prefetch:
     stats: TierStats
     timeout: float
     token_ids: np.ndarray
-    extra_key: Any
+    namespace: Namespace
     start: int  # tokens cached (device or host) when it began: the fetch starts there
     keys: list[bytes]  # keys of the pages from ``start`` on
     started: float = field(default_factory=time.monotonic)
@@ -121,11 +120,11 @@ class StorageIO:
         self.host.io_begin(pages)
         self._writes.put(("write", keys, pages, on_done))
 
-    def lookup(self, token_ids: np.ndarray, extra_key: Any, start: int,
+    def lookup(self, token_ids: np.ndarray, namespace: Namespace, start: int,
                keys: list[bytes]) -> Prefetch:  # fmt: skip
         """Ask the store how many of ``keys`` (the pages from token ``start`` on) it holds,
         then fetch them: the returned ``Prefetch`` is done once ``poll`` handed them over."""
-        prefetch = Prefetch(self.stats, self.timeout, token_ids, extra_key, start, keys)
+        prefetch = Prefetch(self.stats, self.timeout, token_ids, namespace, start, keys)
         self.stats.prefetches += 1
         self._read(("lookup", prefetch))
         return prefetch

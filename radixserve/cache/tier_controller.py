@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.base import EMPTY_INDICES, MatchResult, TokenIds, as_token_array
+from radixserve.cache.base import EMPTY_INDICES, MatchResult, Namespace, TokenIds, as_token_array
 from radixserve.cache.events import MEDIUM_STORAGE
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
@@ -226,18 +226,18 @@ class TierController:
 
         return emit
 
-    def start_prefetch(self, token_ids: TokenIds, extra_key: Any = None) -> Prefetch | None:
+    def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Prefetch | None:
         """Ask storage for the pages past the cached prefix of a waiting request (None:
         fewer than the minimum to fetch, no storage, or a store that stopped answering)."""
         if self.storage is None:
             return None
         key = as_token_array(token_ids)
-        start = self.tree.peek_prefix(key, extra_key).length
+        start = self.tree.peek_prefix(key, namespace).length
         end = len(key) - len(key) % self.page_size
         if end - start < self.storage.min_tokens or self.storage.stalled():
             return None
-        keys = self._page_keys(extra_key, key[:end], None)[start // self.page_size :]
-        return self.storage.lookup(key[:end].copy(), extra_key, start, keys)
+        keys = self._page_keys(namespace, key[:end], None)[start // self.page_size :]
+        return self.storage.lookup(key[:end].copy(), namespace, start, keys)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Apply finished storage transfers (waiting up to ``timeout`` s for one)."""
@@ -250,7 +250,7 @@ class TierController:
             if got:
                 tokens, slots = p.token_ids[: p.start + got], f.host_slots[:got]
                 keys = p.keys[: f.num_pages]
-                added = self.tree.attach_host(tokens, p.extra_key, p.start, slots, keys)
+                added = self.tree.attach_host(tokens, p.namespace, p.start, slots, keys)
                 p.fetched = (p.start + got - added, p.start + got)
             self.host.free(f.host_slots[got:])
 

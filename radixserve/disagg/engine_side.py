@@ -22,7 +22,7 @@ from radixserve.disagg.prefill_side import PrefillService
 from radixserve.disagg.transfer import KVLayout, TransferStats
 from radixserve.disagg.zmq_receiver import ZmqKVReceiver
 from radixserve.disagg.zmq_sender import ZmqKVSender
-from radixserve.engine.hooks import CoreHandle, Feature
+from radixserve.engine.hooks import CoreHandle, KVTransfer
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import Step
@@ -57,7 +57,7 @@ class DisaggInfo:
     endpoint: str | None  # prefill: where decode instances connect
 
 
-class Disaggregation(Feature):
+class Disaggregation(KVTransfer):
     def __init__(self, engine):
         config = engine.config
         self.mode = config.disaggregation_mode
@@ -66,7 +66,7 @@ class Disaggregation(Feature):
             heartbeat_interval=config.kv_transfer_heartbeat,
             heartbeat_timeout=config.kv_transfer_heartbeat * HEARTBEAT_TIMEOUT_PERIODS,
         )
-        self.source: KVSource | None = None
+        self.kv_source: KVSource | None = None
         self.service: PrefillService | None = None
         if self.mode == "prefill":
             self.sender = ZmqKVSender(
@@ -82,7 +82,7 @@ class Disaggregation(Feature):
         else:
             self.receiver = ZmqKVReceiver(engine.pool, self.layout, **beat)
             self.endpoint = None
-            self.source = RemotePrefill(
+            self.kv_source = RemotePrefill(
                 self.receiver,
                 config.remote_prefill_min_tokens,
                 config.kv_transfer_timeout,
@@ -114,7 +114,7 @@ class Disaggregation(Feature):
             self.service.on_failed(req, error)
 
     def has_pending(self) -> bool:
-        return self.source is not None and self.source.has_pending()
+        return self.kv_source is not None and self.kv_source.has_pending()
 
     def fileno(self) -> int:
         return self.link.fileno()

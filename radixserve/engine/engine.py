@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
 from radixserve.engine.grammar import GrammarCompiler, GrammarStats
-from radixserve.engine.hooks import Feature
+from radixserve.engine.hooks import Feature, KVTransfer
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
@@ -51,7 +52,14 @@ log = logging.getLogger("radixserve")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        transfer: Callable[[Engine], KVTransfer] | None = None,
+    ):
+        """``transfer``: in a disaggregation mode, builds the KV transfer feature of this
+        engine (``radixserve.disagg.Disaggregation``)."""
         self.config = config = config or EngineConfig()
         if loaded is None:
             loaded = load_model(
@@ -63,6 +71,35 @@ class Engine:
         self.model_name = loaded.name
         model_len = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self._build_kv(config, loaded)
+        self.disagg: KVTransfer | None = None
+        if config.disaggregation_mode != "off":
+            if transfer is None:
+                raise ValueError(
+                    f"disaggregation_mode {config.disaggregation_mode!r} needs the KV transfer "
+                    "feature: Engine(config, transfer=radixserve.disagg.Disaggregation)"
+                )
+            self.disagg = transfer(self)
+        self.record = StepRecord(self.cache)
+        features: list[Feature] = [self.record, TierTransfers(self.cache, self._has_waiting)]
+        if self.disagg is not None:
+            features.append(self.disagg)
+        vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
+        limits = Limits(self.max_model_len, vocab, eos)
+        source = self.disagg and self.disagg.kv_source
+        self.core = EngineCore(config, self.kv, limits, source, features)
+        self.scheduler, self.requests = self.core.scheduler, self.core.requests
+        select = RecomputeSelector(
+            self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
+        )
+        self.segments = SegmentBlender(self.model, self.pool, self.cache, self.kv,
+                                       config.segment_recompute_ratio, select,
+                                       prefix_tokens=config.segment_prefix_tokens)  # fmt: skip
+        self.executor = ModelExecutor(self.model, self.pool, self.segments)
+        self._grammars: GrammarCompiler | None = None
+
+    def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
         shape = self.model.kv_shape()
         if config.max_total_tokens is not None:
             num_slots = config.max_total_tokens
@@ -78,33 +115,6 @@ class Engine:
             config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
         )
         self.kv = RequestKV(self.cache, self.allocator)
-        self.disagg = None
-        if config.disaggregation_mode != "off":
-            from radixserve.disagg.engine_side import Disaggregation
-
-            self.disagg = Disaggregation(self)
-        self.record = StepRecord(self.cache)
-        features: list[Feature] = [self.record, TierTransfers(self.cache, self._has_waiting)]
-        if self.disagg is not None:
-            features.append(self.disagg)
-        vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
-        limits = Limits(self.max_model_len, vocab, eos)
-        source = self.disagg and self.disagg.source
-        self.core = EngineCore(config, self.kv, limits, source, features)
-        self.scheduler, self.requests = self.core.scheduler, self.core.requests
-        self.segments = SegmentBlender(
-            self.model,
-            self.pool,
-            self.cache,
-            self.kv,
-            config.segment_recompute_ratio,
-            RecomputeSelector(
-                self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
-            ),
-            prefix_tokens=config.segment_prefix_tokens,
-        )
-        self.executor = ModelExecutor(self.model, self.pool, self.segments)
-        self._grammars: GrammarCompiler | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(

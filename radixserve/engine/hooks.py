@@ -13,13 +13,19 @@ that point of each step, in the order they were attached::
 
 A feature that must act on requests (add one, end one) is given a ``CoreHandle``: those two
 verbs and nothing else of the engine.
+
+``KVTransfer`` is the interface of one feature the engine knows by role: KV moving between
+instances (prefill/decode disaggregation, implemented in ``radixserve/disagg``). Whoever
+builds an engine in a disaggregation mode hands it a factory of one
+(``Engine(config, transfer=...)``), so the engine never imports the transfer's code.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from radixserve.engine.kv_source import KVSource
     from radixserve.engine.request import Request
     from radixserve.engine.scheduler import Step
     from radixserve.engine.spec import RequestSpec
@@ -53,3 +59,25 @@ class Feature:
 
     def on_finish(self, req: Request, reason: str, error: str | None) -> None:
         """``req`` ended (``error``: the failure's exception name, when it failed)."""
+
+
+class KVTransfer(Feature):
+    """KV moving between instances: a feature that also has an endpoint to report, traffic
+    that wakes an idle engine loop, and, on the receiving side, a ``KVSource``."""
+
+    kv_source: KVSource | None = None
+
+    def fileno(self) -> int:
+        """A descriptor readable when transfer traffic needs a step."""
+        raise NotImplementedError
+
+    def info(self) -> Any:
+        """What ``EngineInfo.disaggregation`` reports (mode, layout, endpoint)."""
+        raise NotImplementedError
+
+    def stats(self) -> Any:
+        """A snapshot of the transfer counters (``EngineStats.kv_transfer``)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

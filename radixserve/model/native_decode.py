@@ -1,7 +1,8 @@
 """Decode steps in one native call: ``csrc/decoder.cpp`` runs the whole layer stack.
 
 A step of decode tokens only (no prompt chunk) on CPU goes here when the native kernels are
-built and the model fits them: weights block-quantized (q8_0, q4_1) or dense float32, head
+built and the model fits them: weights block-quantized (any ``quant.py`` format, stacks
+included) or dense float32, head
 dim a multiple of 16, inputs of every matrix a multiple of 32. Anything else (CUDA, bf16
 dense weights, no compiler) returns None from ``for_model`` and the step runs op by op in
 ``llama.py``, which computes the same function. The native stack keeps float32 activations

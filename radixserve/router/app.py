@@ -12,7 +12,7 @@ over ``max_request_bytes`` are refused with 413 before they are read. Every erro
 OpenAI envelope, as the server's (``api/errors.py``).
 
 ``/health``: 200 ``ok`` when every worker is healthy, 200 ``degraded`` when some are not
-(the fleet still serves), 503 ``error`` when none is; with the counts of each.
+(the fleet still serves), 503 ``error`` when no worker requests go to is; with the counts.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ INFERENCE_PATHS = tuple(BODIES)
 
 
 def fleet_health(pools: list[WorkerPool]) -> tuple[int, dict]:
-    """``/health``'s status code and body over the given worker pools."""
+    """``/health``'s status code and body over the given worker pools; the first is the one
+    requests go to (without prefill instances, decode instances prefill themselves)."""
     total = sum(len(p.workers) for p in pools)
     healthy = sum(len(p.healthy_urls()) for p in pools)
-    serving = all(p.healthy_urls() for p in pools)
+    serving = bool(pools[0].healthy_urls())
     status = "ok" if serving and healthy == total else "degraded" if serving else "error"
     body = {"status": status, "workers": healthy, "unhealthy": total - healthy}
     return (200 if serving else 503), body

@@ -62,7 +62,7 @@ def prompt_ids(path: str, body: dict[str, Any], tokenizer: Tokenizer) -> list[in
 
 
 def namespace(body: dict[str, Any], tenant: str | None = None) -> str | None:
-    """The cache namespace (engine ``extra_key``) the worker will put this request in: the
+    """The cache namespace (engine ``namespace``) the worker will put this request in: the
     server's own rule (``guard.cache_namespace``) over the request's ``cache_salt`` and, when
     the workers run with ``--salt-from-api-key``, the caller's tenant."""
     salt = body.get("cache_salt")

@@ -34,6 +34,7 @@ import zmq
 
 from radixserve.cache.base import TreeSummary
 from radixserve.config import EngineConfig
+from radixserve.disagg import Disaggregation
 from radixserve.engine import Engine
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.step_trace import StepTraceWriter, TierTrace
@@ -254,7 +255,7 @@ def run_engine_process(
     engine = None
     trace = None
     try:
-        engine = Engine(config)
+        engine = Engine(config, transfer=Disaggregation)
         info, bridge = engine.info(), None
         if config.kv_events_endpoint and info.kv_events_block_size:
             publisher = KVEventPublisher(

@@ -5,7 +5,7 @@ root ``blake2b-128(model id, layout descriptor)``. So a key names a whole prefix
 mean equal tokens from the start, same model, same layout, same namespace), and any two
 instances of one model compute the same keys with no coordination.
 
-The recipe mirrors ``cache.events.chain_page_hashes`` (parent, ``repr(extra_key)`` salt, int32
+The recipe mirrors ``cache.events.chain_page_hashes`` (parent, ``repr(namespace)`` salt, int32
 page tokens) but is 128-bit and scoped: an event hash that collides only misroutes a request,
 while a storage key that collides in a store shared by many instances would serve another
 prefix's KV, silently. The tree keeps the last key of each node and chains from it.
@@ -60,7 +60,7 @@ def chain_page_keys(
     scope: StorageScope,
     parent_key: bytes | None,
     tokens: Sequence[int] | np.ndarray,
-    extra_key: Any = None,
+    namespace: Any = None,
 ) -> list[bytes]:
     """Keys of the whole pages of ``tokens``, each chained to the one before.
 
@@ -69,7 +69,7 @@ def chain_page_keys(
     """
     page = scope.layout.page_size
     ids = np.asarray(tokens, dtype="<i4").reshape(-1)
-    salt = repr(extra_key).encode() if extra_key is not None else b""
+    salt = repr(namespace).encode() if namespace is not None else b""
     salt_len = len(salt).to_bytes(4, "little")
     prev = scope.root if parent_key is None else parent_key
     if len(prev) != KEY_BYTES:

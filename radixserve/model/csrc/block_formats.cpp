@@ -264,9 +264,8 @@ inline void block_dot(Unpack<F>& u, const XBlocks& x, int64_t K, int64_t b, __m2
   u.block(b, w0, w1, s, mn);
   const __m256 sw = _mm256_set1_ps(s);
   for (int i = 0; i < MR; ++i) {
-    const __m256i* xp = reinterpret_cast<const __m256i*>(x.q + i * K + b * kBlock);
-    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xp)),
-                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(xp + 1)));
+    const int16_t* xp = x.q + i * K + b * kBlock;
+    const __m256i dot = dot_int16x32(w0, w1, xp);
     const __m256 scale = _mm256_mul_ps(sw, _mm256_broadcast_ss(x.d + i * nb + b));
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
     if constexpr (F == WFormat::Q5_1 || F == WFormat::Q4_K || F == WFormat::Q5_K)

@@ -157,6 +157,20 @@ struct DecoderScratch {
 void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s,
                  float* logits);
 
+#ifdef RS_AVX2
+// The int32 sums of 32 int16 products w . x (w0, w1: inputs 0..15 and 16..31; x at xp) in
+// 8 lanes: with AVX-512 VNNI the second half accumulates in the same instruction.
+inline __m256i dot_int16x32(__m256i w0, __m256i w1, const int16_t* xp) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(xp);
+  const __m256i first = _mm256_madd_epi16(w0, _mm256_loadu_si256(p));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(first, w1, _mm256_loadu_si256(p + 1));
+#else
+  return _mm256_add_epi32(first, _mm256_madd_epi16(w1, _mm256_loadu_si256(p + 1)));
+#endif
+}
+#endif
+
 // --- scalar conversions --------------------------------------------------------------
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }

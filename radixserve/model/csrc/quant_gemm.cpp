@@ -1,5 +1,6 @@
-// y = x @ W^T with W kept block-quantized (Q8_0, Q4_1) or dense float, for the small row
-// counts of decode steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
+// y = x @ W^T with W kept block-quantized (Q8_0, Q4_1 here; GGUF's block formats in
+// block_formats.cpp), a Stack of those, or dense float, for the small row counts of decode
+// steps; prefill-sized inputs go through dequant_rows + a BLAS matmul.
 //
 // Three paths, all splitting W's rows over threads (at::parallel_for):
 //   few rows (AVX2, quantized W; see qgemm for the thresholds): integer dot products, x's rows 4 at a time against each row
@@ -176,9 +177,8 @@ inline void block_dot(const uint8_t* wq_ptr, const float* dw_ptr, const XBlocks&
   }
   const __m256 dw = _mm256_broadcast_ss(dw_ptr);
   for (int i = 0; i < MR; ++i) {
-    const __m256i* xp = reinterpret_cast<const __m256i*>(x.q + i * K + b * kBlock);
-    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xp)),
-                                         _mm256_madd_epi16(w1, _mm256_loadu_si256(xp + 1)));
+    const int16_t* xp = x.q + i * K + b * kBlock;
+    const __m256i dot = dot_int16x32(w0, w1, xp);
     const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(x.d + i * nb + b));
     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
   }

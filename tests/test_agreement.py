@@ -1,0 +1,34 @@
+"""Greedy agreement between two servers: where answers part, and whether it was a near tie."""
+
+from __future__ import annotations
+
+from radixserve.bench.agreement import NEAR_TIE, compare
+
+
+def answer(tokens: list[str], margins: list[float], prompt_tokens: int = 30) -> dict:
+    content = [
+        {"token": t, "top_logprobs": [{"token": t, "logprob": -0.1}, {"logprob": -0.1 - m}]}
+        for t, m in zip(tokens, margins, strict=True)
+    ]
+    return {
+        "choices": [{"message": {"content": "".join(tokens)}, "logprobs": {"content": content}}],
+        "usage": {"prompt_tokens": prompt_tokens},
+    }
+
+
+def test_equal_answers_agree():
+    same = answer(["a", "b"], [2.0, 2.0])
+    result = compare("q", {"radix": same, "llamacpp": same}, "radix")
+    assert result.agree and result.verdict == "same" and result.first_difference is None
+
+
+def test_a_difference_is_placed_and_classed_by_the_references_margin():
+    ours = answer(["a", "b", "c"], [2.0, NEAR_TIE / 2, 2.0])
+    peer = answer(["a", "x", "c"], [2.0, 2.0, 2.0], prompt_tokens=31)
+    result = compare("q", {"radix": ours, "llamacpp": peer}, "radix")
+    assert not result.agree and result.first_difference == 1
+    assert result.verdict == "near tie" and result.margin == NEAR_TIE / 2
+    assert result.prompt_tokens == {"radix": 30, "llamacpp": 31}
+    ours = answer(["a", "b", "c"], [2.0, 3.0, 2.0])
+    result = compare("q", {"radix": ours, "llamacpp": peer}, "radix")
+    assert result.verdict == "real difference" and result.margin == 3.0
