@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_helpers import running_server
+from server_helpers import read_metrics, running_server
 from server_helpers import wait_idle as wait_for_idle
 
 KEY = "test-key"
@@ -68,6 +68,12 @@ def test_json_object_and_json_schema_outputs_parse_and_validate(client, server):
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert_nothing_held(server)
+    before = read_metrics(server, AUTH)
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, response_format=fmt)
+    after = wait_for_idle(server, AUTH)
+    assert after["constrained_requests_total"] == before["constrained_requests_total"] + 1
+    assert after["grammar_cache_hits_total"] == before["grammar_cache_hits_total"] + 1
+    assert after["grammar_compiles_total"] == before["grammar_compiles_total"] >= 2
 
 
 def test_openai_parse_returns_the_pydantic_object(client):
@@ -149,3 +155,97 @@ def test_bad_grammars_and_biases_are_a_400_naming_the_problem(server, path, extr
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     assert_nothing_held(server)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "maximum": 9},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_call(call, tools) -> None:
+    spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_required_and_named_tool_choices_always_give_valid_calls(client, server):
+    tools = [WEATHER, TIME]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, parallel in [("required", True), ("required", False), (named, None)]:
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        out = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=120,
+            temperature=0.8, seed=2, **extra,
+        )  # fmt: skip
+        c = out.choices[0]
+        if parallel and c.finish_reason == "length":
+            continue  # a random model may go on adding calls to the array: a cut-off
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert c.message.tool_calls and (parallel is not False or len(c.message.tool_calls) == 1)
+        for call in c.message.tool_calls:
+            check_call(call, tools)
+        if isinstance(choice, dict):
+            assert {call.function.name for call in c.message.tool_calls} == {"get_time"}
+    assert_nothing_held(server)
+
+
+def test_streamed_tool_call_deltas_and_a_tool_result_round_trip(client, server):
+    stream = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120,
+        temperature=0, stream=True, parallel_tool_calls=False,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    check_call(deltas[0], [WEATHER])
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": deltas[0].id, "type": "function", "function": {
+                "name": "get_weather", "arguments": deltas[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": deltas[0].id, "content": '{"celsius": 21}'},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8,
+        temperature=0,
+    )  # fmt: skip
+    assert none.choices[0].message.tool_calls is None
+    assert_nothing_held(server)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integr"}}}}}]}, "tools[0] (f)"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "'x'"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"messages": [{"role": "tool", "content": "1"}]}, "tool_call_id"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_a_400_naming_the_tool(server, extra, words):
+    body = {"model": "tiny", "messages": ASK, **extra}
+    r = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]

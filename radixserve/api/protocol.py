@@ -14,13 +14,13 @@ prefixes in a cache namespace of their own.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from radixserve.api.constraints import grammar_from, parse_logit_bias, response_format_grammar
 from radixserve.api.errors import ApiError
-from radixserve.engine.grammar import check_grammar
+from radixserve.api.tools import ToolPlan, history_message
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
 
 # a token id as a request may give it: beyond int32 no vocabulary reaches, and the engine's
@@ -165,42 +165,6 @@ class _Sampling(_Body):
         return build_params(fields, defaults)
 
 
-def parse_logit_bias(bias: Any) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias`` (token id strings -> bias in [-100, 100]) with integer keys."""
-    if bias is None:
-        return None
-    if not isinstance(bias, dict):
-        raise ApiError(400, "logit_bias must map token ids to numbers", "logit_bias")
-    out = {}
-    for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()) and not isinstance(key, int):
-            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
-        out[int(key)] = value
-    return out
-
-
-def grammar_from(given: dict[str, Any]) -> tuple[str, str] | None:
-    """``(kind, text)`` from the one constraint field given (400 for several or a bad one)."""
-    given = {k: v for k, v in given.items() if v is not None}
-    if len(given) > 1:
-        raise ApiError(400, f"give at most one of {', '.join(given)}", next(iter(given)))
-    if not given:
-        return None
-    ((name, value),) = given.items()
-    if name in ("json_schema", "response_format") and not isinstance(value, str):
-        value = json.dumps(value)
-    kind = "json_schema" if name in ("json_schema", "response_format") else name
-    if name == "json_object":
-        kind, value = "json_object", ""
-    if not isinstance(value, str):
-        raise ApiError(400, f"{name} must be a string", name)
-    try:
-        check_grammar(kind, value)
-    except ValueError as e:
-        raise ApiError(400, f"{name}: {e}", name) from e
-    return kind, value
-
-
 def build_params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
     """``SamplingParams`` from what a request gave (None: left out), over ``defaults``.
     A ``max_tokens`` left out with no default means up to the context."""
@@ -220,9 +184,19 @@ def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
 
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message: the calls it made
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self, mark_reusable: bool = False) -> str:
         """The content as text; with ``mark_reusable``, each reusable part (the extension
@@ -264,11 +238,8 @@ class ChatCompletionRequest(_Sampling):
     def _unsupported(self) -> dict[str, Any]:
         return {
             **super()._unsupported(),
-            "tools": self.tools or None,
-            "tool_choice": None if self.tool_choice in (None, "none") else self.tool_choice,
             "functions": self.functions or None,
             "function_call": None if self.function_call in (None, "none") else self.function_call,
-            "parallel_tool_calls": self.parallel_tool_calls,
         }
 
     def grammar(self) -> tuple[str, str] | None:
@@ -278,23 +249,7 @@ class ChatCompletionRequest(_Sampling):
         if super().grammar() is not None:
             raise ApiError(400, "give response_format or a grammar extension, not both",
                            "response_format")  # fmt: skip
-        kind = fmt.get("type")
-        if kind == "json_object" and set(fmt) == {"type"}:
-            return grammar_from({"json_object": True})
-        spec = fmt.get("json_schema")
-        if kind != "json_schema" or set(fmt) != {"type", "json_schema"}:
-            raise ApiError(400, "response_format must be {\"type\": \"text\"}, "
-                           "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
-                           "\"json_schema\": {...}}", "response_format")  # fmt: skip
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise ApiError(400, "response_format.json_schema must be an object with a schema",
-                           "response_format")  # fmt: skip
-        unknown = set(spec) - {"name", "schema", "strict", "description"}
-        if unknown:
-            name = sorted(unknown)[0]
-            raise ApiError(400, f"response_format.json_schema: unknown field {name!r}",
-                           "response_format")  # fmt: skip
-        return grammar_from({"response_format": spec.get("schema", {"type": "object"})})
+        return response_format_grammar(fmt)
 
     def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
         if not self.messages:
@@ -307,13 +262,26 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
         return self.sampling_params(defaults, max_tokens, logprobs, seed_offset)
 
-    def conversation(self, mark_reusable: bool = False) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role
-        return [
-            {"role": "system" if m.role == "developer" else m.role,
-             "content": m.text(mark_reusable)}
-            for m in self.messages
-        ]  # fmt: skip
+    def conversation(
+        self, mark_reusable: bool = False, template_has_tools: bool = False
+    ) -> list[dict[str, Any]]:
+        """The messages for the chat template (``template_has_tools``: it renders the
+        history's tool calls itself; else they become text, ``tools.py``)."""
+        out = []
+        for m in self.messages:
+            # "developer" is OpenAI's newer name for the system role
+            msg = {"role": "system" if m.role == "developer" else m.role,
+                   "content": m.text(mark_reusable)}  # fmt: skip
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                msg = history_message({**msg, "tool_calls": m.tool_calls}, template_has_tools)
+            out.append(msg)
+        return out
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What ``tools`` and ``tool_choice`` ask for (None: no tools in play)."""
+        return ToolPlan.build(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def reusable_parts(self) -> list[str]:
         """The texts of the reusable content parts, in order (empty: no RAG segments)."""

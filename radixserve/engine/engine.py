@@ -222,6 +222,7 @@ class Engine:
             cache=self.cache.stats.copy(),
             tiers=self.cache.tier_stats(),
             segments=dataclasses.replace(self.segments.stats),
+            grammar=self.grammar_stats(),
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
         )

@@ -86,26 +86,39 @@ def add_openai_routes(
         params = body.choice_params(defaults)
         serving.check_size(body.n)
         reusable = body.reusable_parts()
+        plan, grammar = body.tool_plan(), body.grammar()
         options: dict = {}
         if reusable:  # RAG segments (server/segments.py)
+            if plan is not None:
+                raise ApiError(400, "tools cannot be combined with reusable content parts",
+                               "tools")  # fmt: skip
             marked = body.conversation(mark_reusable=True)
             ids, ranges = await serving.off_loop(encode_chat_segments, tokenizer, marked, reusable)
             options = {"segments": tuple(ranges), "recompute_ratio": body.recompute_ratio}
         else:
-            ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
-        spec = request_spec(raw, body.cache_salt, grammar=body.grammar(), **options)
+            native_tools = tokenizer.template_has_tools
+            messages, tools = body.conversation(template_has_tools=native_tools), None
+            if plan is not None:
+                messages, tools = plan.render(messages, native_tools)
+            ids = await serving.off_loop(tokenizer.encode_chat, messages, tools)
+        if plan is not None and plan.grammar is not None:
+            if grammar is not None:
+                raise ApiError(400, "tool_choice required or a named function cannot be combined "
+                               "with response_format or a grammar", "tool_choice")  # fmt: skip
+            grammar = plan.grammar
+        spec = request_spec(raw, body.cache_salt, grammar=grammar, **options)
         job, queue = await serving.submit("chatcmpl", [ids] * body.n, params, spec)
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            s = ChatStream(served_model_name, tokenizer, want_lp, include_usage)
+            s = ChatStream(served_model_name, tokenizer, want_lp, include_usage, tools=plan)
             return StreamingResponse(
                 serving.stream(job, queue, s.chunks, s.final),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
         await serving.wait(job, queue, raw)
-        return chat_response(job, served_model_name, tokenizer, want_lp)
+        return chat_response(job, served_model_name, tokenizer, want_lp, plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
