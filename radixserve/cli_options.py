@@ -117,6 +117,12 @@ ENGINE_FLAGS = {
         default=TierConfig.load_back_min_tokens,
         help="a shorter host-tier hit is recomputed instead of loaded; default %(default)s",
     ),
+    "kv_storage_block_tokens": dict(
+        type=int,
+        default=TierConfig.kv_storage_block_tokens,
+        help="the storage tier keeps KV in blocks of this many tokens (rounded up to a page "
+        "multiple): one file or key per block, whatever the page size; default %(default)s",
+    ),
     "storage_prefetch_min_tokens": dict(
         type=int,
         default=TierConfig.storage_prefetch_min_tokens,

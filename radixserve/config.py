@@ -114,6 +114,9 @@ class TierConfig:
     kv_storage_size: int | None = None  # file storage cap in bytes; None: unbounded
     load_back_min_tokens: int = 16  # a shorter host hit is recomputed, not loaded
     storage_prefetch_min_tokens: int = 16  # a shorter storage hit is not fetched
+    # storage keeps KV in blocks of this many tokens (rounded up to a page multiple), whatever
+    # the page size: one file or key per block, not per page
+    kv_storage_block_tokens: int = 64
     storage_prefetch_timeout: float = 2.0  # seconds a request waits for its pages, then computes
 
     def __post_init__(self) -> None:
@@ -133,6 +136,7 @@ class TierConfig:
             )
         for name in ("load_back_min_tokens", "storage_prefetch_min_tokens"):
             check_int(name, getattr(self, name), 0)
+        check_int("kv_storage_block_tokens", self.kv_storage_block_tokens, 1)
         check_positive("storage_prefetch_timeout", self.storage_prefetch_timeout)
 
 

@@ -25,8 +25,10 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def started_server(*args: str, timeout: float = 180.0):
-    """Yield a ``ServerProcess`` started with ``args``; stop it afterwards (if still up)."""
+def started_server(*args: str, timeout: float = 180.0, new_session: bool = False):
+    """Yield a ``ServerProcess`` started with ``args``; stop it afterwards (if still up).
+    ``new_session``: in a process group of its own (whose id is its pid), as a terminal or a
+    service manager starts it, so that a test can signal the whole group."""
     cmd = [
         sys.executable,
         "-m",
@@ -40,8 +42,9 @@ def started_server(*args: str, timeout: float = 180.0):
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=new_session,
+    )  # fmt: skip
     lines: list[str] = []
     try:
         deadline = time.monotonic() + timeout

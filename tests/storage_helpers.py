@@ -54,3 +54,7 @@ def tmpfs(path, size: str):
 
 def remount_read_only(path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
+
+
+def remount_read_write(path) -> None:
+    subprocess.run(["mount", "-o", "remount,rw", str(path)], check=True, capture_output=True)

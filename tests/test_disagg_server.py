@@ -23,6 +23,7 @@ COMMON = "--dtype float32 --max-total-tokens 4096 --chunked-prefill-size 64 "
 COMMON += "--kv-transfer-heartbeat 0.2 --served-model-name tiny "
 COMMON += "--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0"
 MAX_TOKENS = 8
+UNREACHABLE = "tcp://127.0.0.1:9"  # a prefill endpoint the decode instance trusts; nothing listens
 
 
 def serve(model_dir, *args: str):
@@ -53,6 +54,8 @@ def decode_args(prefill_url: str) -> list[str]:
         kv_endpoint(prefill_url),
         "--remote-prefill-min-tokens",
         "1",
+        "--trusted-prefill",
+        UNREACHABLE,
     ]
 
 
@@ -191,7 +194,7 @@ def test_the_router_splits_long_turns_and_leaves_short_ones_to_the_decode_instan
 
 def test_a_request_naming_an_unreachable_prefill_is_computed_here(decode, colocated):
     ids = random_ids(np.random.default_rng(2), 40)
-    headers = {"X-Radixserve-Prefill": "tcp://127.0.0.1:9"}  # nothing listens there
+    headers = {"X-Radixserve-Prefill": UNREACHABLE}
     assert generate(decode, ids, headers)["output_ids"] == expected(colocated, [ids])[0]
     assert_intact(decode)
 

@@ -284,3 +284,38 @@ def test_a_prefill_that_dies_mid_transfer_fails_it_within_the_heartbeat(peer, re
     assert status.tokens == 4  # what landed before it died, in every layer
     assert receiver.stats.failures == {"peer_lost": 1}
     assert untouched(pool, dst[:4])
+
+
+def test_peer_health_skips_a_dead_peer_and_probes_it_in_the_background():
+    from concurrent.futures import Future
+
+    from radixserve.disagg.peer_health import PeerHealth
+
+    now, probes = [0.0], []
+
+    def probe(peer: str) -> Future:
+        probes.append(Future())
+        return probes[-1]
+
+    health = PeerHealth(probe, first_backoff=1.0, max_backoff=4.0, clock=lambda: now[0])
+    peer = "tcp://127.0.0.1:9"
+    health.failed(peer, "timeout", "slow")  # one transfer's trouble, not the peer's
+    assert health.usable(peer)
+    health.failed(peer, "connect", "no handshake answer")
+    health.failed(peer, "peer_lost", "the same outage, seen by another transfer")
+    assert not health.usable(peer) and not probes  # backing off: no probe yet
+    now[0] = 1.5
+    assert not health.usable(peer) and len(probes) == 1  # probing; requests go local
+    assert not health.usable(peer) and len(probes) == 1  # one probe at a time
+    probes[0].set_exception(TransferError("no handshake answer"))
+    now[0] = 2.0
+    assert not health.usable(peer)  # the probe failed: back off 2 s now
+    now[0] = 3.9
+    assert not health.usable(peer) and len(probes) == 1
+    now[0] = 4.1
+    assert not health.usable(peer) and len(probes) == 2
+    probes[1].set_result("layout")
+    assert health.usable(peer) and health.down() == []
+    health.failed(peer, "handshake", "refused")
+    health.ok(peer)  # a transfer completed after all
+    assert health.usable(peer)

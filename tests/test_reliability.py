@@ -276,7 +276,7 @@ def test_model_may_be_omitted_and_defaults_are_shown(url):
 
 def test_fuzz_the_openapi_schema_finds_no_5xx(url):
     """Schema-driven bodies, valid and invalid, for every endpoint (schemathesis). None may
-    answer 5xx, and the server must be whole afterwards."""
+    answer 5xx or an error naming internals, and the server must be whole afterwards."""
     seen, failures = fuzz_schema(url, ADMIN, "tiny")
     assert not failures, failures
     assert seen.get(200, 0) >= 10, seen  # the fuzzer did reach the engine

@@ -9,7 +9,7 @@ import torch
 from benchmarks.rag.selection_variants import SelectionVariants
 from radixserve import SamplingParams
 from radixserve.cache import KVPool
-from radixserve.engine.segments import segment_namespace
+from radixserve.engine.segments import reanchor, segment_namespace
 from radixserve.model import build_forward_batch
 from radixserve.model.attention import SparsePrefill
 
@@ -68,7 +68,7 @@ def test_reanchoring_a_single_segment_is_exact(tmp_path, default_tokenizer, scal
     stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
     prefill = [(seg, 0, stored, False)]
     model.forward(build_forward_batch([], prefill, model.device, pool.pad_slot), pool)
-    model.reanchor(pool, stored, moved, delta)
+    reanchor(model, pool, stored, moved, delta)
     at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
     model.forward(build_forward_batch([], [at_300], model.device, pool.pad_slot), pool)
     for layer in range(len(model.layers)):

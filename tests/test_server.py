@@ -366,3 +366,37 @@ def test_chat_with_reusable_parts_reuses_them_in_any_order(server):
                                                 "recompute_ratio": 0.5})  # fmt: skip
     assert bad.status_code == 400 and "reusable content parts" in bad.json()["error"]["message"]
     assert_healthy(server)
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/generate", {"input_ids": [5, 6], "sampling_params": {"n": 2}}, "sampling_params.n"),
+        ("/generate", {"text": "hi", "sampling_params": {"best_of": 2}}, "sampling_params.best_of"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 0}},
+         "sampling_params.max_tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, "top_k"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "seed": 2**70}, "seed"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_api_field_never_an_internal_class(server, path, body, param):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"], error
+    for internal in ("SamplingParams", "__init__", "keyword argument", "Traceback"):
+        assert internal not in error["message"], error
+
+
+def test_the_kv_events_address_is_for_the_admin_only(server):
+    r = httpx.get(server + "/kv_events", headers=AUTH)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    # the admin learns that this server publishes none (it was started without them)
+    assert httpx.get(server + "/kv_events", headers=ADMIN).status_code == 404
+
+
+@pytest.mark.parametrize("ids", [[2**64], [10**23], [-1], [49152]])
+def test_token_ids_beyond_the_vocabulary_are_a_400(server, ids):
+    for path, body in (("/generate", {"input_ids": ids}), ("/v1/completions", {"prompt": ids})):
+        r = post(server, path, body)
+        assert r.status_code == 400 and "prompt token ids" in r.json()["error"]["message"], r.text

@@ -142,7 +142,7 @@ def test_clear_deletes_only_this_scope(tmp_path):
     mine, theirs = FileBackend(tmp_path, SCOPE), FileBackend(tmp_path, other)
     mine.set(keys_for(2), random_pages(2))
     theirs.set(keys_for(2, other), random_pages(2))
-    mine.clear()
+    assert mine.clear().cleared
     assert mine.exists(keys_for(2)) == 0 and page_files(mine) == set()
     assert mine.stats().used_bytes == 0
     assert theirs.exists(keys_for(2, other)) == 2
@@ -235,6 +235,19 @@ def test_read_only_directory_serves_pages_and_refuses_writes(tmp_path, caplog, m
         with caplog.at_level(logging.WARNING):
             assert backend.set(keys, src) == 2  # the third page cannot be written
         assert "write failed" in caplog.text and backend.stats().write_errors == 1
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs root with the right to mount a tmpfs")
+def test_clear_on_a_read_only_directory_says_so_and_keeps_counting_its_pages(tmp_path):
+    keys = keys_for(3)
+    with tmpfs(tmp_path / "ro", "1m") as root:
+        backend = FileBackend(root, SCOPE)
+        assert backend.set(keys, random_pages(3)) == 3
+        remount_read_only(root)  # a real read-only file system (root ignores chmod)
+        result = backend.clear()
+        assert not result.cleared and "Read-only file system" in result.reason
+        assert backend.stats().stored_pages == 3 and len(page_files(backend)) == 3
+        assert backend.exists(keys) == 3 and backend.stats().write_errors == 1
 
 
 def test_unusable_directory_warns_and_stores_nothing(tmp_path, caplog):

@@ -139,7 +139,8 @@ def test_server_down_from_the_start_answers_zero_at_once(caplog):
         assert b.get(keys_for(2), TensorPages.empty(LAYOUT, 2)) == 0
     assert time.monotonic() - t0 < 3
     assert caplog.text.count("failed") == 1  # one warning, not one per call
-    assert b.stats().read_errors == 1
+    s = b.stats()  # every call failed, the ones refused at once while backing off too
+    assert (s.read_errors, s.write_errors) == (2, 1)
 
 
 def test_killed_mid_run_then_recovers_on_the_same_port(caplog):
@@ -179,4 +180,45 @@ def test_a_hung_server_costs_one_timeout_not_a_hang(caplog):
             assert "Timeout" in caplog.text or "timed out" in caplog.text
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
+        b.close()
+
+
+def test_a_write_out_that_fails_counts_as_a_write_error():
+    """A write-out asks which pages are stored already, then sets the rest: with the store
+    down, both halves are the write failing (never a read error)."""
+    with RedisServer() as srv:
+        b = RedisBackend(SCOPE, port=srv.port, socket_timeout=1, reconnect_interval=60)
+        srv.kill()
+        for first in (1, 50):  # the first meets the dead server, the second its back-off
+            keys = keys_for(2, first_token=first)
+            assert b.exists(keys, writing=True) == 0
+            assert b.set(keys, random_pages(2)) == 0
+        s = b.stats()
+        assert s.write_errors == 4 and s.read_errors == 0
+        b.close()
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_clear_says_when_nothing_was_deleted(fault):
+    keys = keys_for(3)
+    with RedisServer() as srv:
+        b = RedisBackend(SCOPE, port=srv.port, socket_timeout=0.5, reconnect_interval=0.2)
+        assert b.set(keys, random_pages(3)) == 3
+        if fault == "killed":
+            srv.kill()
+        else:
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            result = b.clear()
+            assert time.monotonic() - t0 < 5
+        finally:
+            if fault == "hung":
+                os.kill(srv.proc.pid, signal.SIGCONT)
+        assert not result.cleared and f"127.0.0.1:{srv.port}" in result.reason
+        assert b.stats().write_errors == 1
+        if fault == "hung":  # the pages are all still there, and a working clear says so
+            assert raw(srv).exists(*[b.prefix + k.hex().encode() for k in keys]) == 3
+            time.sleep(0.25)
+            assert b.clear().cleared and b.exists(keys) == 0
         b.close()

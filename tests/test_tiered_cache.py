@@ -137,8 +137,7 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
             for layer in range(SHAPE.num_layers):  # straight into host pages, as a fetch does
                 host.data[pages, layer, 0, 0, offsets, 0] = values + layer
                 host.data[pages, layer, 1, 0, offsets, 0] = -(values + layer)
-            keys = [b"k"] * ((aligned - start) // page_size)
-            added = self.cache.attach_host(tokens[:aligned], ns, start, slots, keys)
+            added = self.cache.attach_host(tokens[:aligned], ns, start, slots)
             assert added == aligned - start
             for end in range(start + page_size, aligned + 1, page_size):
                 self.ref.add((ns, tuple(tokens[:end])))
@@ -327,4 +326,22 @@ def test_a_load_smaller_than_the_minimum_is_not_made_partially():
     m = cache.match_prefix(a + [0])
     assert cache.load_back(m) is m  # 4 tokens would fit, fewer than 8: computed instead
     assert cache.tier_stats().load_failures == 1
+    cache.check_integrity(NO_HELD)
+
+
+def test_a_load_keeps_its_host_nodes_while_making_room_evicts_host_leaves():
+    cache, pool = make_cache(4, 12, 12, "write_back")
+    a, b = list(range(8)), [9] * 8
+    cache_tokens(cache, pool, a)
+    cache_tokens(cache, pool, b)  # a leaves the device: copied to the host (8 of 12)
+    slots = cache.host.alloc(4)
+    assert cache.attach_host(a + [5] * 4, None, 8, slots) == 4  # a child of a: host full
+    m = cache.match_prefix(a + [0])
+    assert (m.device_len, m.host_len) == (0, 8)
+    # Room for a means evicting b, whose copy to the full host evicts a's child; a itself,
+    # then a host leaf, must not go too.
+    loaded = cache.load_back(m)
+    assert loaded.device_len == 8
+    assert read_device(pool, loaded.device_indices) == [token_value(None, tuple(a[: i + 1]))
+                                                        for i in range(8)]  # fmt: skip
     cache.check_integrity(NO_HELD)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -27,8 +28,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 RNG = np.random.default_rng(5)
 SHARED = RNG.integers(100, 40000, 10 * PAGE).tolist()  # 160 tokens: 10 pages
 TAILS = [RNG.integers(100, 40000, 7).tolist() for _ in range(3)]
+# a stored block per page: the storage tests below count pages
 TIERS = dict(page_size=PAGE, max_total_tokens=16 * PAGE, host_kv_memory="1MiB",
-             chunked_prefill_size=64, load_back_min_tokens=PAGE)  # fmt: skip
+             chunked_prefill_size=64, load_back_min_tokens=PAGE,
+             kv_storage_block_tokens=PAGE)  # fmt: skip
 
 
 def filler(i: int) -> list[int]:
@@ -149,13 +152,60 @@ def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
 ):
     with caplog.at_level(logging.INFO, logger="radixserve"):
         out, engine = storage_round_trip(engines, str(tmp_path), reference, host_kv_memory=None)
-    assert out.storage_cached_tokens >= len(SHARED) - PAGE
+    assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
     assert engine.config.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
     assert engine.config.write_policy == "write_through"
     sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
     assert len(sized) == 2  # each engine logged the size it chose
     assert engine.stats().tiers.host_capacity_tokens > engine.config.max_total_tokens
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, PAGE])
+def test_storage_keeps_blocks_of_64_tokens_whatever_the_page_size(
+    engines, reference, tmp_path, page_size
+):
+    options = dict(page_size=page_size, kv_storage_block_tokens=64, load_back_min_tokens=1)
+    out, engine = storage_round_trip(engines, str(tmp_path), reference, **options)
+    blocks = (len(SHARED) + len(TAILS[0]) - 1) // 64  # whole blocks of the first prompt
+    assert len(list(Path(tmp_path).rglob("*.kv"))) == blocks == 2  # not one file per page
+    assert out.usage.storage_cached_tokens == blocks * 64  # the shared prefix's whole blocks
+    tiers = engine.stats().tiers
+    assert tiers.storage.pages_read == blocks
+    assert tiers.pages_from_storage == blocks * 64 // page_size  # host pages filled
+    engine.check_integrity()
+
+
+def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, tmp_path):
+    first = engines(kv_storage=str(tmp_path))
+    run(first, SHARED + TAILS[0], "a")
+    first.close()
+    second = engines(kv_storage=str(tmp_path), storage_prefetch_timeout=60)
+    backend, gate = second.cache.storage.backend, threading.Event()
+    real_exists, calls = backend.exists, []
+
+    def exists(keys):  # a store slow to answer the first lookup: "b"'s
+        calls.append(keys)
+        if len(calls) == 1:
+            gate.wait(60)
+        return real_exists(keys)
+
+    backend.exists = exists
+    second.add_request("b", SHARED + TAILS[1], GREEDY)  # its lookup hangs in the store
+    out, _ = run(second, filler(0), "c")  # admitted, computed and finished meanwhile
+    assert out.finished and "b" in second.requests
+    assert second.requests["b"].num_computed == 0  # still waiting for its pages
+    gate.set()
+    tokens, last = [], None
+    for _ in range(500):
+        for o in second.step():
+            tokens += o.new_token_ids if o.request_id == "b" else []
+            last = o if o.request_id == "b" else last
+        if last is not None and last.finished:
+            break
+    assert tokens == reference[1]
+    assert last.usage.storage_cached_tokens >= len(SHARED) - PAGE  # it got them, then ran
+    second.check_integrity()
 
 
 def test_redis_serves_another_engine(engines, reference):
@@ -198,6 +248,22 @@ def test_a_redis_that_is_down_costs_a_recomputation(engines, reference, caplog):
     assert any(r.levelno >= 30 for r in caplog.records)
 
 
+def test_a_redis_outage_counts_write_outs_as_write_errors_and_clear_says_so(engines, reference):
+    with RedisServer() as redis:
+        engine = engines(kv_storage=redis.url)
+        run(engine, SHARED + TAILS[0], "a")
+        redis.kill()  # an outage: the next write-outs fail
+        before = engine.stats().tiers.storage
+        out, tokens = run(engine, filler(0), "b")
+        deadline = time.monotonic() + 30
+        while engine.stats().tiers.storage.write_errors == before.write_errors:
+            assert time.monotonic() < deadline, "failed write-outs were not counted as writes"
+            engine.cache.poll_transfers(timeout=0.1)
+        result = engine.clear_storage()
+        assert not result.cleared and f"127.0.0.1:{redis.port}" in result.reason
+        engine.check_integrity()
+
+
 def test_a_hung_redis_delays_admission_by_the_timeout_only(engines, reference):
     with RedisServer() as redis:
         first = engines(kv_storage=redis.url)
@@ -228,6 +294,28 @@ def test_storage_writes_are_kv_events_of_medium_storage(engines, tmp_path):
         engine.cache.poll_transfers(timeout=0.1)
         media |= {getattr(e, "medium", None) for e in engine.kv_events.drain()}
     assert {"device", "host", "storage"} <= media
+
+
+def test_storage_writes_landing_after_events_went_off_are_dropped_not_a_crash(engines, tmp_path):
+    """A subscriber leaves (events off) while write-outs announced as events are under way:
+    they land without an event, and a later subscriber gets a fresh snapshot."""
+    engine = engines(kv_storage=f"file://{tmp_path}", enable_kv_events=True)
+    backend, gate = engine.cache.storage.backend, threading.Event()
+    real_set = backend.set
+    backend.set = lambda keys, pages: gate.wait(30) and real_set(keys, pages)
+    run(engine, SHARED + TAILS[0], "a")  # write-outs queued, their events pending
+    engine.set_kv_events(False)
+    gate.set()
+    deadline = time.monotonic() + 30
+    while engine.stats().tiers.pages_to_storage < len(SHARED) // PAGE:
+        assert time.monotonic() < deadline, "the write-outs never landed"
+        engine.cache.poll_transfers(timeout=0.1)  # lands them, with no event to announce
+    assert engine.drain_kv_events() == []
+    engine.set_kv_events(True)
+    events = engine.drain_kv_events()
+    assert type(events[0]).__name__ == "AllBlocksCleared" and len(events) > 1
+    run(engine, SHARED + TAILS[1], "b")
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize(

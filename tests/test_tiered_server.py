@@ -27,8 +27,10 @@ from server_helpers import running_server
 from radixserve.cache.storage.redis_server import RedisServer
 
 PAGE = 16
+# a stored block per page: the tests count pages
 ARGS = ["--dtype", "float32", "--page-size", str(PAGE), "--max-total-tokens", "512",
-        "--host-kv-memory", "2MiB", "--chunked-prefill-size", "128"]  # fmt: skip
+        "--host-kv-memory", "2MiB", "--chunked-prefill-size", "128",
+        "--kv-storage-block-tokens", str(PAGE)]  # fmt: skip
 RNG = np.random.default_rng(8)
 STARTUP_S = 600  # a loaded CI machine can take minutes to start a server
 

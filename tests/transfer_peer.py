@@ -82,3 +82,25 @@ def run_prefill_peer(reports, seed: int) -> None:
                     sender.push(tid, src)
                 except Exception as e:  # ended meanwhile (cancelled): report, go on
                     reports.put((tid, "push_refused", str(e)))
+
+
+def run_garbage_peer(reports, layout: dict) -> None:
+    """A prefill peer that passes the handshake of a real decode instance (its ``layout``,
+    from ``/disagg/info``) and answers every transfer with random KV."""
+    from radixserve.cache.kv_pool import KVShape
+    from radixserve.disagg.zmq_sender import ZmqKVSender
+
+    theirs = KVLayout.from_dict(layout)
+    shape = KVShape(theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.torch_dtype)
+    pool = KVPool(shape, 4096)
+    g = torch.Generator().manual_seed(0)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g) * 50)
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g) * 50)
+    sender = ZmqKVSender(pool, theirs)
+    reports.put(sender.endpoint)
+    while True:
+        select.select([sender.fileno()], [], [], 0.05)
+        for req in sender.incoming():
+            sender.push(req.transfer_id, torch.arange(req.num_tokens) % 4096)
+            reports.put(req.transfer_id)
+        sender.finished()

@@ -94,7 +94,7 @@ class Runner:
         self.engine = engine
         self.clock = clock
         self.first_logits: dict[str, torch.Tensor] = {}
-        sample = engine._sample  # a measurement hook: keep each request's first logits
+        sample = engine.executor.sample  # a measurement hook: keep each first logits row
 
         def capture(logits, reqs):
             for row, r in zip(logits, reqs, strict=True):
@@ -102,7 +102,7 @@ class Runner:
                     self.first_logits[r.request_id] = row.detach().float().clone()
             return sample(logits, reqs)
 
-        engine._sample = capture
+        engine.executor.sample = capture
         self.count = 0
 
     def run(self, prompt, params, **kwargs) -> dict:

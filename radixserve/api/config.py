@@ -4,7 +4,8 @@ Limits keep one client from taking the server down: the body size is checked bef
 body is read, the sequences of one request (prompts x ``n``) and the queue of sequences
 waiting for the engine are bounded (beyond the queue: 503 with ``Retry-After``). Keys: any
 of ``api_keys`` opens the API; ``admin_key`` alone opens the cache tools (``/flush_cache``,
-``/cache``, ``/debug/*``), which are closed whenever keys are configured and it is not.
+``/clear_kv_storage``, ``/cache``, ``/debug/*``) and ``/kv_events``, which are closed whenever
+keys are configured and it is not.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class ServerConfig:
     api_keys: list[str] = field(default_factory=list)
     admin_key: str | None = None
     salt_from_api_key: bool = False  # every key its own cache namespace
+    # decode instance: prefill endpoints any caller may name in X-Radixserve-Prefill (the
+    # engine's own --prefill-endpoint too); the admin key may name any
+    trusted_prefill: list[str] = field(default_factory=list)
     debug_cache_text: bool = False  # /cache shows prefix text (else counts and hashes)
     max_request_bytes: int | str = "4MiB"
     max_request_sequences: int = 64  # prompts x n in one request
@@ -56,6 +60,10 @@ class ServerConfig:
             raise ValueError("API keys must not be empty")
         if self.admin_key is not None and self.admin_key in self.api_keys:
             raise ValueError("the admin key must differ from every API key")
+        for endpoint in self.trusted_prefill:
+            if not endpoint.startswith("tcp://"):
+                got = endpoint
+                raise ValueError(f"trusted_prefill must look like tcp://HOST:PORT, got {got!r}")
         if self.salt_from_api_key and not self.api_keys:
             raise ValueError("salt_from_api_key needs at least one API key")
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))

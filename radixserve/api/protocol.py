@@ -14,6 +14,7 @@ prefixes in a cache namespace of their own.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
@@ -165,17 +166,32 @@ class _Sampling(_Body):
         return build_params(fields, defaults)
 
 
-def build_params(fields: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def build_params(
+    fields: dict[str, Any], defaults: dict[str, Any], where: str = ""
+) -> SamplingParams:
     """``SamplingParams`` from what a request gave (None: left out), over ``defaults``.
-    A ``max_tokens`` left out with no default means up to the context."""
+    A ``max_tokens`` left out with no default means up to the context. ``where`` prefixes
+    the field names in errors (``"sampling_params."`` for ``/generate``), so a message names
+    the field as the client wrote it."""
+    unknown = [k for k in fields if k not in SAMPLING_FIELDS]
+    if unknown:
+        name = where + unknown[0]
+        raise ApiError(
+            400,
+            f"{name} is not supported; the supported fields are {', '.join(SAMPLING_FIELDS)}",
+            name,
+        )
     given = {k: v for k, v in fields.items() if v is not None}
     merged = {"max_tokens": None, **defaults, **given}
     try:
         return SamplingParams(**merged)
-    except TypeError as e:
-        raise ApiError(400, f"unknown sampling parameter: {e}", "sampling_params") from e
     except ValueError as e:
-        raise ApiError(400, str(e), _param_named_in(str(e), merged)) from e
+        param = _param_named_in(str(e), merged)
+        message = where + str(e) if param else str(e)
+        raise ApiError(400, message, where + param if param else None) from e
 
 
 def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
@@ -384,7 +400,7 @@ class GenerateRequest(_Body):
         fields = {k: v for k, v in self.sampling_params.items() if k not in GRAMMAR_FIELDS}
         if "logit_bias" in fields:
             fields["logit_bias"] = parse_logit_bias(fields["logit_bias"])
-        return build_params(fields, {"max_tokens": 16, **defaults})
+        return build_params(fields, {"max_tokens": 16, **defaults}, "sampling_params.")
 
     def grammar(self) -> tuple[str, str] | None:
         return grammar_from({k: self.sampling_params.get(k) for k in GRAMMAR_FIELDS})

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.cache.storage.base import ClearResult
+
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 # A cache namespace: None (shared), a tenant's, or one derived from a tenant's (a RAG segment
 # store: ``("rag-segment", tenant)``). Namespaces never share nodes; hashes salt with its repr.
@@ -199,9 +201,10 @@ class PrefixCache(ABC):
         """A snapshot of the lower tiers (``TierStats``), or None without them."""
         return None
 
-    def clear_storage(self) -> bool:
-        """Delete every page in the storage tier; False when there is none."""
-        return False
+    def clear_storage(self) -> ClearResult | None:
+        """Delete every page in the storage tier: whether none is left (else why not), or
+        None when there is no storage tier."""
+        return None
 
     def close(self) -> None:
         """Finish pending writes to lower tiers and stop their threads."""
@@ -209,6 +212,7 @@ class PrefixCache(ABC):
 
     # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
     event_block_size: int = 0
+    events: Any = None  # the queue events go to while they are on; None while off
 
     def enable_events(self, queue: Any) -> None:
         """Emit what is cached now, then every change, to ``queue`` (a ``KVEventQueue``)."""

@@ -3,7 +3,7 @@
 Layout is page-first, ``data[page] = [num_layers, 2 (K, V), num_kv_heads, page_size,
 head_dim]``, so one page of every layer is one contiguous buffer: what a storage backend
 reads and writes whole, without a gather. Copies to and from the device pool go by slot
-indices (whole pages on both sides), layer by layer:
+indices (whole pages on both sides):
 
 - ``backup(device_slots, host_slots)``: device -> host. Synchronous: the caller may free the
   device slots as soon as it returns.
@@ -114,24 +114,26 @@ class HostKVPool:
         """One page's bytes (every layer's K and V), a view: storage reads and writes it."""
         return memoryview(self.data[page].view(torch.uint8).numpy()).cast("B")
 
-    def pages(self, pages: list[int]) -> PageBatch:
-        return PageBatch(self, pages)
+    def pages(self, pages: list[int], per_block: int = 1) -> PageBatch | BlockBatch:
+        """Host pages as a storage backend reads and writes them: one stored page per host
+        page, or (``per_block > 1``) one stored block per ``per_block`` consecutive pages."""
+        return PageBatch(self, pages) if per_block == 1 else BlockBatch(self, pages, per_block)
 
     # ------------------------------------------------------------------ copies
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        """Copy the KV of ``device_slots`` into ``host_slots`` (same length, whole pages)."""
+        """Copy the KV of ``device_slots`` into ``host_slots`` (same length, whole pages): one
+        gather over every layer, not one per layer (a copy costs a few tensor operations)."""
         pool, ps = self.device_pool, self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
         if self._stream is not None:  # the slots may be the target of a load still running
             torch.cuda.current_stream(pool.device).wait_stream(self._stream)
         dev_slots = device_slots.to(pool.device, non_blocking=True)
-        for layer in range(pool.shape.num_layers):
-            kv = torch.stack(
-                [pool.k[layer].index_select(1, dev_slots), pool.v[layer].index_select(1, dev_slots)]
-            )  # [2, heads, n * ps, dim]
-            kv = kv.view(2, kv.shape[1], n, ps, kv.shape[-1]).permute(2, 0, 1, 3, 4)
-            self.data[pages, layer] = kv.to("cpu")  # a synchronous copy on CUDA
+        kv = torch.stack([pool.k.index_select(2, dev_slots), pool.v.index_select(2, dev_slots)],
+                         dim=1)  # fmt: skip  # [layers, 2, heads, n * ps, dim]
+        layers, _, heads, _, dim = kv.shape
+        kv = kv.view(layers, 2, heads, n, ps, dim).permute(3, 0, 1, 2, 4, 5)
+        self.data[pages] = kv.to("cpu")  # a synchronous copy on CUDA
         self.stats.pages_to_host += n
         self.stats.bytes_to_host += n * self.page_nbytes
 
@@ -140,9 +142,11 @@ class HostKVPool:
         pool, ps = self.device_pool, self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
-        if self._stream is None:
-            for layer in range(pool.shape.num_layers):
-                self._restore_layer(self.data[pages, layer], device_slots, layer, n, ps)
+        if self._stream is None:  # one scatter over every layer
+            kv = self.data[pages].permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, ps, dim]
+            kv = kv.reshape(*kv.shape[:3], n * ps, kv.shape[-1])
+            pool.k.index_copy_(2, device_slots, kv[:, 0])
+            pool.v.index_copy_(2, device_slots, kv[:, 1])
         else:
             self._restore_async(pages, device_slots, n, ps)
         self.stats.pages_to_device += n
@@ -206,3 +210,34 @@ class PageBatch:
 
     def write_page(self, i: int, data: memoryview) -> None:
         self.pool.page_buffer(self.page_ids[i])[:] = memoryview(data).cast("B")
+
+
+class BlockBatch:
+    """Host pages grouped into storage blocks (``storage.base.HostPages``): block j is pages
+    ``pages[j * k : (j + 1) * k]``, its tokens theirs in order, its payload in the layer-major
+    layout of a page of ``k * page_size`` tokens (``page_format``). So a block is the same
+    bytes whatever the host page size that wrote it. Reading or writing one copies it."""
+
+    def __init__(self, pool: HostKVPool, pages: list[int], per_block: int):
+        if len(pages) % per_block:
+            raise ValueError(f"{len(pages)} pages do not make whole blocks of {per_block}")
+        self.pool, self.page_ids, self.per_block = pool, pages, per_block
+        self.page_nbytes = pool.page_nbytes * per_block
+
+    def __len__(self) -> int:
+        return len(self.page_ids) // self.per_block
+
+    def _ids(self, i: int) -> torch.Tensor:
+        k = self.per_block
+        return torch.tensor(self.page_ids[i * k : (i + 1) * k], dtype=torch.int64)
+
+    def read_page(self, i: int) -> memoryview:
+        block = self.pool.data[self._ids(i)]  # [k, layers, 2, heads, page, dim]
+        block = block.permute(1, 2, 3, 0, 4, 5).contiguous()  # [layers, 2, heads, k * page, dim]
+        return memoryview(block.view(torch.uint8).numpy()).cast("B")
+
+    def write_page(self, i: int, data: memoryview) -> None:
+        _, layers, two, heads, page, dim = self.pool.data.shape
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.pool.data.dtype)
+        block = raw.view(layers, two, heads, self.per_block, page, dim)
+        self.pool.data[self._ids(i)] = block.permute(3, 0, 1, 2, 4, 5)

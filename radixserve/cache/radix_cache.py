@@ -55,10 +55,12 @@ from radixserve.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventQueue,
     default_block_size,
 )
 from radixserve.cache.eviction import EvictionPolicy, LeafHeap, make_policy
+from radixserve.cache.storage import ClearResult
 from radixserve.cache.tree_check import TreeState, check_host_tier, check_tree, tree_summary, walk
 from radixserve.cache.tree_events import TreeEvents
 from radixserve.cache.tree_node import TreeNode
@@ -123,6 +125,7 @@ class RadixCache(PrefixCache):
         self._host_heap = LeafHeap(eviction_policy, lambda: self.admissions)
         self._host_leaves: set[TreeNode] = set()  # off the device, no children
         self._host_size = 0  # tokens with a host copy
+        self._pinned: set[TreeNode] = set()  # host nodes a load in progress reads (pinned)
         self._flushing = False  # reset: nodes leave the device without a copy
         if event_queue is not None:
             self.events = event_queue  # an empty tree: nothing to snapshot
@@ -150,6 +153,14 @@ class RadixCache(PrefixCache):
         """Stop hashing and emitting; hashes kept on nodes go stale and are redone on enable."""
         self.events = None
 
+    def emit_event(self, event: KVEvent | None) -> None:
+        """Queue ``event`` while events are on, else drop it. ``self.events`` is the one
+        on/off state, and every event goes out through here, those emitted later too (a
+        storage write-out's callback): a subscriber leaving meanwhile costs the event, never
+        a step."""
+        if self.events is not None and event is not None:
+            self.events.append(event)
+
     def snapshot_events(self) -> list[BlockStored]:
         """Every cached block as ``BlockStored`` events, parents first (a full dump)."""
         return self._hasher.snapshot()
@@ -170,11 +181,9 @@ class RadixCache(PrefixCache):
             return
         if kind is BlockRemoved:
             if node.page_hashes:
-                self.events.append(BlockRemoved(node.page_hashes, node.namespace, medium))
+                self.emit_event(BlockRemoved(node.page_hashes, node.namespace, medium))
             return
-        event = self._hasher.stored(node, medium)
-        if event is not None:
-            self.events.append(event)
+        self.emit_event(self._hasher.stored(node, medium))
 
     # ------------------------------------------------------------------ helpers
     def _new_node(
@@ -255,9 +264,6 @@ class RadixCache(PrefixCache):
             mid.value, child.value = child.value[:n], child.value[n:]
         if child.host_value is not None:
             mid.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
-        if child.storage_keys is not None:
-            keys, cut = child.storage_keys, n // self.page_size
-            mid.storage_keys, child.storage_keys = keys[:cut], keys[cut:]
         mid.lock_ref = child.lock_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
@@ -281,9 +287,7 @@ class RadixCache(PrefixCache):
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
         if self.events is not None:
-            event = self._hasher.hash_node(leaf)
-            if event is not None:
-                self.events.append(event)
+            self.emit_event(self._hasher.hash_node(leaf))
         if self.controller is not None:
             self.controller.on_cached(leaf)
         return leaf
@@ -306,8 +310,8 @@ class RadixCache(PrefixCache):
         self._evictable_size -= size
         self.stats.evicted_tokens += size
         self.stats.evictions += 1
-        if self.events is not None and leaf.page_hashes:
-            self.events.append(self._hasher.removed(leaf))
+        if self.events is not None:
+            self.emit_event(self._hasher.removed(leaf))
         if parent.parent is not None:
             if parent.lock_ref == 0 and self._is_leaf(parent):
                 self._mark_leaf(parent)
@@ -505,8 +509,8 @@ class RadixCache(PrefixCache):
         finally:
             self._flushing = False
         freed += self.evict_host(self._host_size)
-        if self.events is not None and self.total_size() == 0 and self._host_size == 0:
-            self.events.append(AllBlocksCleared())
+        if self.total_size() == 0 and self._host_size == 0:
+            self.emit_event(AllBlocksCleared())
         return freed
 
     # ------------------------------------------------------------------ host-tier nodes
@@ -542,11 +546,14 @@ class RadixCache(PrefixCache):
         """Delete host-only leaves, lowest priority first, until ``num_tokens`` are freed."""
         freed = 0
         while freed < num_tokens:
-            leaf = self._host_heap.pop(self._host_leaves.__contains__)
+            leaf = self._host_heap.pop(self._is_host_evictable)
             if leaf is None:
                 break
             freed += self._delete_host_leaf(leaf)
         return freed
+
+    def _is_host_evictable(self, node: TreeNode) -> bool:
+        return node in self._host_leaves and node not in self._pinned
 
     def _delete_host_leaf(self, leaf: TreeNode) -> int:
         parent = leaf.parent
@@ -569,8 +576,9 @@ class RadixCache(PrefixCache):
         self._host_leaves.add(node)  # a leaf now, whatever the heap says
         self._delete_host_leaf(node)
 
-    def attach_host(self, token_ids: TokenIds, namespace: Namespace, start: int,
-                    host_slots: torch.Tensor, keys: list[bytes]) -> int:  # fmt: skip
+    def attach_host(
+        self, token_ids: TokenIds, namespace: Namespace, start: int, host_slots: torch.Tensor
+    ) -> int:
         """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
         cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
         the tokens added (0 if the prefix is no longer cached)."""
@@ -584,7 +592,6 @@ class RadixCache(PrefixCache):
         parent = match.lower_handle or match.handle or self._root(namespace)
         leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
         leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
-        leaf.storage_keys = keys[(pos - start) // self.page_size :]
         leaf.last_access = self._clock
         leaf.depth = parent.depth + len(leaf.key)
         parent.children[self._child_key(leaf.key)] = leaf
@@ -601,15 +608,18 @@ class RadixCache(PrefixCache):
         """While inside, nothing of ``match`` is evicted: its device part is locked and the
         end of its host part is kept from host eviction (making device room for a load may
         copy device leaves to the host, which may evict host leaves)."""
-        hidden = match.lower_handle in self._host_leaves
-        self._host_leaves.discard(match.lower_handle)
+        end = match.lower_handle
+        if end is not None:
+            self._pinned.add(end)
         self.inc_lock_ref(match.handle)
         try:
             yield
         finally:
             self.dec_lock_ref(match.handle)
-            if hidden:
-                self._mark_host_leaf(match.lower_handle)
+            if end is not None:
+                self._pinned.discard(end)
+                if end in self._host_leaves:
+                    self._host_heap.push(end)  # an entry host eviction may have skipped
 
     # ------------------------------------------------------------------ lower tiers
     def load_back(self, match: MatchResult) -> MatchResult:
@@ -627,8 +637,8 @@ class RadixCache(PrefixCache):
     def tier_stats(self) -> Any:
         return self.controller.stats() if self.controller is not None else None
 
-    def clear_storage(self) -> bool:
-        return self.controller.clear_storage() if self.controller is not None else False
+    def clear_storage(self) -> ClearResult | None:
+        return self.controller.clear_storage() if self.controller is not None else None
 
     def close(self) -> None:
         if self.controller is not None:

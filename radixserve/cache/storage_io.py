@@ -2,13 +2,16 @@
 
 The tier controller (``tier_controller.py``) owns one and is its only user; this module knows
 the host pool and a storage backend, never the tree. Threads: the tree and both pools belong
-to the main (step) thread. Two worker threads make every backend call: a reader (``exists``
-lookups and ``get`` fetches, for prefetches) and a writer (``set`` write-outs and ``clear``),
-each with its own queue; both post results to one queue that the main thread applies in
-``poll``. Host pages a worker reads or writes are busy in the host pool meanwhile (freeing one
-defers until ``io_end``), and the pages allocated for a fetch are held by its ``Prefetch``
-until ``poll`` hands them back to the controller.
+to the main (step) thread. Worker threads make every backend call: ``READERS`` readers
+(``exists`` lookups and ``get`` fetches, for prefetches; several, so that one request's slow
+read does not make the next requests wait for theirs) sharing one queue, and a writer
+(``set`` write-outs and ``clear``) with its own; all post results to one queue that the main
+thread applies in ``poll``. Host pages a worker reads or writes are busy in the host pool
+meanwhile (freeing one defers until ``io_end``), and the pages allocated for a fetch are held
+by its ``Prefetch`` until ``poll`` hands them back to the controller.
 
+- Blocks: the store keeps KV in blocks of ``block_tokens`` (whole host pages, any number),
+  one key each, so a small page size does not mean one file or key per page.
 - Write-out: with more than ``max_pending_pages`` waiting, a write-out is skipped and
   counted: a step never waits for storage.
 - Prefetch: ``lookup`` asks the reader how many of a prefetch's pages storage holds; ``poll``
@@ -36,11 +39,12 @@ import torch
 
 from radixserve.cache.base import EMPTY_INDICES, Namespace
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.storage import StorageBackend
+from radixserve.cache.storage import ClearResult, StorageBackend
 from radixserve.cache.tier_stats import TierStats
 
 log = logging.getLogger("radixserve")
 CLOSE_DRAIN_SECONDS = 60.0  # at shutdown, how long pending write-outs may take to finish
+READERS = 4  # reader threads: a slow lookup or fetch does not hold up the next request's
 
 
 @dataclass
@@ -85,25 +89,30 @@ class Fetched:
 
 class StorageIO:
     def __init__(self, host: HostKVPool, backend: StorageBackend, stats: TierStats,
-                 alloc_host: Callable[[int], torch.Tensor | None], min_tokens: int,
-                 timeout: float, max_pending_pages: int):  # fmt: skip
+                 alloc_host: Callable[[int], torch.Tensor | None], block_tokens: int,
+                 min_tokens: int, timeout: float, max_pending_pages: int):  # fmt: skip
+        if block_tokens % host.page_size:
+            raise ValueError(f"a storage block ({block_tokens} tokens) is not whole pages")
         self.host, self.backend, self.stats = host, backend, stats
         self.alloc_host = alloc_host
-        self.page_size = host.page_size
-        self.min_tokens, self.timeout = max(min_tokens, self.page_size), timeout
+        self.block_tokens = block_tokens
+        self.per_block = block_tokens // host.page_size  # host pages per stored block
+        self.min_tokens, self.timeout = max(min_tokens, block_tokens), timeout
         self.max_pending_pages = max_pending_pages
         self._pending_pages = 0
         self._reads_out = 0  # reader jobs not answered yet
         self._last_read = time.monotonic()  # when the reader last answered (or went idle)
         self._held: dict[int, torch.Tensor] = {}  # id(prefetch) -> host slots being fetched
+        self._cleared = ClearResult(False)  # what the last clear did
         self._results: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
+        queues = [(self._reads, f"reader{i}") for i in range(READERS)]
         self._threads = [
             threading.Thread(
                 target=self._work, args=(q,), name=f"radixserve-storage-{name}", daemon=True
             )  # fmt: skip
-            for q, name in ((self._reads, "reader"), (self._writes, "writer"))
+            for q, name in [*queues, (self._writes, "writer")]
         ]
         for t in self._threads:
             t.start()
@@ -111,7 +120,8 @@ class StorageIO:
     # ------------------------------------------------------------------ main thread
     def write(self, keys: list[bytes], host_slots: torch.Tensor,
               on_done: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """Write these host pages out, asynchronously; ``on_done(pages written)`` in poll."""
+        """Write these host slots out as blocks under ``keys`` (one per block), asynchronously;
+        ``on_done(leading blocks now in the store)`` in poll."""
         pages = self.host.pages_of(host_slots).tolist()
         if self._pending_pages + len(pages) > self.max_pending_pages:
             self.stats.storage_write_skipped_pages += len(pages)
@@ -122,7 +132,7 @@ class StorageIO:
 
     def lookup(self, token_ids: np.ndarray, namespace: Namespace, start: int,
                keys: list[bytes]) -> Prefetch:  # fmt: skip
-        """Ask the store how many of ``keys`` (the pages from token ``start`` on) it holds,
+        """Ask the store how many of ``keys`` (the blocks from token ``start`` on) it holds,
         then fetch them: the returned ``Prefetch`` is done once ``poll`` handed them over."""
         prefetch = Prefetch(self.stats, self.timeout, token_ids, namespace, start, keys)
         self.stats.prefetches += 1
@@ -167,8 +177,8 @@ class StorageIO:
             except queue.Empty:
                 return fetched
 
-    def _on_found(self, p: Prefetch, num_pages: int) -> None:
-        n = num_pages * self.page_size
+    def _on_found(self, p: Prefetch, num_blocks: int) -> None:
+        n = num_blocks * self.block_tokens
         slots = self.alloc_host(n) if n >= self.min_tokens else None
         if slots is None:
             p.done = True
@@ -183,28 +193,29 @@ class StorageIO:
         self.host.io_end(pages)
         slots, p.host_slots = p.host_slots, None
         del self._held[id(p)]
-        self.stats.pages_from_storage += num_read
-        self.stats.bytes_from_storage += num_read * self.host.page_nbytes
+        self.stats.pages_from_storage += num_read * self.per_block
+        self.stats.bytes_from_storage += num_read * self.per_block * self.host.page_nbytes
         p.done = True
         return Fetched(p, slots, num_read)
 
     def _on_written(self, pages: list[int], present: int, sent: int, on_done) -> None:
         self.host.io_end(pages)
         self._pending_pages -= len(pages)
-        self.stats.pages_to_storage += sent
-        self.stats.bytes_to_storage += sent * self.host.page_nbytes
+        self.stats.pages_to_storage += sent * self.per_block
+        self.stats.bytes_to_storage += sent * self.per_block * self.host.page_nbytes
         if on_done is not None and present + sent:
             on_done(present + sent)
 
-    def _on_cleared(self, done: threading.Event) -> None:
+    def _on_cleared(self, done: threading.Event, result: ClearResult) -> None:
+        self._cleared = result
         done.set()
 
     def held_host_slots(self) -> torch.Tensor:
         return torch.cat(list(self._held.values())) if self._held else EMPTY_INDICES
 
-    def clear(self, timeout: float = 60.0) -> list[Fetched]:
+    def clear(self, timeout: float = 60.0) -> tuple[list[Fetched], ClearResult]:
         """Delete every page of this model and layout from the store (waits for the writer);
-        returns the fetches that finished meanwhile."""
+        returns the fetches that finished meanwhile, and whether none of the pages is left."""
         done = threading.Event()
         self._writes.put(("clear", done))
         deadline = time.monotonic() + timeout
@@ -212,14 +223,15 @@ class StorageIO:
         while not done.is_set() and time.monotonic() < deadline:
             fetched += self.poll(timeout=0.05)
         if not done.is_set():
-            raise TimeoutError("the storage tier did not clear in time")
-        return fetched
+            return fetched, ClearResult(False, f"the KV store did not clear in {timeout:g} s")
+        return fetched, self._cleared
 
     def close(self) -> list[Fetched]:
         """Finish the write-outs already queued (warm restarts need them), stop the threads;
         returns the fetches that finished meanwhile."""
-        for q in (self._reads, self._writes):
-            q.put(None)
+        for _ in range(READERS):
+            self._reads.put(None)
+        self._writes.put(None)
         deadline = time.monotonic() + CLOSE_DRAIN_SECONDS
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -242,19 +254,15 @@ class StorageIO:
             return ("found", job[1], self.backend.exists(job[1].keys))
         if kind == "fetch":
             p, pages = job[1], job[2]
-            return (
-                "fetched",
-                p,
-                pages,
-                self.backend.get(p.keys[: len(pages)], self.host.pages(pages)),
-            )
-        if kind == "write":  # pages stored already (another instance's) are not sent again
+            blocks = self.host.pages(pages, self.per_block)
+            return ("fetched", p, pages, self.backend.get(p.keys[: len(blocks)], blocks))
+        if kind == "write":  # blocks stored already (another instance's) are not sent again
             _, keys, pages, on_done = job
-            present = self.backend.exists(keys)
-            sent = self.backend.set(keys[present:], self.host.pages(pages[present:]))
+            present = self.backend.exists(keys, writing=True)
+            rest = self.host.pages(pages[present * self.per_block :], self.per_block)
+            sent = self.backend.set(keys[present:], rest)
             return ("written", pages, present, sent, on_done)
-        self.backend.clear()
-        return ("cleared", job[1])
+        return ("cleared", job[1], self.backend.clear())
 
     @staticmethod
     def _failed(job: tuple) -> tuple:
@@ -265,4 +273,4 @@ class StorageIO:
             return ("fetched", job[1], job[2], 0)
         if kind == "write":
             return ("written", job[2], 0, 0, job[3])
-        return ("cleared", job[1])
+        return ("cleared", job[1], ClearResult(False, "the KV store failed; see the log"))

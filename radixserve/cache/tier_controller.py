@@ -20,24 +20,32 @@ they would hang below nothing), or, with the host full, deleted with them.
 ``load_back`` copies a match's host part to freshly allocated device slots, only from
 ``load_back_min_tokens`` tokens up: all of it, or, when the device pool cannot make room for
 all (running requests hold it), its longest leading part that fits, so a full pool still
-saves what it can. Every page copied to the host is then written to storage (keys chained
-from the root); ``start_prefetch`` asks storage for the pages past a waiting request's
-cached prefix, and ``poll`` hangs what arrived below that prefix.
+saves what it can. Storage keeps KV in blocks of a fixed number of tokens (64 by default,
+whatever the page size), keyed by chained hashes from the root: when a node is copied to the
+host, the blocks whose last token is in it are written out; ``start_prefetch`` asks storage
+for the blocks past a waiting request's cached prefix, and ``poll`` hangs what arrived below
+that prefix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
+import numpy as np
 import torch
 
 from radixserve.cache.base import EMPTY_INDICES, MatchResult, Namespace, TokenIds, as_token_array
 from radixserve.cache.events import MEDIUM_STORAGE
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.radix_cache import RadixCache, TreeNode
-from radixserve.cache.storage import PageLayout, StorageScope, chain_page_keys, open_backend
+from radixserve.cache.storage import (
+    ClearResult,
+    PageLayout,
+    StorageScope,
+    chain_page_keys,
+    open_backend,
+)
 from radixserve.cache.storage_io import Fetched, Prefetch, StorageIO
 from radixserve.cache.tier_stats import TierStats
 
@@ -108,7 +116,7 @@ class TierController:
         self.tiers.backup_seconds += time.perf_counter() - start
         self.tree.set_host(node, slots)
         if self.storage is not None:
-            self.storage.write(self._storage_keys(node), slots, self._on_stored(node))
+            self._write_out(node)
         return True
 
     def _alloc_device(self, n: int) -> torch.Tensor | None:
@@ -177,49 +185,72 @@ class TierController:
 
     # ------------------------------------------------------------------ host <-> storage
     def attach_storage(self, url: str, model_id: str, capacity_bytes: int | None,
-                       min_tokens: int, timeout: float) -> StorageIO:  # fmt: skip
-        """Open the backend for ``url`` below the host tier. At most a quarter of the host
-        pool waits for write-outs at any time."""
+                       min_tokens: int, timeout: float,
+                       block_tokens: int = 64) -> StorageIO:  # fmt: skip
+        """Open the backend for ``url`` below the host tier, storing blocks of
+        ``block_tokens`` rounded up to whole pages. At most a quarter of the host pool waits
+        for write-outs at any time."""
+        block = -(-block_tokens // self.page_size) * self.page_size
         self._scope = StorageScope(
-            model_id, PageLayout.from_shape(self.host.device_pool.shape, self.page_size)
+            model_id, PageLayout.from_shape(self.host.device_pool.shape, block)
         )
         backend = open_backend(url, self._scope, capacity_bytes)
-        max_pending = max(1, self.host.allocator.num_pages // 4)
-        self.storage = StorageIO(self.host, backend, self.tiers, self.alloc_host, min_tokens,
-                                 timeout, max_pending)  # fmt: skip
+        max_pending = max(block // self.page_size, self.host.allocator.num_pages // 4)
+        self.storage = StorageIO(self.host, backend, self.tiers, self.alloc_host, block,
+                                 min_tokens, timeout, max_pending)  # fmt: skip
         self.tiers.storage_url = url
         return self.storage
 
-    def _page_keys(self, namespace: Any, tokens, parent: bytes | None) -> list[bytes]:
-        return chain_page_keys(self._scope, parent, tokens, namespace)
+    def _write_out(self, node: TreeNode) -> None:
+        """Write to storage the blocks whose last token is in ``node`` (just copied to the
+        host), keys chained from the root. A block reaching above the node is written only
+        when the nodes it reaches into have host copies too."""
+        b = self.storage.block_tokens
+        end = node.depth
+        start = end - len(node.key)
+        lo, hi = start // b * b, end // b * b
+        if lo >= hi:
+            return
+        path = self._path_to(node, lo)
+        if path is None:  # the first block reaches above into KV the host lacks
+            lo += b
+            if lo >= hi:
+                return
+            path = self._path_to(node, lo)
+        tokens, slots = path
+        keys = chain_page_keys(self._scope, None, tokens[:hi], node.namespace)[lo // b :]
+        self.storage.write(keys, slots[: hi - lo], self._on_stored(node, lo))
 
-    def _storage_keys(self, node: TreeNode) -> list[bytes]:
-        """The node's chained storage keys, computed (and kept) down from the nearest
-        ancestor that has them."""
-        chain = []
-        n = node
-        while n.parent is not None and n.storage_keys is None:
-            chain.append(n)
+    @staticmethod
+    def _path_to(node: TreeNode, lo: int) -> tuple[np.ndarray, torch.Tensor] | None:
+        """Every token from the root to the end of ``node``, and the host slots of those from
+        ``lo`` on (None: a node there has no host copy)."""
+        keys, slots, n = [], [], node
+        while n.parent is not None:
+            keys.append(n.key)
+            if n.depth > lo:
+                if n.host_value is None:
+                    return None
+                cut = max(0, lo - (n.depth - len(n.key)))
+                slots.append(n.host_value[cut:])
             n = n.parent
-        prev = n.storage_keys[-1] if n.parent is not None else None
-        for n in reversed(chain):
-            n.storage_keys = self._page_keys(n.namespace, n.key, prev)
-            prev = n.storage_keys[-1]
-        return node.storage_keys
+        return np.concatenate(keys[::-1]), torch.cat(slots[::-1])
 
-    def _on_stored(self, node: TreeNode):
-        """A callback that reports the node's first pages written to storage (KV events)."""
+    def _on_stored(self, node: TreeNode, lo: int):
+        """A callback that reports (as KV events) the node's event blocks that lie in storage
+        once the first ``n`` storage blocks from token ``lo`` are there."""
         whole = self.tree.stored_event(node, MEDIUM_STORAGE)
         if whole is None:
             return None
         offset, block = node.offset, self.tree.event_block_size
+        storage_block = self.storage.block_tokens
 
-        def emit(pages: int) -> None:
-            # the node's blocks that end inside its first ``pages`` pages are all in storage
-            count = (offset + pages * self.page_size) // block - offset // block
-            events = self.tree.events  # None once events were switched off meanwhile
-            if count > 0 and events is not None:
-                events.append(dataclasses.replace(
+        def emit(blocks: int) -> None:
+            # the node's event blocks that end inside its first ``blocks`` storage blocks
+            stored_end = min(lo + blocks * storage_block, offset + len(node.key))
+            count = stored_end // block - offset // block
+            if count > 0:  # dropped by the tree if events went off meanwhile
+                self.tree.emit_event(dataclasses.replace(
                     whole, block_hashes=whole.block_hashes[:count],
                     token_ids=whole.token_ids[: count * block],
                 ))  # fmt: skip
@@ -227,17 +258,19 @@ class TierController:
         return emit
 
     def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Prefetch | None:
-        """Ask storage for the pages past the cached prefix of a waiting request (None:
+        """Ask storage for the blocks past the cached prefix of a waiting request (None:
         fewer than the minimum to fetch, no storage, or a store that stopped answering)."""
         if self.storage is None:
             return None
+        b = self.storage.block_tokens
         key = as_token_array(token_ids)
-        start = self.tree.peek_prefix(key, namespace).length
-        end = len(key) - len(key) % self.page_size
-        if end - start < self.storage.min_tokens or self.storage.stalled():
+        cached = self.tree.peek_prefix(key, namespace).length
+        end = len(key) // b * b
+        if end - cached < self.storage.min_tokens or self.storage.stalled():
             return None
-        keys = self._page_keys(namespace, key[:end], None)[start // self.page_size :]
-        return self.storage.lookup(key[:end].copy(), namespace, start, keys)
+        lo = cached // b * b  # the block holding the first missing token
+        keys = chain_page_keys(self._scope, None, key[:end], namespace)[lo // b :]
+        return self.storage.lookup(key[:end].copy(), namespace, lo, keys)
 
     def poll(self, timeout: float = 0.0) -> None:
         """Apply finished storage transfers (waiting up to ``timeout`` s for one)."""
@@ -246,11 +279,10 @@ class TierController:
 
     def _attach(self, fetched: list[Fetched]) -> None:
         for f in fetched:
-            p, got = f.prefetch, f.num_pages * self.page_size
+            p, got = f.prefetch, f.num_pages * self.storage.block_tokens
             if got:
                 tokens, slots = p.token_ids[: p.start + got], f.host_slots[:got]
-                keys = p.keys[: f.num_pages]
-                added = self.tree.attach_host(tokens, p.namespace, p.start, slots, keys)
+                added = self.tree.attach_host(tokens, p.namespace, p.start, slots)
                 p.fetched = (p.start + got - added, p.start + got)
             self.host.free(f.host_slots[got:])
 
@@ -265,11 +297,12 @@ class TierController:
             t.prefetches_in_flight = self.storage.reads_in_flight()
         return t.snapshot()
 
-    def clear_storage(self) -> bool:
+    def clear_storage(self) -> ClearResult | None:
         if self.storage is None:
-            return False
-        self._attach(self.storage.clear())
-        return True
+            return None
+        fetched, result = self.storage.clear()
+        self._attach(fetched)
+        return result
 
     def close(self) -> None:
         if self.storage is not None:

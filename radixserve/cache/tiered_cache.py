@@ -57,5 +57,8 @@ class TieredRadixCache(RadixCache):
         return self.controller.storage
 
     def attach_storage(self, url: str, model_id: str, capacity_bytes: int | None,
-                       min_tokens: int, timeout: float) -> StorageIO:  # fmt: skip
-        return self.controller.attach_storage(url, model_id, capacity_bytes, min_tokens, timeout)
+                       min_tokens: int, timeout: float,
+                       block_tokens: int = 64) -> StorageIO:  # fmt: skip
+        return self.controller.attach_storage(
+            url, model_id, capacity_bytes, min_tokens, timeout, block_tokens
+        )

@@ -129,8 +129,8 @@ def check_tree(tree: _Walkable, state: TreeState) -> torch.Tensor:
 
 
 def check_host_tier(tree: _Walkable, state: TreeState) -> torch.Tensor:
-    """The host side: every node on some tier, host sizes and leaves right, storage keys one
-    per page; return the host slots cached (checked: none twice, whole pages)."""
+    """The host side: every node on some tier, host sizes and leaves right; return the host
+    slots cached (checked: none twice, whole pages)."""
     p = state.page_size
     size = 0
     runs: list[torch.Tensor] = []
@@ -144,8 +144,6 @@ def check_host_tier(tree: _Walkable, state: TreeState) -> torch.Tensor:
             size += len(node.key)
         if node.value is None and not node.children:
             leaves.add(node)
-        if node.storage_keys is not None:
-            _require(len(node.storage_keys) == len(node.key) // p, f"{node!r}: storage keys lost")
     _require(size == state.host_size, f"host size {state.host_size} != actual {size}")
     _require(leaves == state.host_leaves, "host-leaf set is stale")
     _require(leaves <= state.host_live, "a host leaf has no live heap entry")

@@ -1,9 +1,8 @@
 """TreeNode: one edge of the radix tree and where its tokens' KV lives.
 
 A node's KV is on the device (``value``: device slot indices), on the host (``host_value``:
-host slot indices), or on both; a tree without lower tiers only ever has ``value``. Storage
-keys (``storage_keys``, one chained key per page) are computed once a node is first written
-to storage. The fields the tree keeps for eviction, events and statistics sit beside them.
+host slot indices), or on both; a tree without lower tiers only ever has ``value``. The
+fields the tree keeps for eviction, events and statistics sit beside them.
 Nothing here moves KV: the tier controller does, and the tree records the result.
 """
 
@@ -23,7 +22,6 @@ class TreeNode:
         "key",
         "value",
         "host_value",
-        "storage_keys",
         "lock_ref",
         "last_access",
         "hit_count",
@@ -49,7 +47,6 @@ class TreeNode:
         self.key = key
         self.value = value  # device slots, or None: not on the device
         self.host_value: torch.Tensor | None = None  # host slots, or None: not on the host
-        self.storage_keys: list[bytes] | None = None  # chained page keys, computed on need
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0

@@ -11,13 +11,16 @@ moves only the pages of what came after the decode side's cached history.
 When the uncached part is shorter than ``min_tokens``, or the request's peer is ``"local"``
 (the router decided so), the decode instance computes it itself (moving it would cost more
 than computing it). A failed or timed-out transfer is reported to
-the scheduler, which frees the slots and computes the prompt here instead.
+the scheduler, which frees the slots and computes the prompt here instead. A peer that cannot
+be reached is remembered (``peer_health.py``): until a background probe finds it answering
+again, the requests that would go to it are computed here at once.
 """
 
 from __future__ import annotations
 
 import logging
 
+from radixserve.disagg.peer_health import PeerHealth
 from radixserve.disagg.transfer import KVReceiver, TransferState
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request
@@ -38,7 +41,8 @@ class RemotePrefill(KVSource):
         self.min_tokens = min_tokens
         self.timeout_s = timeout_s
         self.default_peer = default_peer
-        self._pending: dict[str, Request] = {}  # transfer id -> request
+        self.health = PeerHealth(receiver.probe)
+        self._pending: dict[str, tuple[Request, str]] = {}  # transfer id -> request, peer
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
 
     @staticmethod
@@ -48,36 +52,34 @@ class RemotePrefill(KVSource):
             raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {peer!r}")
 
     def plan(self, req: Request, cached: int) -> int:
-        peer = req.spec.prefill_peer
-        if peer == PREFILL_HERE or (peer or self.default_peer) is None:
+        peer = req.spec.prefill_peer or self.default_peer
+        if peer is None or peer == PREFILL_HERE:
             return 0
         n = req.num_tokens - 1 - cached
-        return n if n >= self.min_tokens else 0
+        return n if n >= self.min_tokens and self.health.usable(peer) else 0
 
     def start(self, req: Request) -> None:
         kv = req.kv
         meta = {"skip": kv.computed, "namespace": req.namespace}
         ids = req.token_ids[: kv.allocated].tobytes()  # int32: every token it must compute
-        tid = self.receiver.request(
-            req.spec.prefill_peer or self.default_peer,
-            kv.slots[kv.computed : kv.allocated],
-            meta,
-            ids,
-            self.timeout_s,
-        )
-        self._pending[tid] = req
+        peer = req.spec.prefill_peer or self.default_peer
+        slots = kv.slots[kv.computed : kv.allocated]
+        tid = self.receiver.request(peer, slots, meta, ids, self.timeout_s)
+        self._pending[tid] = (req, peer)
         self._transfer_of[req.request_id] = tid
 
     def poll(self) -> list[tuple[Request, str | None]]:
         ended = []
         for tid, status in self.receiver.progress():
-            req = self._pending.pop(tid, None)
+            req, peer = self._pending.pop(tid, (None, ""))
             if req is None:
                 continue
             del self._transfer_of[req.request_id]
             if status.state is TransferState.DONE:
+                self.health.ok(peer)
                 ended.append((req, None))
             else:
+                self.health.failed(peer, status.kind, status.reason)
                 log.warning(
                     "request %s: KV transfer failed (%s); computing its prompt here",
                     req.request_id,

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -109,6 +111,7 @@ class TransferStatus:
     reason: str | None = None  # why it failed
     tokens: int = 0  # tokens whose KV landed (decode) or was sent (prefill), all layers
     bytes: int = 0
+    kind: str = ""  # a failure's kind, as counted in TransferStats.failures
 
 
 @dataclass(frozen=True)
@@ -174,9 +177,17 @@ class KVReceiver(ABC):
         """Stop a transfer: after return nothing lands in its slots; the peer is told."""
 
     @abstractmethod
+    def probe(self, peer: str) -> Future:
+        """Handshake with ``peer`` in the background (never blocks): the future's result is
+        its layout, or it fails with ``TransferError`` / ``LayoutMismatchError``."""
+
     def check_peer(self, peer: str, timeout_s: float = 10.0) -> KVLayout:
         """Handshake with ``peer`` now; return its layout or raise ``TransferError`` /
         ``LayoutMismatchError``."""
+        try:
+            return self.probe(peer).result(timeout_s)
+        except FutureTimeout as e:
+            raise TransferError(f"no handshake with {peer} within {timeout_s:g} s") from e
 
     @abstractmethod
     def fileno(self) -> int: ...

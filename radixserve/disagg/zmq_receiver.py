@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,7 +220,8 @@ class ZmqKVReceiver(KVReceiver):
             self.stats.transfers_done += 1
         else:
             self.stats.count_failure(kind)
-        self._ended.append((key, TransferStatus(state, reason, inb.landed, inb.bytes)))
+        status = TransferStatus(state, reason, inb.landed, inb.bytes, kind)
+        self._ended.append((key, status))
 
     def _tell(self, peer: str, kind: bytes, key: str, reason: str = "") -> None:
         frames = [kind, uuid.UUID(key).bytes] + ([reason.encode()] if kind != wire.DONE else [])
@@ -301,13 +301,10 @@ class ZmqKVReceiver(KVReceiver):
         if inb is not None:
             self._tell(inb.peer, wire.CANCEL, transfer_id, reason)
 
-    def check_peer(self, peer: str, timeout_s: float = 10.0) -> KVLayout:
+    def probe(self, peer: str) -> Future:
         fut: Future = Future()
         self._io.command("check", peer, fut)
-        try:
-            return fut.result(timeout_s)
-        except FutureTimeout as e:
-            raise TransferError(f"no handshake with {peer} within {timeout_s:g} s") from e
+        return fut
 
     def fileno(self) -> int:
         return self._io.fileno()

@@ -31,7 +31,6 @@ from radixserve.utils import default_host_kv_bytes
 
 log = logging.getLogger("radixserve")
 SAMPLE_BYTES = 1 << 20
-SMALL_STORAGE_PAGE = 8
 
 
 def build_cache(
@@ -70,17 +69,13 @@ def build_cache(
              host.nbytes() / 2**30, "" if config.host_kv_memory else ", sized by default",
              config.write_policy)  # fmt: skip
     if config.kv_storage is not None:
-        if config.page_size < SMALL_STORAGE_PAGE:
-            log.warning("--kv-storage stores one entry per page of %d token(s): use --page-size "
-                        "16 or more so the store is not millions of tiny pages",
-                        config.page_size)  # fmt: skip
-
         cache.attach_storage(
             config.kv_storage, model_identity(model_path, model_name),
             config.kv_storage_size, config.storage_prefetch_min_tokens,
-            config.storage_prefetch_timeout,
+            config.storage_prefetch_timeout, config.kv_storage_block_tokens,
         )  # fmt: skip
-        log.info("KV storage tier: %s", config.kv_storage)
+        log.info("KV storage tier: %s, blocks of %d tokens", config.kv_storage,
+                 cache.storage.block_tokens)  # fmt: skip
     return cache
 
 

@@ -29,6 +29,7 @@ import torch
 from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
+from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.core import EngineCore, Limits, StepOutput
@@ -110,9 +111,9 @@ class Engine:
             native.paged_ops()  # build (first run) or load the kernels now, not mid-request
         self.allocator = PagedAllocator(num_slots, config.page_size)
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
-        self.kv_events = KVEventQueue() if config.enable_kv_events else None
+        events = KVEventQueue() if config.enable_kv_events else None
         self.cache = build_cache(
-            config, self.allocator, self.pool, self.kv_events, loaded.path, loaded.name
+            config, self.allocator, self.pool, events, loaded.path, loaded.name
         )
         self.kv = RequestKV(self.cache, self.allocator)
 
@@ -238,8 +239,9 @@ class Engine:
         """Drop every unlocked cached token from the device and host tiers (not storage)."""
         return self.cache.reset()
 
-    def clear_storage(self) -> bool:
-        """Delete this model's pages from the storage tier; False when there is none."""
+    def clear_storage(self) -> ClearResult | None:
+        """Delete this model's pages from the storage tier: whether none is left (else why
+        not), or None when there is no storage tier."""
         return self.cache.clear_storage()
 
     def close(self) -> None:
@@ -252,15 +254,19 @@ class Engine:
         self.cache.close()
 
     # ------------------------------------------------------------------ KV events
+    @property
+    def kv_events(self) -> KVEventQueue | None:
+        """The queue of KV events while they are on, else None: the cache's own state, the
+        only one (what emits an event later, such as a storage write-out, asks the cache)."""
+        return self.cache.events
+
     def set_kv_events(self, on: bool) -> None:
         """Switch KV events on (``AllBlocksCleared`` and a snapshot of the tree come first) or
         off (no hashing at all until they are switched on again)."""
         if on and self.kv_events is None:
-            self.kv_events = KVEventQueue()
-            self.cache.enable_events(self.kv_events)
+            self.cache.enable_events(KVEventQueue())
         elif not on and self.kv_events is not None:
             self.cache.disable_events()
-            self.kv_events = None
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv_events.drain() if self.kv_events is not None else []

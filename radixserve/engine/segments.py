@@ -13,7 +13,7 @@ Prefilling a request with segments (``SegmentBlender.prefill``), in one step:
    partial match) is computed standalone and inserted, so the next prompt finds it;
    (a segment evicted to the host tier is loaded back first, as a prefix would be);
 3. the stored K/V is copied into the request's slots, keys rotated to the segment's position
-   (``LlamaModel.reanchor``); the tree's copy stays at position 0;
+   (``reanchor``); the tree's copy stays at position 0;
 4. CacheBlend-style partial recomputation restores cross-segment attention: every token that
    is not reused is computed, plus ``ratio`` of the reused ones: the first tokens of each
    segment, then those whose K/V at an early layer deviates most from the reused K/V,
@@ -39,6 +39,7 @@ from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.segment_select import RecomputeSelector
 from radixserve.model.attention import SparsePrefill, build_forward_batch
+from radixserve.model.llama import rotate_half
 
 SEGMENT_NAMESPACE = "rag-segment"
 
@@ -57,6 +58,24 @@ class SegmentStats:
     fills: int = 0  # computed standalone (wholly or past a partial hit) and stored
     reused_tokens: int = 0  # tokens whose KV came from the store
     recomputed_tokens: int = 0  # reused tokens computed again by partial recomputation
+
+
+@torch.inference_mode()
+def reanchor(model: Any, pool: Any, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+    """Copy the K/V of slots ``src`` to ``dst`` in every layer, keys moved ``delta`` positions
+    on: rotated by ``delta`` times each RoPE frequency (RoPE at position ``p + d`` is the
+    rotation by ``d`` of RoPE at ``p``, for every scaling the model supports, which only
+    rescales the frequencies); values are unchanged."""
+    angle = float(delta) * model.rope_inv_freq.to(torch.float64)
+    angle = torch.cat([angle, angle])
+    cos = angle.cos().to(torch.float32)
+    sin = angle.sin().to(torch.float32)
+    # all layers in one gather and one scatter: a loop over layers costs ~8 small ops
+    # each, which dominate when the machine is busy (each op waits for its threads)
+    k = pool.k.index_select(2, src).float()  # [layers, kv_heads, n, head_dim]
+    k = k * cos + rotate_half(k) * sin
+    pool.k.index_copy_(2, dst, k.to(pool.k.dtype))
+    pool.v.index_copy_(2, dst, pool.v.index_select(2, src))
 
 
 class SegmentBlender:
@@ -146,7 +165,7 @@ class SegmentBlender:
                 self.stats.hits += 1
                 req.add_usage(segment_hits=req.usage.segment_hits + 1)
             n = aligned - p
-            self.model.reanchor(self.pool, src[p:], req.kv.slots[s : s + n], s - p)
+            reanchor(self.model, self.pool, src[p:], req.kv.slots[s : s + n], s - p)
             reused.append((s, s + n))
         return reused
 

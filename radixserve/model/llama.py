@@ -11,11 +11,8 @@ position. A step of decode tokens only runs in one native call where the kernels
 SiLU(gate) * up in native row kernels on a float32 CPU model (``_row_kernels``) and the
 residual adds inside the matmuls.
 
-Two helpers serve KV reuse at a new position (RAG segments): ``reanchor`` copies stored K/V
-to other slots with the keys rotated by a position delta (RoPE at position ``p + d`` is the
-rotation by ``d`` of RoPE at ``p``, for every supported scaling, which only rescales the
-frequencies), and ``kv_deviation`` runs the first layers of a batch and says how far each
-row's fresh K/V at one layer is from what the pool holds for it.
+For KV reuse at a new position (RAG segments), ``kv_deviation`` runs the first layers of a
+batch and says how far each row's fresh K/V at one layer is from what the pool holds for it.
 """
 
 from __future__ import annotations
@@ -253,18 +250,3 @@ class LlamaModel:
         late = rows[None, :] > rows[t - m :, None]  # causal
         scores.masked_fill_(late, float("-inf"))
         return scores.softmax(-1).sum(dim=(0, 1))
-
-    @torch.inference_mode()
-    def reanchor(self, pool: KVPool, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
-        """Copy the K/V of slots ``src`` to ``dst`` in every layer, keys moved ``delta``
-        positions on (rotated by ``delta`` times each RoPE frequency); values are unchanged."""
-        angle = float(delta) * self.rope_inv_freq.to(torch.float64)
-        angle = torch.cat([angle, angle])
-        cos = angle.cos().to(torch.float32)
-        sin = angle.sin().to(torch.float32)
-        # all layers in one gather and one scatter: a loop over layers costs ~8 small ops
-        # each, which dominate when the machine is busy (each op waits for its threads)
-        k = pool.k.index_select(2, src).float()  # [layers, kv_heads, n, head_dim]
-        k = k * cos + rotate_half(k) * sin
-        pool.k.index_copy_(2, dst, k.to(pool.k.dtype))
-        pool.v.index_copy_(2, dst, pool.v.index_select(2, src))

@@ -41,9 +41,14 @@ def add_admin_routes(
 
     @app.post("/clear_kv_storage")
     async def clear_kv_storage() -> dict:
-        """Delete this model's pages from the storage tier (other models' pages stay)."""
-        if not await engine_call(client, "clear_storage"):
+        """Delete this model's pages from the storage tier (other models' pages stay); 503
+        when the store could not delete them (down, hung, read-only), so nothing claims it."""
+        result = await engine_call(client, "clear_storage")
+        if result is None:
             raise ApiError(400, "this server has no KV storage tier (see --kv-storage)")
+        if not result.cleared:
+            raise ApiError(503, f"the KV storage was not cleared: {result.reason}",
+                           kind="server_error", headers={"Retry-After": "10"})  # fmt: skip
         return {"cleared": True}
 
     @app.get("/cache")

@@ -32,6 +32,7 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.admin_routes import add_admin_routes
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.metrics import Metrics
+from radixserve.server.prefill_trust import PrefillTrust
 from radixserve.server.responses import (
     ChatStream,
     CompletionStream,
@@ -43,7 +44,7 @@ from radixserve.server.serving import Job, Serving
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (docs/fleet.md).
+# the router sets it per request (docs/fleet.md); who may choose which: ``prefill_trust.py``.
 PREFILL_HEADER = "x-radixserve-prefill"
 
 
@@ -64,6 +65,7 @@ def create_app(
     app.add_middleware(Guard, config=config)
     install_error_handlers(app, retryable=(EngineDeadError,))
     app.state.serving = serving  # the server closes its tokenizer thread on the way out
+    app.state.prefill_trust = PrefillTrust(client.config.disagg, config.trusted_prefill)
     add_info_routes(app, client, served_model_name, sampling)
     add_openai_routes(app, serving, tokenizer, served_model_name, sampling.values)
     add_generate_route(app, serving, tokenizer, sampling.values)
@@ -189,7 +191,9 @@ def request_spec(raw: Request, salt: str | None, **options: Any) -> RequestSpec:
         prompt_ids=[],
         params=SamplingParams(),
         namespace=cache_namespace(getattr(raw.state, "tenant", None), salt),
-        prefill_peer=raw.headers.get(PREFILL_HEADER),
+        prefill_peer=raw.app.state.prefill_trust.peer(
+            raw.headers.get(PREFILL_HEADER), raw.state.admin
+        ),
         **options,
     )
 

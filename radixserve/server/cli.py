@@ -70,8 +70,18 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--admin-key",
         default=os.environ.get("RADIXSERVE_ADMIN_KEY"),
-        help="the key of /flush_cache, /cache and /debug/*; with API keys and no admin key "
-        "those are closed (default: $RADIXSERVE_ADMIN_KEY)",
+        help="the key of /flush_cache, /clear_kv_storage, /cache, /debug/* and /kv_events, and "
+        "of naming any prefill instance in X-Radixserve-Prefill; with API keys and no admin "
+        "key those endpoints are closed (default: $RADIXSERVE_ADMIN_KEY)",
+    )
+    g.add_argument(
+        "--trusted-prefill",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="decode instance: a prefill instance's KV endpoint (tcp://HOST:PORT) that any "
+        "caller may name in X-Radixserve-Prefill, besides --prefill-endpoint; repeat for "
+        "several. Others need the admin key (400 otherwise)",
     )
     g.add_argument(
         "--salt-from-api-key",
@@ -131,6 +141,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
 SERVER_FLAGS = (
     "api_keys",
     "admin_key",
+    "trusted_prefill",
     "salt_from_api_key",
     "debug_cache_text",
     "max_request_bytes",

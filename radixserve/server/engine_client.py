@@ -160,7 +160,7 @@ class EngineClient:
             self._send(Shutdown())
             await asyncio.to_thread(process.join, 10)
         if process is not None and process.is_alive():
-            process.terminate()
+            process.kill()  # it ignores SIGTERM while this process lives (engine_process.py)
             process.join(10)
         for sock in (self._push, self._pull):
             if sock is not None:

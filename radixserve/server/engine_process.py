@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from radixserve.cache.base import TreeSummary
+from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.disagg import Disaggregation
 from radixserve.engine import Engine
@@ -193,7 +194,7 @@ class EngineLoop:
     def rpc_flush_cache(self) -> int:
         return self.engine.flush_cache()
 
-    def rpc_clear_storage(self) -> bool:
+    def rpc_clear_storage(self) -> ClearResult | None:
         return self.engine.clear_storage()
 
     def rpc_cache_summary(self, top: int = 10) -> TreeSummary:
@@ -232,6 +233,22 @@ class EngineLoop:
                 self.events.sync()
 
 
+def _leave_shutdown_to_the_server() -> None:
+    """Ignore the SIGINT and SIGTERM meant for the whole server: a terminal's Ctrl-C and
+    ``kill -TERM -PGID`` signal the process group, systemd's stop the whole cgroup. The
+    server drains its running requests (which need this engine) and then sends
+    ``shutdown``. A SIGTERM once the server is gone (``_die_with_parent``) still ends this
+    process, through the clean-up below."""
+    parent = os.getppid()
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if os.getppid() != parent:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, however it dies."""
     try:
@@ -245,6 +262,7 @@ def run_engine_process(
 ) -> None:
     """Entry point of the spawned process (which inherits no logging set-up: redo it)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(message)s")
+    _leave_shutdown_to_the_server()
     _die_with_parent()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

@@ -123,6 +123,9 @@ class Serving:
                 f"the prompt has {longest} tokens but the model's context is {limit} tokens, "
                 "which must also hold at least one output token",
             )
+        vocab = self.client.info.vocab_size
+        if any(ids and (min(ids) < 0 or max(ids) >= vocab) for ids in prompts):  # JSON ints
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
         base = uuid.uuid4().hex[:24]
         job = Job(
             kind=kind, prompts=prompts, trackers=[], request_ids=[], response_id=f"{kind}-{base}"

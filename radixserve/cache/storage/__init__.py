@@ -11,6 +11,7 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from radixserve.cache.storage.base import (
+    ClearResult,
     HostPages,
     RateLimitedWarning,
     StorageBackend,
@@ -22,6 +23,7 @@ from radixserve.cache.storage.keys import StorageScope, chain_page_keys
 from radixserve.cache.storage.page_format import PageFormatError, PageLayout
 
 __all__ = [
+    "ClearResult",
     "FileBackend",
     "HostPages",
     "PageFormatError",

@@ -4,22 +4,27 @@ A backend moves pages between a store and host memory. Its caller names pages by
 ``keys.chain_page_keys`` and hands over a ``HostPages``: a batch of page buffers, the j-th
 buffer for the j-th key. Contracts:
 
-* ``exists(keys)`` -> how many LEADING keys are stored (stops at the first miss).
+* ``exists(keys, writing=False)`` -> how many LEADING keys are stored (stops at the first
+  miss); ``writing``: the lookup is the first half of a write-out, so its failure is one.
 * ``get(keys, pages)`` -> how many leading pages were read whole and valid into ``pages``;
   page j < result holds the stored bytes of ``keys[j]``, pages from the result on are
   unspecified. A corrupt, truncated or foreign page is refused, counted and deleted.
 * ``set(keys, pages)`` -> how many leading pages are now stored (a page already present
   counts). It stops at the first failure: a page after a gap could never be matched.
-* ``clear()`` deletes this scope's pages (one model and layout), nothing else in the store.
+* ``clear()`` deletes this scope's pages (one model and layout), nothing else in the store,
+  and returns a ``ClearResult``: ``cleared`` only when none of them is left.
 * ``stats()`` -> a ``StorageStats`` snapshot.
 
 Failures of the store (disk full, read-only directory, Redis down or gone mid-call, a page
 file that another process deleted) never raise out of these calls: they return a short
-count and log a rate-limited warning. Wrong arguments from the caller (a batch shorter than
-its keys, a page of the wrong size) are programming errors and raise ``ValueError``.
+count (or a ``ClearResult`` saying why not) and log a rate-limited warning. Each failed call
+is one error in ``stats()``, of the kind of the work that failed (a read or a write; a clear
+is a write), calls refused at once while a store is known to be down included. Wrong
+arguments from the caller (a batch shorter than its keys, a page of the wrong size) are
+programming errors and raise ``ValueError``.
 
-Thread safety: one reader thread (exists/get) and one writer thread (set/clear) may call a
-backend concurrently.
+Thread safety: several reader threads (exists/get) and one writer thread (set/clear) may
+call a backend concurrently.
 """
 
 from __future__ import annotations
@@ -85,6 +90,14 @@ class TensorPages:
         self._bytes[i] = memoryview(data).cast("B")
 
 
+@dataclass(frozen=True)
+class ClearResult:
+    """What ``clear`` did: ``cleared`` when none of the scope's pages is left, else why not."""
+
+    cleared: bool
+    reason: str | None = None
+
+
 @dataclass
 class StorageStats:
     """A snapshot of one backend: monotonic counters and what it holds now."""
@@ -101,8 +114,8 @@ class StorageStats:
     exists_hits: int = 0  # leading keys found
     get_misses: int = 0  # get calls stopped by a page that was not there
     corrupt_pages: int = 0  # refused on read (and deleted)
-    read_errors: int = 0  # I/O or connection failures while reading
-    write_errors: int = 0  # I/O or connection failures while writing (disk full, ...)
+    read_errors: int = 0  # reads that failed (I/O, connection, the store known down)
+    write_errors: int = 0  # writes and clears that failed (disk full, read-only, down, ...)
     evicted_pages: int = 0  # deleted to keep under the size cap
 
 
@@ -119,7 +132,7 @@ class StorageBackend(ABC):
         self._warn = RateLimitedWarning(logging.getLogger(type(self).__module__))
 
     @abstractmethod
-    def exists(self, keys: Sequence[bytes]) -> int: ...
+    def exists(self, keys: Sequence[bytes], writing: bool = False) -> int: ...
 
     @abstractmethod
     def get(self, keys: Sequence[bytes], pages: HostPages) -> int: ...
@@ -128,7 +141,7 @@ class StorageBackend(ABC):
     def set(self, keys: Sequence[bytes], pages: HostPages) -> int: ...
 
     @abstractmethod
-    def clear(self) -> None: ...
+    def clear(self) -> ClearResult: ...
 
     @abstractmethod
     def stats(self) -> StorageStats: ...

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from radixserve.cache.storage.base import HostPages, StorageBackend, StorageStats
+from radixserve.cache.storage.base import ClearResult, HostPages, StorageBackend, StorageStats
 from radixserve.cache.storage.keys import StorageScope
 from radixserve.cache.storage.page_format import PageFormatError, check_page, pack_header
 
@@ -89,7 +89,7 @@ class FileBackend(StorageBackend):
 
     # -- the interface --------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes]) -> int:
+    def exists(self, keys: Sequence[bytes], writing: bool = False) -> int:
         n = 0
         for key in keys:
             hexkey = key.hex()
@@ -153,15 +153,44 @@ class FileBackend(StorageBackend):
         self._count(pages_written=written, bytes_written=written * self._record)
         return n
 
-    def clear(self) -> None:
+    def clear(self) -> ClearResult:
+        """Delete every page file; a file that cannot be deleted stays indexed (and counted)."""
+        failed: list[OSError] = []
         with self._lock:
-            self._lru.clear()
-            self._used = 0
-            for sub in _scandir(self.dir):
+            try:
+                subs = list(os.scandir(self.dir))
+            except FileNotFoundError:
+                subs = []
+            except OSError as e:
+                failed.append(e)
+                subs = []
+            for sub in subs:
                 if sub.is_dir(follow_symlinks=False):
                     for entry in _scandir(sub.path):
                         if entry.name.endswith(SUFFIX):
-                            _unlink(entry.path)
+                            self._delete(entry, failed)
+            if not failed:
+                self._lru.clear()
+                self._used = 0
+        if not failed:
+            return ClearResult(True)
+        self._count(write_errors=1)
+        reason = f"{len(failed)} KV page file(s) in {self.dir} could not be deleted: {failed[0]}"
+        self._warn("clear", reason)
+        return ClearResult(False, reason)
+
+    def _delete(self, entry: os.DirEntry, failed: list[OSError]) -> None:
+        """Unlink one page file and forget it, or note why not (the caller holds the lock)."""
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append(e)
+            return
+        size = self._lru.pop(entry.name[: -len(SUFFIX)], None)
+        if size is not None:
+            self._used -= size
 
     def stats(self) -> StorageStats:
         with self._lock:

@@ -27,9 +27,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from radixserve.cache.storage.base import HostPages, StorageBackend, StorageStats
+from radixserve.cache.storage.base import ClearResult, HostPages, StorageBackend, StorageStats
 from radixserve.cache.storage.keys import StorageScope
 from radixserve.cache.storage.page_format import PageFormatError, check_page, pack_header
+
+WRITE_CALLS = ("write", "clear", "delete")  # their failures are write errors, the rest reads
 
 
 class RedisBackend(StorageBackend):
@@ -67,13 +69,15 @@ class RedisBackend(StorageBackend):
         )
         self._down_until = 0.0
         self._down_lock = threading.Lock()
+        self._error = ""  # the last failure, for a clear that has to say why it did not
 
     # -- the interface --------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes]) -> int:
+    def exists(self, keys: Sequence[bytes], writing: bool = False) -> int:
         n = 0
+        what = "write" if writing else "exists"
         for chunk in self._chunks(keys, len(keys) or 1):  # EXISTS replies are tiny: one trip
-            found = self._call("exists", lambda c=chunk: self._pipeline("exists", c))
+            found = self._call(what, lambda c=chunk: self._pipeline("exists", c))
             if found is None:
                 break
             lead = next((i for i, f in enumerate(found) if not f), len(found))
@@ -132,8 +136,8 @@ class RedisBackend(StorageBackend):
         self._count(pages_written=n, bytes_written=n * self.layout.record_nbytes)
         return n
 
-    def clear(self) -> None:
-        def scan_and_unlink() -> None:
+    def clear(self) -> ClearResult:
+        def scan_and_unlink() -> bool:
             batch = []
             for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
                 batch.append(name)
@@ -142,8 +146,11 @@ class RedisBackend(StorageBackend):
                     batch.clear()
             if batch:
                 self._client.unlink(*batch)
+            return True
 
-        self._call("clear", scan_and_unlink, honour_backoff=False)
+        if self._call("clear", scan_and_unlink, honour_backoff=False):
+            return ClearResult(True)
+        return ClearResult(False, f"Redis KV store at {self.address} failed: {self._error}")
 
     def stats(self) -> StorageStats:
         return self._snapshot()
@@ -174,12 +181,16 @@ class RedisBackend(StorageBackend):
         return pipe.execute(raise_on_error=False)
 
     def _call(self, what: str, fn, honour_backoff: bool = True):
-        """Run one round trip; on failure warn, back off, and return None."""
+        """Run one round trip; on failure warn, back off, and return None. Every failure
+        counts, a call refused at once while backing off too."""
+        kind = "write_errors" if what in WRITE_CALLS else "read_errors"
         if honour_backoff and time.monotonic() < self._down_until:
+            self._count(**{kind: 1})
             return None
         try:
             result = fn()
         except (redis.RedisError, OSError) as e:
+            self._error = str(e)
             with self._down_lock:
                 self._down_until = time.monotonic() + self.reconnect_interval
             self._warn(
@@ -187,6 +198,6 @@ class RedisBackend(StorageBackend):
                 f"Redis KV store at {self.address} failed ({what}: {e}); retrying in "
                 f"{self.reconnect_interval:g}s, computing instead meanwhile",
             )
-            self._count(**{"write_errors" if what == "write" else "read_errors": 1})
+            self._count(**{kind: 1})
             return None
         return result
