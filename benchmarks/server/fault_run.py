@@ -91,6 +91,7 @@ class Clients:
         self.url, self.limit, self.system_words = url, limit, system_words
         self.counts: Counter[str] = Counter()
         self.bad: list[str] = []
+        self.errors: Counter[str] = Counter()  # "status: message" of the clean errors
         self.max_s = 0.0
         self.lock = threading.Lock()
 
@@ -100,6 +101,8 @@ class Clients:
             self.max_s = max(self.max_s, took)
             if outcome == "bad":
                 self.bad.append(detail[:300])
+            elif outcome == "error":
+                self.errors[detail[:90]] += 1
         return outcome
 
     def ask(self, http: httpx.Client, body: dict) -> tuple[str, str]:
@@ -135,7 +138,7 @@ class Clients:
                 elif line.startswith("data: "):
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        return "", "error", ""
+                        return "", "error", f"sse: {chunk['error'].get('message')}"
                     for c in chunk["choices"]:
                         parts.append(c["delta"].get("content") or "")
                         finish = c.get("finish_reason") or finish
@@ -174,14 +177,17 @@ def run_phase(clients: Clients, seconds: float, inject, n: int = 8) -> dict:
         injected = pool.submit(inject)
         for f in [*futures, injected]:
             f.result()
-    return {**clients.counts, "max_request_s": round(clients.max_s, 1), "bad_detail": clients.bad}
+    result = {**clients.counts, "max_request_s": round(clients.max_s, 1),
+              "bad_detail": clients.bad, "errors": dict(clients.errors.most_common(4))}  # fmt: skip
+    print(json.dumps(result), file=sys.stderr, flush=True)  # progress, phase by phase
+    return result
 
 
 def envelope(status: int, text: str) -> tuple[str, str]:
     try:
         error = json.loads(text)["error"]
         if status >= 400 and isinstance(error.get("message"), str):
-            return "error", ""
+            return "error", f"{status}: {error['message']}"
     except (ValueError, KeyError, TypeError, AttributeError):
         pass
     return "bad", f"{status} not an OpenAI error: {text[:200]}"
@@ -216,13 +222,14 @@ def settled(url: str, timeout: float = 90) -> dict:
             break
         time.sleep(0.5)
     check = httpx.get(url + "/debug/check_integrity", headers=headers, timeout=60)
-    return {"integrity": "ok" if check.status_code == 200 else check.text[:200],
-            "running": m["num_running_reqs"] + m["num_queue_reqs"], "held_tokens": held}  # fmt: skip
+    integrity = "ok" if check.status_code == 200 else check.text[:200]
+    running = m["num_running_reqs"] + m["num_queue_reqs"]
+    return {"integrity": integrity, "running": running, "held_tokens": held}
 
 
 def fleet_phases(args, out: dict) -> None:
     with RedisServer() as valkey:
-        tiers = ["--host-kv-memory", "64MiB", "--kv-storage", valkey.url]
+        tiers = ["--host-kv-memory", "256MiB", "--kv-storage", valkey.url]
         ports = [free_port(), free_port()]
         workers = [start_worker(p, *tiers) for p in ports]
         router = None
@@ -283,14 +290,15 @@ def pd_phase(args, out: dict) -> None:
         def kill_prefill() -> None:
             time.sleep(5)
             headers = {"Authorization": f"Bearer {WORKER_KEY}"}
-            info["before_kill"] = httpx.get(decode.url + "/disagg/info", headers=headers).json()
+            r = httpx.get(decode.url + "/disagg/info", headers=headers)
+            info["before_kill"] = r.json()["stats"]["transfers_done"]
             signal_tree(prefill, signal.SIGKILL)
 
         limit = FIRST_BYTE_TIMEOUT + args.margin
         out["pd_kill"] = run_phase(
             Clients(router.url, limit, 120), args.phase_seconds, kill_prefill
         )
-        out["pd_kill"]["transfers_before_kill"] = info.get("before_kill", {}).get("transfers")
+        out["pd_kill"]["transfers_before_kill"] = info.get("before_kill")
         out["pd_after"] = [settled(decode.url)]
     finally:
         for p in (router, decode, prefill):
