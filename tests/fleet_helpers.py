@@ -4,55 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 
+from radixserve.bench.processes import Proc
 
-class Proc:
-    """A ``radixserve`` child process; ``url`` once it printed its listening line."""
-
-    def __init__(self, args: list[str], marker: str):
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.cli", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )  # fmt: skip
-        self.args, self.marker = args, marker
-        self.lines: list[str] = []
-        self.url = None
-
-    def wait(self, timeout: float = 240.0) -> Proc:
-        args, marker = self.args, self.marker
-        deadline = time.monotonic() + timeout
-        while self.url is None:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.stop()
-                raise RuntimeError(f"{args[0]} exited:\n" + "".join(self.lines[-30:]))
-            self.lines.append(line)
-            if line.startswith(marker):
-                self.url = line.split()[len(marker.split())]
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{args[0]} did not start:\n" + "".join(self.lines[-30:]))
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(20)
+__all__ = ["Proc"]
 
 
 def start_worker(model_dir, *extra: str) -> Proc:

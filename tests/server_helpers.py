@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from radixserve.bench.processes import read_metrics
+
 
 @dataclass
 class ServerProcess:
@@ -77,18 +79,6 @@ def running_server(*args: str, timeout: float = 180.0):
     """Yield the base URL of a server started with ``args``; stop it afterwards."""
     with started_server(*args, timeout=timeout) as server:
         yield server.url
-
-
-def read_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
-    """Unlabelled (or model-labelled) samples of ``/metrics``: name -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=headers).text):
-        for s in family.samples:
-            if set(s.labels) <= {"model_name"}:
-                out[s.name] = s.value
-    return out
 
 
 def wait_idle(url: str, headers: dict[str, str], timeout: float = 30) -> dict[str, float]:
