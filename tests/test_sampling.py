@@ -8,6 +8,7 @@ import torch
 from radixserve import LLM, SamplingParams
 from radixserve.engine.request import Request
 from radixserve.engine.sampler import sample
+from radixserve.engine.spec import RequestSpec
 
 PROMPT = [523, 9012, 77, 310, 4511, 98, 1200, 33, 871, 15000]
 
@@ -81,7 +82,9 @@ def test_stop_strings_cut_the_text(llm):
 
 
 def _request_with_history(params: SamplingParams, prompt: list[int], output: list[int]):
-    req = Request("r", prompt, params, max_tokens=10, seed=0)
+    req = Request(
+        RequestSpec(request_id="r", prompt_ids=prompt, params=params), max_tokens=10, seed=0
+    )
     for t in output:
         req.append_token(t)
     return req
