@@ -183,7 +183,7 @@ def post(server, path, body, headers=AUTH):
         ('{"model": "tiny", "messages": [', 400, "not valid JSON"),
         ({"model": "tiny", "messages": CHAT, "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": "tiny", "messages": []}, 400, "messages must not be empty"),
-        ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "'tools'"),
+        ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools[0]"),
         ({"model": "tiny", "messages": CHAT, "frobnicate": 1}, 400, "'frobnicate'"),
         ({"model": "tiny", "messages": CHAT, "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "messages": CHAT, "n": 0}, 400, "n must be"),

@@ -1,12 +1,15 @@
 """OpenAI-compatible request bodies, and the one place they become ``SamplingParams``.
 
 Every field is either honoured or rejected: unknown fields fail validation (``extra=forbid``)
-and known OpenAI fields we do not implement (tools, logit_bias, ...) are refused with a
-message naming them, unless they carry their neutral value. Types are strict (``true`` is not
-a count, ``2.5`` is not an integer), floats finite, and no string anywhere in a body may hold
-a lone surrogate (the tokenizer cannot encode one). Parameters a request leaves out take the
-server's defaults (the model's recommendation, see ``generation_defaults``); ``model`` may be
-left out too. ``cache_salt`` puts the request's prefixes in a cache namespace of their own.
+and known OpenAI fields we do not implement (``functions``, ``echo``, ...) are refused with a
+message naming them, unless they carry their neutral value. Constrained output (chat's
+``response_format``; the extensions ``regex``, ``ebnf`` and ``json_schema``) becomes the
+spec's ``grammar``, checked here so a bad one is a 400 naming the problem. Types are
+strict (``true`` is not a count, ``2.5`` is not an integer), floats finite, and no string
+anywhere in a body may hold a lone surrogate (the tokenizer cannot encode one). Parameters
+a request leaves out take the server's defaults (the model's recommendation, see
+``generation_defaults``); ``model`` may be left out too. ``cache_salt`` puts the request's
+prefixes in a cache namespace of their own.
 """
 
 from __future__ import annotations
@@ -14,14 +17,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from radixserve.api.constraints import grammar_from, parse_logit_bias, response_format_grammar
 from radixserve.api.errors import ApiError
+from radixserve.api.tools import ToolPlan, history_message
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
 
 # a token id as a request may give it: beyond int32 no vocabulary reaches, and the engine's
 # messages carry 64-bit integers at most, so a bigger number is a 400 here
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+MAX_TOKEN_ID = 2**31
+
+
+def _token_id(v: int) -> int:
+    if not 0 <= v < MAX_TOKEN_ID:
+        raise ValueError(f"token ids must be in [0, 2^31), got {v}")
+    return v
+
+
+TokenId = Annotated[int, AfterValidator(_token_id)]
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 MAX_SALT_CHARS = 256
@@ -88,8 +102,11 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None  # an end-user id for the caller's logs; no effect on generation
-    # unsupported OpenAI fields: accepted only with their neutral value
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # extensions (as in vLLM / SGLang): constrained output, at most one
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
     # extensions (as in vLLM / SGLang)
     top_k: int | None = None
     min_p: float | None = None
@@ -100,7 +117,12 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
 
     def _unsupported(self) -> dict[str, Any]:
-        return {"logit_bias": self.logit_bias or None}
+        return {}
+
+    def grammar(self) -> tuple[str, str] | None:
+        """The output constraint this request asks for (checked), or None."""
+        given = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": self.json_schema}
+        return grammar_from(given)
 
     def reject_unsupported(self) -> None:
         for name, value in self._unsupported().items():
@@ -148,6 +170,7 @@ class _Sampling(_Body):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": parse_logit_bias(self.logit_bias),
         }
         return build_params(fields, defaults)
 
@@ -186,9 +209,19 @@ def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
 
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message: the calls it made
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self, mark_reusable: bool = False) -> str:
         """The content as text; with ``mark_reusable``, each reusable part (the extension
@@ -228,16 +261,20 @@ class ChatCompletionRequest(_Sampling):
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
 
     def _unsupported(self) -> dict[str, Any]:
-        fmt = self.response_format
         return {
             **super()._unsupported(),
-            "tools": self.tools or None,
-            "tool_choice": None if self.tool_choice in (None, "none") else self.tool_choice,
             "functions": self.functions or None,
             "function_call": None if self.function_call in (None, "none") else self.function_call,
-            "response_format": None if fmt in (None, {"type": "text"}) else fmt,
-            "parallel_tool_calls": self.parallel_tool_calls,
         }
+
+    def grammar(self) -> tuple[str, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt == {"type": "text"}:
+            return super().grammar()
+        if super().grammar() is not None:
+            raise ApiError(400, "give response_format or a grammar extension, not both",
+                           "response_format")  # fmt: skip
+        return response_format_grammar(fmt)
 
     def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
         if not self.messages:
@@ -250,13 +287,26 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
         return self.sampling_params(defaults, max_tokens, logprobs, seed_offset)
 
-    def conversation(self, mark_reusable: bool = False) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role
-        return [
-            {"role": "system" if m.role == "developer" else m.role,
-             "content": m.text(mark_reusable)}
-            for m in self.messages
-        ]  # fmt: skip
+    def conversation(
+        self, mark_reusable: bool = False, template_has_tools: bool = False
+    ) -> list[dict[str, Any]]:
+        """The messages for the chat template (``template_has_tools``: it renders the
+        history's tool calls itself; else they become text, ``tools.py``)."""
+        out = []
+        for m in self.messages:
+            # "developer" is OpenAI's newer name for the system role
+            msg = {"role": "system" if m.role == "developer" else m.role,
+                   "content": m.text(mark_reusable)}  # fmt: skip
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                msg = history_message({**msg, "tool_calls": m.tool_calls}, template_has_tools)
+            out.append(msg)
+        return out
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What ``tools`` and ``tool_choice`` ask for (None: no tools in play)."""
+        return ToolPlan.build(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def reusable_parts(self) -> list[str]:
         """The texts of the reusable content parts, in order (empty: no RAG segments)."""
@@ -298,9 +348,16 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema")  # /generate's sampling_params extensions
+
 # the OpenAPI description of /generate's sampling_params: SamplingParams' own fields
 _SAMPLING_SCHEMA = {
-    "properties": TypeAdapter(SamplingParams).json_schema()["properties"],
+    "properties": {
+        **TypeAdapter(SamplingParams).json_schema()["properties"],
+        "regex": {"type": "string"},
+        "ebnf": {"type": "string"},
+        "json_schema": {"type": ["object", "string"]},
+    },
     "additionalProperties": False,
 }
 
@@ -349,5 +406,10 @@ class GenerateRequest(_Body):
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # unlike the OpenAI endpoints, the native one keeps SamplingParams' own max_tokens
-        defaults = {"max_tokens": 16, **defaults}
-        return build_params(self.sampling_params, defaults, "sampling_params.")
+        fields = {k: v for k, v in self.sampling_params.items() if k not in GRAMMAR_FIELDS}
+        if "logit_bias" in fields:
+            fields["logit_bias"] = parse_logit_bias(fields["logit_bias"])
+        return build_params(fields, {"max_tokens": 16, **defaults}, "sampling_params.")
+
+    def grammar(self) -> tuple[str, str] | None:
+        return grammar_from({k: self.sampling_params.get(k) for k in GRAMMAR_FIELDS})

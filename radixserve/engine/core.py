@@ -99,7 +99,9 @@ class EngineCore:
             f.check(spec)
         if spec.request_id in self.requests:
             raise ValueError(f"request id {spec.request_id!r} is already in use")
-        max_tokens = self._check_lengths(spec.prompt_ids, spec.params.max_tokens)
+        max_tokens = self._check_lengths(
+            spec.prompt_ids, spec.params.max_tokens, spec.params.logit_bias
+        )
         seed = spec.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
@@ -108,13 +110,15 @@ class EngineCore:
         self.scheduler.add(req)
         return req
 
-    def _check_lengths(self, prompt_ids, asked: int | None) -> int:
+    def _check_lengths(self, prompt_ids, asked: int | None, bias: dict[int, float]) -> int:
         """Check the prompt against the limits and the pool; return the output limit."""
         n, limit, vocab = len(prompt_ids), self.limits.max_model_len, self.limits.vocab_size
         if n == 0:
             raise ValueError("the prompt is empty")
         if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if vocab is not None and bias and max(bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if n >= limit:
             raise ValueError(
                 f"the prompt has {n} tokens but the model's context is {limit} "
@@ -203,6 +207,8 @@ class EngineCore:
         p = req.params
         if (not p.ignore_eos and token in self.limits.eos_token_ids) or token in p.stop_token_ids:
             return "stop"
+        if req.grammar is not None and req.grammar.terminated:
+            return "stop"  # the grammar is complete
         if req.num_output >= req.max_tokens:
             return "length"
         return None

@@ -35,6 +35,7 @@ from radixserve.engine.cache_setup import build_cache
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
+from radixserve.engine.grammar import GrammarCompiler, GrammarStats
 from radixserve.engine.hooks import Feature, KVTransfer
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
@@ -96,6 +97,7 @@ class Engine:
                                        config.segment_recompute_ratio, select,
                                        prefix_tokens=config.segment_prefix_tokens)  # fmt: skip
         self.executor = ModelExecutor(self.model, self.pool, self.segments)
+        self._grammars: GrammarCompiler | None = None
 
     def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
@@ -125,8 +127,24 @@ class Engine:
         )
 
     def add(self, spec: RequestSpec) -> Request:
-        """Validate and queue a request (``ValueError`` naming what is wrong)."""
-        return self.core.add(spec)
+        """Validate and queue a request (``ValueError`` naming what is wrong); a constrained
+        one starts compiling its grammar and is admitted once it is ready."""
+        req = self.core.add(spec)
+        if spec.grammar is not None:
+            req.grammar = self.grammars.start(*spec.grammar)
+        return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for this model's vocabulary, built on first use."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf, self.model.config.vocab_size, self.tokenizer.eos_token_ids
+            )
+        return self._grammars
+
+    def grammar_stats(self) -> GrammarStats:
+        return dataclasses.replace(self._grammars.stats) if self._grammars else GrammarStats()
 
     def abort_request(self, request_id: str, reason: str = "abort") -> StepOutput | None:
         return self.core.abort(request_id, reason)
@@ -140,10 +158,18 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
+        failed = self._failed_grammars()
         step = self.core.schedule()
         if step.empty:
+            return failed
+        return failed + self.core.postprocess(step, self.executor.run(step))
+
+    def _failed_grammars(self) -> list[StepOutput]:
+        """Fail the waiting requests whose grammar could not be compiled."""
+        if self._grammars is None:
             return []
-        return self.core.postprocess(step, self.executor.run(step))
+        failed = [r for r in self.scheduler.waiting if r.grammar and r.grammar.error]
+        return [self.core.fail(r, r.grammar.error) for r in failed]
 
     def _has_waiting(self) -> bool:
         return bool(self.scheduler.waiting)
@@ -197,6 +223,7 @@ class Engine:
             cache=self.cache.stats.copy(),
             tiers=self.cache.tier_stats(),
             segments=dataclasses.replace(self.segments.stats),
+            grammar=self.grammar_stats(),
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
         )
@@ -222,6 +249,8 @@ class Engine:
         the engine is not used afterwards."""
         if self.disagg is not None:
             self.disagg.close()
+        if self._grammars is not None:
+            self._grammars.close()
         self.cache.close()
 
     # ------------------------------------------------------------------ KV events

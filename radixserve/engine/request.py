@@ -104,6 +104,7 @@ class Request:
         self.num_retractions = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
+        self.grammar: Any = None  # its GrammarState (grammar.py) when the spec has a grammar
 
     # ------------------------------------------------------------------ the spec
     @property

@@ -1,17 +1,21 @@
 """Sampler: next tokens for a batch of requests, each with its own SamplingParams.
 
-Order of processing: penalties (repetition over prompt + output, frequency and presence over
-output) -> greedy rows take the argmax -> other rows: temperature, then top-k, top-p and
-min-p masks over one sort, then a draw. Each request draws with its own ``torch.Generator``
-(seeded from ``seed`` or from the engine's seed sequence), via the exponential race
-``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not depend on what else is in the batch.
+Order of processing: logit bias, grammar masks (a constrained request's forbidden tokens
+get ``-inf``, ``grammar.py``), penalties (repetition over prompt + output, frequency and
+presence over output) -> greedy rows take the argmax -> other rows: temperature, then
+top-k, top-p and min-p masks over one sort, then a draw. Each request draws with its own
+``torch.Generator`` (seeded from ``seed`` or from the engine's seed sequence), via the
+exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not depend on what
+else is in the batch.
 Logprobs are of the model's distribution (raw logits, before penalties and temperature).
+Each constrained request's matcher then accepts the token drawn for it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixserve.engine.grammar import apply_masks
 from radixserve.engine.request import Request, TokenLogprob
 from radixserve.model import native
 
@@ -71,8 +75,17 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLo
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in reqs):
         raw_logprobs = logits.log_softmax(dim=-1)
-    if any(r.params.needs_penalties for r in reqs):  # penalties write into the rows
-        logits = logits.clone()
+    biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if biased or constrained or any(r.params.needs_penalties for r in reqs):
+        logits = logits.clone()  # the steps below write into the rows
+    for i in biased:
+        bias = reqs[i].params.logit_bias
+        ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+        logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
+    if constrained:
+        apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
+    if any(r.params.needs_penalties for r in reqs):
         _apply_penalties(logits, reqs)
     tokens = _argmax(logits)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -85,6 +98,8 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLo
             race = race.to(probs.device)
             tokens[i] = (probs[j] / race).argmax()
     chosen = tokens.tolist()
+    for i in constrained:
+        reqs[i].grammar.accept(chosen[i])
     out: list[tuple[int, TokenLogprob | None]] = []
     for i, r in enumerate(reqs):
         lp = None

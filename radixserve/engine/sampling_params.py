@@ -53,6 +53,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus top-k
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +101,13 @@ class SamplingParams:
             not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
             raise ValueError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        if not isinstance(self.logit_bias, dict) or any(
+            not _is_int(t) or t < 0 or not _is_number(b) or not -100 <= b <= 100
+            for t, b in self.logit_bias.items()
+        ):
+            raise ValueError(
+                "logit_bias must map token ids (non-negative integers) to numbers in [-100, 100]"
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -144,6 +144,8 @@ class Scheduler:
                 break
             if self.kv.awaiting_pages(req, now):
                 continue
+            if req.grammar is not None and not req.grammar.ready:
+                continue  # its grammar is still compiling: the others go ahead
             match = self.kv.match(req)
             if self.kv.reuses_prefixes and self._shares_inflight_prefix(
                 req, match.device_len + match.host_len, inflight

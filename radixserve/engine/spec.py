@@ -8,6 +8,7 @@ per field), since a decoded message is only as good as its sender.
 
 ``namespace`` is the tenant's cache namespace (the API's ``cache_salt``, hashed): requests in
 different namespaces never share cached tokens. ``None`` is the shared namespace.
+``grammar`` constrains the output (``grammar.py``); the edge has checked that it parses.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from radixserve.cache.base import Namespace
+from radixserve.engine.grammar import GRAMMAR_KINDS
 from radixserve.engine.sampling_params import SamplingParams
 
 __all__ = ["Namespace", "RequestSpec"]
@@ -33,8 +35,8 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     # decode peer and samples nothing
     prefill_peer: str | None = None
     prefill_only: bool = False
-    # (what constrains the output, a grammar for structured output, belongs here too: one
-    # more field, compiled by the executor into its sampler's token mask)
+    # constrained decoding: (kind, text), kinds in engine/grammar.py's GRAMMAR_KINDS
+    grammar: tuple[str, str] | None = None
 
     def check(self) -> None:
         """``ValueError`` naming the field that is not what its type says (the lengths are
@@ -48,6 +50,10 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
             validate_segments(self.segments, len(self.prompt_ids))
         if self.recompute_ratio is not None:
             validate_ratio(self.recompute_ratio)
+        if self.grammar is not None:
+            kind, text = self.grammar
+            if kind not in GRAMMAR_KINDS or not isinstance(text, str):
+                raise ValueError(f"a grammar is (kind, text), kind one of {GRAMMAR_KINDS}")
 
     def with_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """This spec's options for another prompt (one HTTP request fans out to several)."""

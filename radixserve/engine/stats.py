@@ -13,6 +13,7 @@ from typing import Any
 
 from radixserve.cache.base import CacheStats
 from radixserve.cache.tier_stats import TierStats
+from radixserve.engine.grammar import GrammarStats
 from radixserve.engine.segments import SegmentStats
 
 
@@ -49,6 +50,7 @@ class EngineStats:
     num_loading: int = 0  # admitted, waiting for their KV (from a prefill instance)
     kv_transfer: Any = None  # disagg.transfer.TransferStats in a disaggregation mode
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
+    grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

@@ -59,20 +59,31 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def template_has_tools(self) -> bool:
+        """The chat template renders a ``tools`` list itself (Qwen2.5's does)."""
+        return self.has_chat_template and "tools" in self.hf.chat_template
+
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use a completion prompt instead")
+        extra = {"tools": tools} if tools else {}
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as e:  # the template itself may reject a conversation
             raise ValueError(f"the chat template rejected these messages: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _tokenizer_cache_dir(gguf_path: Path) -> Path | None:

@@ -88,26 +88,39 @@ def add_openai_routes(
         params = body.choice_params(defaults)
         serving.check_size(body.n)
         reusable = body.reusable_parts()
+        plan, grammar = body.tool_plan(), body.grammar()
         options: dict = {}
         if reusable:  # RAG segments (server/segments.py)
+            if plan is not None:
+                raise ApiError(400, "tools cannot be combined with reusable content parts",
+                               "tools")  # fmt: skip
             marked = body.conversation(mark_reusable=True)
             ids, ranges = await serving.off_loop(encode_chat_segments, tokenizer, marked, reusable)
             options = {"segments": tuple(ranges), "recompute_ratio": body.recompute_ratio}
         else:
-            ids = await serving.off_loop(tokenizer.encode_chat, body.conversation())
-        spec = request_spec(raw, body.cache_salt, **options)
+            native_tools = tokenizer.template_has_tools
+            messages, tools = body.conversation(template_has_tools=native_tools), None
+            if plan is not None:
+                messages, tools = plan.render(messages, native_tools)
+            ids = await serving.off_loop(tokenizer.encode_chat, messages, tools)
+        if plan is not None and plan.grammar is not None:
+            if grammar is not None:
+                raise ApiError(400, "tool_choice required or a named function cannot be combined "
+                               "with response_format or a grammar", "tool_choice")  # fmt: skip
+            grammar = plan.grammar
+        spec = request_spec(raw, body.cache_salt, grammar=grammar, **options)
         job, queue = await serving.submit("chatcmpl", [ids] * body.n, params, spec)
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            s = ChatStream(served_model_name, tokenizer, want_lp, include_usage)
+            s = ChatStream(served_model_name, tokenizer, want_lp, include_usage, tools=plan)
             return StreamingResponse(
                 serving.stream(job, queue, s.chunks, s.final),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
         await serving.wait(job, queue, raw)
-        return chat_response(job, served_model_name, tokenizer, want_lp)
+        return chat_response(job, served_model_name, tokenizer, want_lp, plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -116,7 +129,7 @@ def add_openai_routes(
         serving.check_size(len(body.prompts()) * body.n, "prompt")
         prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
         ids = [p for p in prompts for _ in range(body.n)]
-        spec = request_spec(raw, body.cache_salt)
+        spec = request_spec(raw, body.cache_salt, grammar=body.grammar())
         job, queue = await serving.submit("cmpl", ids, params * len(prompts), spec)
         want_lp = body.logprobs is not None
         if body.stream:
@@ -139,7 +152,7 @@ def add_generate_route(
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
         params = body.to_sampling_params(defaults)
-        options: dict = {}
+        options: dict = {"grammar": body.grammar()}
         if body.input_ids is not None:
             ids = body.input_ids
         elif body.text is not None:

@@ -267,10 +267,11 @@ class EngineClient:
         if self.state != "ready":
             raise EngineDeadError("the engine is restarting; retry shortly")
 
-    def _send(self, msg: ToEngine) -> bool:
+    def _send(self, msg: ToEngine | bytes) -> bool:
         """Send without waiting; False where no engine is connected to take it."""
         try:
-            fut = self._push.send(encode(msg), flags=zmq.DONTWAIT)
+            data = msg if isinstance(msg, bytes) else encode(msg)
+            fut = self._push.send(data, flags=zmq.DONTWAIT)
         except zmq.Again:
             return False
         if fut.done():
@@ -284,12 +285,17 @@ class EngineClient:
         ``EngineDeadError`` if there is no engine to take it."""
         self._check_ready()
         rid = spec.request_id
+        # the engine's step trace records when the request left here
+        sent_at = time.monotonic() if self.config.step_trace else None
+        try:
+            data = encode(AddRequest(spec, sent_at))
+        except OverflowError as e:  # an integer past 64 bits: only token ids can be one
+            vocab = self.info.vocab_size if self.info is not None else None
+            raise ValueError(f"prompt token ids must be in [0, {vocab})") from e
         fut = asyncio.get_running_loop().create_future()
         self._pending[("add", rid)] = fut
         self._queues[rid] = (queue, tag)
-        # the engine's step trace records when the request left here
-        sent_at = time.monotonic() if self.config.step_trace else None
-        if not self._send(AddRequest(spec, sent_at)):
+        if not self._send(data):
             self._pending.pop(("add", rid), None)
             self._queues.pop(rid, None)
             raise EngineDeadError("the engine is not taking requests; retry shortly")

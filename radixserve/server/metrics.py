@@ -98,6 +98,7 @@ class Metrics:
         yield from self._request_families()
         yield from self._pool_families()
         yield from self._segment_families()
+        yield from self._grammar_families()
         yield from tier_families(self.stats, self.model_name)
 
     def _cache_families(self):
@@ -162,6 +163,16 @@ class Metrics:
                       seg.reused_tokens)  # fmt: skip
         yield counter(m, "radix_segment_recomputed_tokens", "Reused segment tokens computed again",
                       seg.recomputed_tokens)  # fmt: skip
+
+    def _grammar_families(self):
+        g, m = self.stats.grammar, self.model_name
+        yield counter(m, "constrained_requests", "Requests with a grammar (structured output)",
+                      g.constrained_requests)  # fmt: skip
+        yield counter(m, "grammar_compiles", "Grammars compiled", g.compiles)
+        yield counter(m, "grammar_cache_hits", "Grammars found compiled in the cache",
+                      g.cache_hits)  # fmt: skip
+        yield counter(m, "grammar_compile_seconds", "Time spent compiling grammars",
+                      g.compile_seconds)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

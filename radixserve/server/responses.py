@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.api.tools import ToolPlan
 from radixserve.engine.request import TokenLogprob
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.serving import Job
@@ -88,16 +89,25 @@ def _envelope(job: Job, model: str, obj: str, choices: list[dict], **extra: Any)
     }
 
 
-def chat_response(job: Job, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> dict:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": t.text},
-            "logprobs": chat_logprobs(tokenizer, t.logprobs) if want_logprobs else None,
-            "finish_reason": t.finish_reason,
-        }
-        for i, t in enumerate(job.trackers)
-    ]
+def chat_message(text: str, finish_reason: str | None, tools: ToolPlan | None):
+    """The assistant message of one choice, and its finish reason (``tool_calls`` when the
+    output holds calls)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = tools.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def chat_response(
+    job: Job, model: str, tokenizer: Tokenizer, want_logprobs: bool, tools: ToolPlan | None = None
+) -> dict:
+    choices = []
+    for i, t in enumerate(job.trackers):
+        message, reason = chat_message(t.text, t.finish_reason, tools)
+        lp = chat_logprobs(tokenizer, t.logprobs) if want_logprobs else None
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return _envelope(job, model, "chat.completion", choices, usage=usage(job, 1))
 
 
@@ -146,11 +156,15 @@ class _Stream:
 
 
 class ChatStream(_Stream):
+    """With ``tools``, a choice's text is held back until it ends, then sent as content or
+    as ``tool_calls`` deltas (one per call, its arguments whole)."""
+
     object_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.started: set[int] = set()
+        self.tools = tools
 
     def chunks(self, job: Job, index: int) -> list[dict]:
         t = job.trackers[index]
@@ -168,6 +182,8 @@ class ChatStream(_Stream):
                     },
                 )
             )
+        if self.tools is not None:
+            return out + self._tool_chunks(job, index)
         text, _, logprobs = t.take_stream_delta()
         if text or (self.want_logprobs and logprobs):
             lp = chat_logprobs(self.tokenizer, logprobs) if self.want_logprobs else None
@@ -195,6 +211,21 @@ class ChatStream(_Stream):
                 )
             )
         return out
+
+    def _tool_chunks(self, job: Job, index: int) -> list[dict]:
+        t = job.trackers[index]
+        if not t.finished:
+            return []
+        message, reason = chat_message(t.text, t.finish_reason, self.tools)
+        deltas = []
+        if message.get("content"):
+            deltas.append({"content": message["content"]})
+        for k, call in enumerate(message.get("tool_calls", [])):
+            deltas.append({"tool_calls": [{"index": k, **call}]})
+        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+                   for d in deltas]  # fmt: skip
+        choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return [self._chunk(job, c) for c in choices]
 
 
 class CompletionStream(_Stream):

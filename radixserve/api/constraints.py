@@ -1,0 +1,69 @@
+"""Output constraints of a request body: ``response_format``, the grammar extensions and
+``logit_bias``, turned into what the engine takes (a ``(kind, text)`` grammar, integer token
+ids). Every grammar is checked here (``check_grammar``), so a bad one is a 400 naming the
+problem before anything is queued."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.api.errors import ApiError
+from radixserve.engine.grammar import check_grammar
+
+
+def response_format_grammar(fmt: dict[str, Any]) -> tuple[str, str]:
+    """The grammar of a chat ``response_format`` other than ``{"type": "text"}``."""
+    kind = fmt.get("type")
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return grammar_from({"json_object": True})
+    spec = fmt.get("json_schema")
+    if kind != "json_schema" or set(fmt) != {"type", "json_schema"}:
+        raise ApiError(400, "response_format must be {\"type\": \"text\"}, "
+                       "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                       "\"json_schema\": {...}}", "response_format")  # fmt: skip
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ApiError(400, "response_format.json_schema must be an object with a schema",
+                       "response_format")  # fmt: skip
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ApiError(400, f"response_format.json_schema: unknown field {name!r}",
+                       "response_format")  # fmt: skip
+    return grammar_from({"response_format": spec.get("schema", {"type": "object"})})
+
+
+def parse_logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token id strings -> bias in [-100, 100]) with integer keys."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ApiError(400, "logit_bias must map token ids to numbers", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) and not isinstance(key, int):
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def grammar_from(given: dict[str, Any]) -> tuple[str, str] | None:
+    """``(kind, text)`` from the one constraint field given (400 for several or a bad one)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ApiError(400, f"give at most one of {', '.join(given)}", next(iter(given)))
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    if name in ("json_schema", "response_format") and not isinstance(value, str):
+        value = json.dumps(value)
+    kind = "json_schema" if name in ("json_schema", "response_format") else name
+    if name == "json_object":
+        kind, value = "json_object", ""
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", name)
+    try:
+        check_grammar(kind, value)
+    except ValueError as e:
+        raise ApiError(400, f"{name}: {e}", name) from e
+    return kind, value
