@@ -310,6 +310,24 @@ def test_a_hung_worker_is_routed_around(tiny_model_dir, router, workers):
     wait_fleet_ok(router.url)
 
 
+def test_a_busy_worker_past_the_first_byte_timeout_is_not_taken_for_hung(tiny_model_dir, workers):
+    """A long answer that is not streamed sends nothing until it is whole: past
+    --first-byte-timeout the worker answers its health probe, so the request keeps waiting for
+    it and no worker leaves the fleet (taking it for hung refused the request with a 503)."""
+    short = start_router(tiny_model_dir, [w.url for w in workers],
+                         *router_flags("--first-byte-timeout", "0.2"))  # fmt: skip
+    with stopping(short):
+        body = chat_body(short.url, "count", max_tokens=600, ignore_eos=True)
+        t0 = time.monotonic()
+        r = httpx.post(short.url + CHAT, json=body, headers=A, timeout=120)
+        took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 600
+        assert took > 0.2, took  # the timeout did pass while the worker computed
+        listing = httpx.get(short.url + "/workers", headers=ADMIN, timeout=10).json()
+        assert all(w["healthy"] for w in listing["workers"]), listing
+
+
 def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(router, workers):
     """Last: kills worker 1."""
     url = router.url

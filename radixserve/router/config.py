@@ -13,8 +13,9 @@ requests, ``/v1/models``, ``/kv_events``, ``/health``, ``/flush_cache``) carries
 a worker honours only from the holder of its admin key.
 
 ``first_byte_timeout``: seconds a worker may take to send the first bytes of its answer
-(the whole answer, for one that is not streamed); past it the worker counts as hung, leaves
-the fleet until a health check passes, and the request is retried on another worker.
+(the whole answer, for one that is not streamed); past it the worker is probed, and if it
+does not answer its health check it counts as hung, leaves the fleet until a health check
+passes, and the request is retried on another worker (one that answers is only busy).
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def add_router_access_args(p: argparse.ArgumentParser) -> None:
         default=RouterConfig.first_byte_timeout,
         metavar="SECONDS",
         help="seconds a worker may take to start its answer (a whole answer, when not "
-        "streamed) before it counts as hung and the request is retried on another worker; "
-        "default %(default)s",
+        "streamed) before it is probed; one that fails the probe counts as hung and the "
+        "request is retried on another worker; default %(default)s",
     )
 
 

@@ -123,7 +123,8 @@ class Forwarder:
         self, route: Route, path: str, raw: bytes, headers: dict[str, str]
     ) -> Opened | None:
         """The worker's response, its body iterator and first bytes; None if it failed,
-        was marked unhealthy or sent nothing within the first-byte timeout."""
+        was marked unhealthy, or sent nothing within the first-byte timeout and then did not
+        answer a health probe either (hung)."""
         worker = self.pool.workers.get(route.worker)
         if worker is None or worker.down.is_set():
             return None
@@ -131,11 +132,14 @@ class Forwarder:
         opening = asyncio.create_task(self._first_bytes(req))
         down = asyncio.create_task(worker.down.wait())
         try:
-            await asyncio.wait(
-                {opening, down},
-                timeout=self.config.first_byte_timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            while True:  # a worker busy past the timeout but answering its health probe is
+                done, _ = await asyncio.wait(  # slow, not hung: keep waiting for it
+                    {opening, down},
+                    timeout=self.config.first_byte_timeout,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if done or not await self.pool.responds(worker):
+                    break
         finally:
             down.cancel()
             if not opening.done():

@@ -159,11 +159,15 @@ class WorkerPool:
             self._leave(worker)
             log.warning("worker %s is unreachable; routing around it", url)
 
-    async def check(self, worker: Worker) -> None:
+    async def responds(self, worker: Worker) -> bool:
+        """Whether ``worker`` answers its health probe now (within 2 s)."""
         try:
-            ok = (await self.client.get(f"{worker.url}/health", timeout=2.0)).status_code == 200
+            return (await self.client.get(f"{worker.url}/health", timeout=2.0)).status_code == 200
         except httpx.HTTPError:
-            ok = False
+            return False
+
+    async def check(self, worker: Worker) -> None:
+        ok = await self.responds(worker)
         worker.failures = 0 if ok else worker.failures + 1
         if ok and worker.block_size is not None:
             await self._refresh_events(worker)
