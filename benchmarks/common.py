@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from collections.abc import Callable
+
+from radixserve.utils import cpu_model
+
+__all__ = ["cpu_model", "median_seconds"]
 
 
 def median_seconds(
@@ -25,15 +28,3 @@ def median_seconds(
         if i >= warmup:
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), for the figures' machine line."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

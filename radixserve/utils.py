@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -60,3 +61,15 @@ PLOT_EXTRA = "plots need matplotlib: pip install 'radixserve[plot]'"
 def plots_available() -> bool:
     """Whether matplotlib (the ``plot`` extra) is installed; modules that draw import it lazily."""
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the machine line of a figure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

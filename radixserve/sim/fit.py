@@ -33,6 +33,7 @@ import numpy as np
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.sim.timing import TimingModel, fit_coefficients, model_from_fit, step_features
+from radixserve.utils import cpu_model
 
 WARMUP_STEPS = 6
 # Prompt lengths, cached prefixes and decode contexts (fractions of ``max_len``), batches.
@@ -148,7 +149,7 @@ def fit_engine(
         "dtype": str(engine.pool.shape.dtype).removeprefix("torch."),
         "chunked_prefill_size": engine.config.scheduler.chunked_prefill_size,
         "machine": platform.machine(),
-        "processor": _cpu_name(),
+        "processor": cpu_model(),
         "threads": _threads(),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "steps": len(seconds),
@@ -161,17 +162,6 @@ def fit_engine(
         "load_average": os.getloadavg()[0],
     }
     return model_from_fit(coef, 0.0, meta)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _threads() -> int:
