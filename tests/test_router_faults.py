@@ -328,6 +328,36 @@ def test_a_busy_worker_past_the_first_byte_timeout_is_not_taken_for_hung(tiny_mo
         assert all(w["healthy"] for w in listing["workers"]), listing
 
 
+def test_a_worker_stopped_mid_stream_ends_the_stream_once_health_checks_take_it_out(
+    router, workers
+):
+    """Worker 1 stopped (SIGSTOP) while it streams: its health checks fail, and the stream
+    ends with an error event then, instead of waiting for the worker to come back."""
+    url = router.url
+    body = chat_body(url, "count to a thousand", max_tokens=2000, ignore_eos=True, stream=True)
+    pid = workers[1].proc.pid
+    with httpx.Client(timeout=60) as client:
+        for _ in range(2):  # round-robin: one of two goes to worker 1
+            with client.stream("POST", url + CHAT, json=body, headers=A) as r:
+                if r.headers["x-radixserve-worker"] != workers[1].url:
+                    continue
+                lines = r.iter_lines()
+                seen = [next(lines) for _ in range(3)]
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                try:
+                    seen += list(lines)
+                    took = time.monotonic() - t0
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                break
+    events = [line[6:] for line in seen if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["type"] == "server_error"
+    assert took < 30, took  # the health checks' time, not the worker's
+    wait_fleet_ok(url)
+
+
 def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(router, workers):
     """Last: kills worker 1."""
     url = router.url

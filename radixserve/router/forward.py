@@ -178,8 +178,10 @@ class Forwarder:
         off mid-event ends with the error event, not with half an event."""
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         tail, held = b"", b""
+        worker = self.pool.workers.get(route.worker)
+        down = worker.down if worker is not None else None
         try:
-            async for chunk in _chain(first, chunks):
+            async for chunk in _until_down(_chain(first, chunks), down):
                 tail = (tail + chunk)[-TAIL_BYTES:]
                 if sse:
                     held += chunk
@@ -189,8 +191,8 @@ class Forwarder:
                     yield chunk
             if held:
                 yield held
-        except httpx.TransportError:
-            self.pool.mark_failed(route.worker)  # died mid-answer: the answer ends here
+        except (httpx.TransportError, WorkerDown):
+            self.pool.mark_failed(route.worker)  # died or hung mid-answer: it ends here
             if sse:
                 yield _stream_error(route.worker)
         finally:
@@ -199,6 +201,35 @@ class Forwarder:
             reported = int(found[-1]) if found else None
             self.policy.finish(route.ticket, reported, time.monotonic())
             self.metrics.on_finish(route.worker, prompt_tokens, route.cached_tokens, reported)
+
+
+class WorkerDown(Exception):
+    """The worker was taken out of the fleet (hung or dead) while it was answering."""
+
+
+async def _until_down(
+    chunks: AsyncIterator[bytes], down: asyncio.Event | None
+) -> AsyncIterator[bytes]:
+    """``chunks`` until they end, or until ``down`` is set (``WorkerDown``): a worker that
+    stops mid-answer sends nothing more, and its health checks are what tell."""
+    it = aiter(chunks)
+    while True:
+        nxt = asyncio.ensure_future(anext(it))
+        if down is None:
+            waiting: set[asyncio.Future] = {nxt}
+        else:
+            waiting = {nxt, asyncio.ensure_future(down.wait())}
+        done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            if task is not nxt:
+                task.cancel()
+        if nxt not in done:
+            nxt.cancel()
+            raise WorkerDown
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return
 
 
 async def _chain(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
