@@ -74,7 +74,12 @@ def _from_http_exception(e: StarletteHTTPException) -> ApiError:
 
 
 def _from_validation_error(e: RequestValidationError) -> ApiError:
-    err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+    errors = e.errors() or [{"loc": (), "msg": "invalid request"}]
+    field = errors[0].get("loc", ())[:2]  # ("body", the field)
+    # a field that takes several shapes (a prompt as text or token ids) fails once per shape:
+    # the failure of one of our own checks says more than "should be a valid string"
+    ours = (x for x in errors if x.get("loc", ())[:2] == field and x.get("type") == "value_error")
+    err = next(ours, errors[0])
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None  # the top-level field the client sent
     if err.get("type") == "json_invalid":
