@@ -297,6 +297,23 @@ def test_one_reader_and_one_writer_concurrently(tmp_path):
     assert len(page_files(backend)) == s.stored_pages
 
 
+def test_a_read_that_missed_a_page_written_meanwhile_leaves_it_indexed(tmp_path, monkeypatch):
+    """A reader misses a page, then the writer stores and indexes it before the reader unindexes
+    its miss: the index keeps the page (it used to drop it while its file stayed)."""
+    backend = FileBackend(tmp_path, SCOPE)
+    keys, src = keys_for(1), random_pages(1)
+
+    def miss_then_lose_the_race(path, view):
+        backend.set(keys, src)  # the writer, between the reader's miss and its bookkeeping
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(backend, "_read", miss_then_lose_the_race)
+    assert backend.get(keys, TensorPages.empty(LAYOUT, 1)) == 0
+    monkeypatch.undo()
+    assert len(page_files(backend)) == backend.stats().stored_pages == 1
+    assert backend.exists(keys) == 1
+
+
 def test_a_batch_that_does_not_match_the_layout_is_a_caller_error(tmp_path):
     backend = FileBackend(tmp_path, SCOPE)
     with pytest.raises(ValueError, match="host pages"):

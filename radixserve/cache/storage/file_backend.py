@@ -118,8 +118,8 @@ class FileBackend(StorageBackend):
                 break
             except PageFormatError as e:
                 self._warn("corrupt", f"refused KV page file {path}: {e}; deleted it")
-                self._forget(hexkey)
                 _unlink(path)
+                self._forget(hexkey)
                 self._count(corrupt_pages=1)
                 break
             except OSError as e:
@@ -261,7 +261,11 @@ class FileBackend(StorageBackend):
         return True
 
     def _forget(self, hexkey: str) -> None:
+        """Unindex a page found missing (or just deleted), unless its file is there again: a
+        writer may have stored and indexed it between the failed read and this call."""
         with self._lock:
+            if self._path(hexkey).exists():
+                return
             size = self._lru.pop(hexkey, None)
             if size is not None:
                 self._used -= size
