@@ -40,7 +40,7 @@ class RouterConfig:
     admin_key: str | None = None
     worker_api_key: str | None = None
     salt_from_api_key: bool = False
-    max_request_bytes: int | str = "4MiB"  # the server's default
+    max_request_bytes: int | str = ServerConfig.max_request_bytes  # the server's default
     first_byte_timeout: float = 300.0
 
     def __post_init__(self) -> None:
@@ -107,7 +107,7 @@ def add_router_access_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-request-bytes",
-        default="4MiB",
+        default=ServerConfig.max_request_bytes,
         help="largest request body (413 beyond); default %(default)s",
     )
     g.add_argument(

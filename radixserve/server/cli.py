@@ -100,7 +100,7 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits and defaults")
     g.add_argument(
         "--max-request-bytes",
-        default="4MiB",
+        default=ServerConfig.max_request_bytes,
         help="largest request body (413 beyond); default %(default)s",
     )
     g.add_argument(
