@@ -88,7 +88,7 @@ class EngineCore:
         features: Iterable[Feature] = (),
     ):
         self.config, self.kv, self.limits = config, kv, limits
-        self.scheduler = Scheduler(config, kv, source)
+        self.scheduler = Scheduler(config.scheduler, kv, source)
         self._jump_forward = config.scheduler.jump_forward
         self.features = list(features)
         self.requests: dict[str, Request] = {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.config import EngineConfig
+from radixserve.config import SchedulerConfig
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.policy import order_waiting
@@ -71,7 +71,7 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: RequestKV, source: KVSource | None = None):
+    def __init__(self, config: SchedulerConfig, kv: RequestKV, source: KVSource | None = None):
         self.config = config
         self.kv = kv
         self.source = source
