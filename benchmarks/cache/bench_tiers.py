@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -49,7 +50,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.cache import process_cpu
 from benchmarks.cache.bench_tier_pages import page_costs
+from benchmarks.cache.tiers_report import print_tables
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import build_workload, words
@@ -58,6 +61,7 @@ from radixserve.engine.step_trace import read_step_trace
 
 PAGE = 16
 DEFAULT_SYSTEMS = ("unbounded", "device-only", "+host", "+kv-storage")
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "+host write_through_selective", "+file", "+redis")
 
 
 def serve_argv(extra: list[str]):
@@ -121,10 +125,12 @@ def run_system(name: str, flags: list[str], conversations, args, log_dir: Path) 
     trace = log_dir / f"trace-{name.replace(' ', '_')}.jsonl" if args.step_trace else None
     argv = [*flags, "--step-trace", str(trace)] if trace else flags
     with ManagedServer(name, serve_argv(argv), settings) as server:
+        cpu_before = process_cpu.snapshot(server.proc.pid)
         start = time.perf_counter()
         records = asyncio.run(drive(server.base_url, conversations, range(1, args.turns + 1),
                                     args, {}))  # fmt: skip
         elapsed = time.perf_counter() - start
+        cpu = process_cpu.spent(cpu_before, process_cpu.snapshot(server.proc.pid))
         m = tier_hits(server.base_url)
     prompt = sum(r["prompt"] for r in records)
     ttfts = sorted(r["ttft"] for r in records)
@@ -146,6 +152,7 @@ def run_system(name: str, flags: list[str], conversations, args, log_dir: Path) 
         "prompt_tokens": prompt,
         "prefetches": m.get("prefetches", 0),
         "prefetch_timeouts": m.get("prefetch_timeouts", 0),
+        "cpu": cpu,
     }
     if trace is not None:
         row["step_time"] = step_time(trace)
@@ -171,27 +178,40 @@ def step_time(path: Path) -> dict:
 
 
 def workload_systems(conversations, args, log_dir: Path) -> list[dict]:
+    """Every chosen system ``--rounds`` times, alternated (round 1 of each, then round 2...);
+    each run gets a fresh, empty store."""
+    chosen = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS
+    rows = []
+    for round_ in range(1, args.rounds + 1):
+        for name in (n for n in SYSTEM_NAMES if n in chosen):
+            label = f"{name}-r{round_}" if args.rounds > 1 else name
+            with contextlib.ExitStack() as stack:
+                flags = system_flags(name, args, stack)
+                row = run_system(label, flags, conversations, args, log_dir)
+            rows.append(row | {"system": name, "round": round_})
+    return rows
+
+
+def system_flags(name: str, args, stack: contextlib.ExitStack) -> list[str]:
+    """The server flags of system ``name``; its store (a fresh directory, a Redis server)
+    lives as long as ``stack``."""
     model = ["--max-model-len", str(args.max_model_len), "--chunked-prefill-size", "256"]
     device = ["--max-total-tokens", str(args.device_tokens)]
     host = ["--host-kv-memory", args.host_kv_memory]
-    rows = []
-    with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as alone, \
-            RedisServer() as redis:  # fmt: skip
-        runs = [
-            ("unbounded", ["--max-total-tokens", "100000"]),
-            ("device-only", device),
-            ("+host", [*device, *host]),
-            ("+kv-storage", [*device, "--kv-storage", alone]),
-            ("+host write_through_selective",
-             [*device, *host, "--write-policy", "write_through_selective"]),
-            ("+file", [*device, *host, "--kv-storage", f"file://{store}"]),
-            ("+redis", [*device, *host, "--kv-storage", redis.url]),
-        ]  # fmt: skip
-        chosen = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS
-        for name, flags in runs:
-            if name in chosen:
-                rows.append(run_system(name, [*model, *flags], conversations, args, log_dir))
-    return rows
+    if name in ("+kv-storage", "+file"):
+        store = stack.enter_context(tempfile.TemporaryDirectory())
+    systems = {
+        "unbounded": lambda: ["--max-total-tokens", "100000"],
+        "device-only": lambda: device,
+        "+host": lambda: [*device, *host],
+        "+kv-storage": lambda: [*device, "--kv-storage", store],
+        "+host write_through_selective":
+            lambda: [*device, *host, "--write-policy", "write_through_selective"],
+        "+file": lambda: [*device, *host, "--kv-storage", f"file://{store}"],
+        "+redis": lambda: [*device, *host, "--kv-storage",
+                           stack.enter_context(RedisServer()).url],
+    }  # fmt: skip
+    return [*model, *systems[name]()]
 
 
 def warm_restart(conversations, args, log_dir: Path) -> dict:
@@ -249,6 +269,12 @@ def main() -> None:
         default="",
         help="comma-separated systems (default: " + ",".join(DEFAULT_SYSTEMS) + ")",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the systems this many times, alternated; the tables show medians",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     # SIGTERM unwinds like an exception, so the servers and Redis started here are stopped
@@ -271,46 +297,6 @@ def main() -> None:
     print(json.dumps(out))
     if args.markdown:
         print_tables(out)
-
-
-def print_tables(out: dict) -> None:
-    if "systems" in out:
-        rows = {r["system"]: r for r in out["systems"]}
-        base, dev = rows.get("unbounded"), rows.get("device-only")
-        turns = list(out["systems"][0]["ttft_turn_median_s"])
-        print("\n| system | req/s | TTFT p50 | TTFT p99 | " +
-              " | ".join(f"turn {t} median" for t in turns) +
-              " | hit rate | of which device / host / storage | vs unbounded |")  # fmt: skip
-        print("|---" * (7 + len(turns)) + "|")
-        for r in out["systems"]:
-            t = r["hits_by_tier"]
-            split = " / ".join(f"{t[k]:.1%}" for k in ("device", "host", "storage"))
-            cells = [
-                r["system"],
-                f"{r['req_per_s']:.2f}",
-                f"{r['ttft_p50_s']:.2f} s",
-                f"{r['ttft_p99_s']:.2f} s",
-                *(f"{v:.2f} s" for v in r["ttft_turn_median_s"].values()),
-                f"{r['hit_rate']:.3f}",
-                split,
-                f"{r['hit_rate'] / base['hit_rate']:.3f}" if base else "-",
-            ]
-            print("| " + " | ".join(cells) + " |")
-        if dev:
-            print("\nvs device-only (TTFT p50, turn-2 median, TTFT p99, req/s):")
-            for r in out["systems"]:
-                turn2 = r["ttft_turn_median_s"].get(2, 0)
-                t2 = turn2 / max(dev["ttft_turn_median_s"].get(2, 1), 1e-9)
-                print(f"  {r['system']}: {r['ttft_p50_s'] / dev['ttft_p50_s']:.2f}x, "
-                      f"{t2:.2f}x, {r['ttft_p99_s'] / dev['ttft_p99_s']:.2f}x, "
-                      f"{r['req_per_s'] / dev['req_per_s']:.2f}x")  # fmt: skip
-    if out.get("warm_restart"):
-        w = out["warm_restart"]
-        print(f"\nwarm restart: turn TTFT p50 {w['warm'] * 1000:.0f} ms "
-              f"(cached {w['warm_cached']:.0%}) vs cold {w['cold'] * 1000:.0f} ms "
-              f"(cached {w['cold_cached']:.0%}): {w['speedup']:.2f}x")  # fmt: skip
-    if out.get("page_costs"):
-        print("\n" + json.dumps(out["page_costs"], indent=1))
 
 
 if __name__ == "__main__":
