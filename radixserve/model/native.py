@@ -97,7 +97,8 @@ def paged_ops() -> Any | None:
         return None
     isa = os.environ.get("RADIXSERVE_NATIVE_ISA", "native")
     if isa not in ISA_FLAGS:
-        log.warning("RADIXSERVE_NATIVE_ISA=%s unknown (%s): using native", isa, ", ".join(ISA_FLAGS))
+        known = ", ".join(ISA_FLAGS)
+        log.warning("RADIXSERVE_NATIVE_ISA=%s is not one of %s: using native", isa, known)
         isa = "native"
     cflags = (*CFLAGS, *ISA_FLAGS[isa])
     try:
