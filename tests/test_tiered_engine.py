@@ -153,11 +153,11 @@ def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
     with caplog.at_level(logging.INFO, logger="radixserve"):
         out, engine = storage_round_trip(engines, str(tmp_path), reference, host_kv_memory=None)
     assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
-    assert engine.config.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
-    assert engine.config.write_policy == "write_through"
+    assert engine.config.tiers.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
+    assert engine.config.tiers.write_policy == "write_through"
     sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
     assert len(sized) == 2  # each engine logged the size it chose
-    assert engine.stats().tiers.host_capacity_tokens > engine.config.max_total_tokens
+    assert engine.stats().tiers.host_capacity_tokens > engine.config.cache.max_total_tokens
     engine.check_integrity()
 
 
