@@ -41,40 +41,42 @@ def build_cache(
     model_path: Path,
     model_name: str,
 ) -> PrefixCache:
-    if not config.enable_prefix_caching:
+    caching, tiers = config.cache, config.tiers
+    block_size = config.kv_events.kv_events_block_size
+    if not caching.enable_prefix_caching:
         return NullCache(allocator)
-    if config.host_kv_memory is None and config.kv_storage is None:
+    if tiers.host_kv_memory is None and tiers.kv_storage is None:
         return RadixCache(
             allocator,
-            config.eviction_policy,
+            caching.eviction_policy,
             events,
-            config.kv_events_block_size,
-            config.cache_threshold,
+            block_size,
+            caching.cache_threshold,
         )
-    host_bytes = config.host_kv_memory
+    host_bytes = tiers.host_kv_memory
     if host_bytes is None:
         host_bytes = default_host_kv_bytes(allocator.num_slots * pool.shape.bytes_per_token())
-    host_slots = pool.shape.slots_for_memory(int(host_bytes), config.page_size)
+    host_slots = pool.shape.slots_for_memory(int(host_bytes), caching.page_size)
     if host_slots <= allocator.num_slots:
         raise ValueError(
-            f"host_kv_memory ({host_bytes} bytes{'' if config.host_kv_memory else ', default'})"
+            f"host_kv_memory ({host_bytes} bytes{'' if tiers.host_kv_memory else ', default'})"
             f" holds {host_slots} tokens of KV, no more than the device pool "
             f"({allocator.num_slots} tokens); the host tier must be larger than the device pool"
         )
-    host = HostKVPool(pool, host_slots, config.page_size)
-    cache = TieredRadixCache(allocator, host, config.write_policy, config.eviction_policy,
-                             events, config.load_back_min_tokens,
-                             config.kv_events_block_size, config.cache_threshold)  # fmt: skip
+    host = HostKVPool(pool, host_slots, caching.page_size)
+    cache = TieredRadixCache(allocator, host, tiers.write_policy, caching.eviction_policy,
+                             events, tiers.load_back_min_tokens, block_size,
+                             caching.cache_threshold)  # fmt: skip
     log.info("host KV tier: %d tokens (%.2f GiB%s), write policy %s", host.num_slots,
-             host.nbytes() / 2**30, "" if config.host_kv_memory else ", sized by default",
-             config.write_policy)  # fmt: skip
-    if config.kv_storage is not None:
+             host.nbytes() / 2**30, "" if tiers.host_kv_memory else ", sized by default",
+             tiers.write_policy)  # fmt: skip
+    if tiers.kv_storage is not None:
         cache.attach_storage(
-            config.kv_storage, model_identity(model_path, model_name),
-            config.kv_storage_size, config.storage_prefetch_min_tokens,
-            config.storage_prefetch_timeout, config.kv_storage_block_tokens,
+            tiers.kv_storage, model_identity(model_path, model_name),
+            tiers.kv_storage_size, tiers.storage_prefetch_min_tokens,
+            tiers.storage_prefetch_timeout, tiers.kv_storage_block_tokens,
         )  # fmt: skip
-        log.info("KV storage tier: %s, blocks of %d tokens", config.kv_storage,
+        log.info("KV storage tier: %s, blocks of %d tokens", tiers.kv_storage,
                  cache.storage.block_tokens)  # fmt: skip
     return cache
 

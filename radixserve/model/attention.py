@@ -93,7 +93,7 @@ class ForwardBatch:
 
 def build_forward_batch(
     decode: list[tuple[int, int, torch.Tensor]],
-    prefill: list[tuple[torch.Tensor, int, torch.Tensor, bool] | SparsePrefill],
+    prefill: list[tuple[torch.Tensor, int, torch.Tensor, int] | SparsePrefill],
     device: torch.device,
     pad_slot: int,
 ) -> ForwardBatch:
@@ -101,7 +101,8 @@ def build_forward_batch(
 
     ``decode``: per sequence ``(token_id, position, context_slots)``, the context including the
     slot of the new token. ``prefill``: per chunk ``(token_ids, prefix_len, context_slots,
-    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``.
+    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``;
+    ``wants_logits`` is how many of the chunk's last tokens get a logits row (a bool: one).
     Padding reads ``pad_slot``.
     """
     ids, pos, out = [], [], []
@@ -143,7 +144,7 @@ def build_forward_batch(
         out.append(out_slots)
         row += span.num_new
         if wants_logits:
-            logits_rows.append(row - 1)
+            logits_rows.extend(range(row - int(wants_logits), row))
     return ForwardBatch(
         input_ids=torch.cat(ids).to(device=device, dtype=torch.int64),
         positions=torch.cat(pos).to(device),

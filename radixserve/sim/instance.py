@@ -70,20 +70,22 @@ class SimInstance:
         policy_factory: Callable[[PagedAllocator], object] | None = None,
         decode_runs: bool = True,
     ):
-        if config.max_total_tokens is None:
+        if config.cache.max_total_tokens is None:
             raise ValueError("a simulated instance needs max_total_tokens (its KV pool)")
         self.index = index
         self.decode_runs = decode_runs  # False: every step through schedule() (for tests)
         self.config = config
         self.timing = timing
-        self.allocator = PagedAllocator(config.max_total_tokens, config.page_size)
+        self.allocator = PagedAllocator(config.cache.max_total_tokens, config.cache.page_size)
         self.events = KVEventQueue(maxlen=1 << 30) if events else None
-        if not config.enable_prefix_caching:
+        if not config.cache.enable_prefix_caching:
             self.cache = NullCache(self.allocator)
         else:
-            policy = policy_factory(self.allocator) if policy_factory else config.eviction_policy
+            policy = config.cache.eviction_policy
+            if policy_factory:
+                policy = policy_factory(self.allocator)
             self.cache = RadixCache(
-                self.allocator, policy, self.events, cache_threshold=config.cache_threshold
+                self.allocator, policy, self.events, cache_threshold=config.cache.cache_threshold
             )
         self.kv = RequestKV(self.cache, self.allocator)
         self.core = EngineCore(config, self.kv, Limits(NO_CONTEXT_LIMIT))

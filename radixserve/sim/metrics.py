@@ -42,12 +42,12 @@ def summarize(result: SimResult) -> dict[str, Any]:
     return {
         "trace": result.trace.name,
         "instances": cfg.pooled if cfg.pooled > 1 else cfg.instances,
-        "kv_tokens_per_instance": engine.max_total_tokens // cfg.pooled,
-        "page_size": engine.page_size,
+        "kv_tokens_per_instance": engine.cache.max_total_tokens // cfg.pooled,
+        "page_size": engine.cache.page_size,
         "eviction_policy": result.instances[0].cache.eviction_policy
-        if engine.enable_prefix_caching
+        if engine.cache.enable_prefix_caching
         else "none",
-        "schedule_policy": engine.schedule_policy,
+        "schedule_policy": engine.scheduler.schedule_policy,
         "routing": "pooled optimum" if cfg.pooled > 1 else cfg.routing.policy,
         "requests": int(done.sum()),
         "requests_failed": result.failed,
