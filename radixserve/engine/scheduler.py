@@ -191,7 +191,10 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
-        it is copied, not computed); any other prefills at most ``budget`` tokens."""
+        it is copied, not computed); any other prefills at most ``budget`` tokens. A grammar
+        draft is computed in one chunk with the token before it, so it is cut to fit."""
+        if req.num_draft and req.num_uncomputed > budget:
+            req.trim_draft(max(req.num_draft - (req.num_uncomputed - budget), 0))
         if (
             self.kv.reuses_prefixes
             and req.segments
@@ -242,6 +245,7 @@ class Scheduler:
     # ------------------------------------------------------------------ leaving
     def _retract_newest(self) -> Request:
         victim = max(self.running, key=lambda r: r.arrival)
+        victim.trim_draft()  # not computed: resuming drafts again
         self.kv.release(victim)
         self.running.remove(victim)
         victim.status = RequestStatus.WAITING
