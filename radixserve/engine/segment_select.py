@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from radixserve.engine.request import Request
-from radixserve.model.attention import SparsePrefill, build_forward_batch
+from radixserve.model.attention import build_forward_batch
+from radixserve.model.forward_batch import SparsePrefill
 
 
 class RecomputeSelector:
