@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--max-schema-bytes", type=int, default=8000)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--validity-only", action="store_true", help="skip the unconstrained pass")
-    ap.add_argument("--disable-jump-forward", action="store_true")
+    ap.add_argument("--jump-forward", action="store_true")
     args = ap.parse_args()
     from radixserve.config import EngineConfig
     from radixserve.engine import Engine, sampler
@@ -93,7 +93,7 @@ def main() -> None:
     chosen = usable[: args.schemas]
     engine = Engine(
         EngineConfig.from_options(
-            model=args.model, load_progress=False, jump_forward=not args.disable_jump_forward
+            model=args.model, load_progress=False, jump_forward=args.jump_forward
         )
     )
     masks = MaskClock(sampler)
@@ -137,7 +137,7 @@ def main() -> None:
         "streams": args.streams, "model": args.model or "smollm2-135m",
         "mask_ms_per_token": masks.ms_per_row(),
         "forced_tokens": engine.grammar_stats().forced_tokens,
-        "jump_forward": not args.disable_jump_forward, "max_tokens": args.max_tokens,
+        "jump_forward": args.jump_forward, "max_tokens": args.max_tokens,
     }))  # fmt: skip
 
 
