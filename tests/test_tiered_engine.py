@@ -208,6 +208,22 @@ def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, t
     second.check_integrity()
 
 
+def test_a_request_whose_pages_storage_lacks_is_admitted_in_its_first_step(
+    engines, tmp_path, monkeypatch
+):
+    """Its storage lookup (nothing found) is answered before the step schedules, so asking
+    storage costs it no step of waiting."""
+    from radixserve.cache import tier_controller
+
+    monkeypatch.setattr(tier_controller, "LOOKUP_WAIT_S", 5.0)  # a loaded machine: no race
+    engine = engines(kv_storage=str(tmp_path))
+    engine.add_request("a", SHARED + TAILS[0], GREEDY)
+    assert engine.stats().tiers.prefetches_in_flight == 1  # it asked storage
+    engine.step()
+    assert engine.requests["a"].num_computed > 0  # admitted and computing in this first step
+    engine.check_integrity()
+
+
 def test_redis_serves_another_engine(engines, reference):
     with RedisServer() as redis:
         out, engine = storage_round_trip(engines, redis.url, reference)

@@ -12,8 +12,10 @@ One extension module built from ``csrc/``:
 
 The build (a minute or two, once) goes to radixserve's cache directory under a name that
 includes the sources' hash and the CPU's features, since it is tuned for them
-(``-march=native``; AVX2 code paths are chosen at compile time, with plain C++ twins for
-other CPUs; ``-fopenmp``, without which ATen's inline ``parallel_for`` runs every kernel on
+(``-march=native``; the AVX-512 / AVX2 code paths are chosen at compile time, with plain
+C++ twins for other CPUs; ``RADIXSERVE_NATIVE_ISA=avx2`` or ``portable`` builds the AVX2-only
+or plain C++ paths instead, so that a machine can test the paths of CPUs older than itself;
+``-fopenmp``, without which ATen's inline ``parallel_for`` runs every kernel on
 one thread); a module of that name already built is imported directly. Anything that fails
 (no compiler, no ninja, an unusual CPU) leaves ``paged_ops()`` returning None and every
 caller on its pure-PyTorch path, which computes the same function. ``RADIXSERVE_NATIVE=0``
@@ -40,13 +42,17 @@ SOURCES = (
     "quant_gemm.cpp",
     "block_formats.cpp",
     "lane_gemm.cpp",
+    "int8_lanes.cpp",
     "rowwise.cpp",
     "decoder.cpp",
 )
 HEADERS = ("kernels.h",)
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers, so without it every kernel
 # runs on one thread; the module then shares libtorch's OpenMP runtime (same soname, loaded)
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
+# RADIXSERVE_NATIVE_ISA: the instruction sets the build may use
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=haswell",),
+             "portable": ("-march=x86-64", "-mtune=generic")}  # fmt: skip
 LDFLAGS = ("-fopenmp",)
 STALE_LOCK_S = 900.0
 _loaded: dict[str, Any] = {}
@@ -89,10 +95,16 @@ def paged_ops() -> Any | None:
     _loaded["ops"] = None
     if os.environ.get("RADIXSERVE_NATIVE", "1") == "0":
         return None
+    isa = os.environ.get("RADIXSERVE_NATIVE_ISA", "native")
+    if isa not in ISA_FLAGS:
+        known = ", ".join(ISA_FLAGS)
+        log.warning("RADIXSERVE_NATIVE_ISA=%s is not one of %s: using native", isa, known)
+        isa = "native"
+    cflags = (*CFLAGS, *ISA_FLAGS[isa])
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(" ".join((_cpu_flags(), *CFLAGS, *LDFLAGS)).encode())
+        digest = hashlib.sha256(" ".join((_cpu_flags(), *cflags, *LDFLAGS)).encode())
         for file in (*SOURCES, *HEADERS):
             digest.update((CSRC / file).read_bytes())
         name = f"radixserve_native_{digest.hexdigest()[:12]}"
@@ -108,7 +120,7 @@ def paged_ops() -> Any | None:
         log.info("building native CPU kernels (first run only, a minute or two)")
         sources = [str(CSRC / file) for file in SOURCES]
         _loaded["ops"] = load(name=name, sources=sources, build_directory=str(build_dir),
-                              extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                              extra_cflags=list(cflags), extra_ldflags=list(LDFLAGS),
                               verbose=False)  # fmt: skip
     except Exception as e:  # any failure just means the PyTorch path
         log.warning("native CPU kernels unavailable, using PyTorch: %s", e)

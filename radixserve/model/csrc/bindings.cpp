@@ -405,6 +405,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("qgemm", &rs::qgemm_op, "x @ W^T (added into out, when given)", py::arg("x"), py::arg("w"),
         py::arg("out") = py::none(), nogil());
+  m.def("use_int8_lanes", &rs::use_int8_lanes, "whether qgemm's 8+ rows may round x to int8 (set: 0 off, 1 on, -1 ask)",
+        py::arg("set") = -1);
   m.def("dequantize", &rs::dequantize_op, "W (or some of its rows) as float32", py::arg("w"),
         py::arg("rows") = py::none(), nogil());
   py::class_<rs::Decoder>(m, "Decoder")

@@ -90,6 +90,12 @@ void gguf_row_dot(const XBlocks& x, int64_t M, const WeightView& w, int64_t row,
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // The same for M >= 8 with float FMAs over lanes of x's rows (lane_gemm.cpp; qgemm picks it).
 void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
+// The same for M >= 8 with x rounded to int8 per block and W's codes as bytes (int8_lanes.cpp),
+// for W whose every piece int8_lanes_ok accepts; qgemm picks it while use_int8_lanes (on
+// unless RADIXSERVE_INT8_LANES=0; set >= 0 turns it off or on, -1 only asks).
+bool use_int8_lanes(int set);
+bool int8_lanes_ok(const WeightView& w);
+void gemm_int8_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // Rows [row0, row0 + rows) of W as floats, row-major into out.
 void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
 // The same rows as floats without a copy where W already is float32 (a pointer into W);

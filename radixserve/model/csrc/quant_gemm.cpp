@@ -23,6 +23,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace rs {
@@ -296,6 +299,15 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out) {
   }
 }
 
+bool use_int8_lanes(int set) {
+  static std::atomic<int> on{[] {
+    const char* env = std::getenv("RADIXSERVE_INT8_LANES");
+    return env == nullptr || std::string(env) != "0" ? 1 : 0;
+  }()};
+  if (set >= 0) on = set;
+  return on != 0;
+}
+
 int64_t integer_rows(const WeightView& w) {
   switch (w.fmt) {
     // measured on the default model's matrices (Zen 3, one core): from 8 rows on, the float
@@ -319,6 +331,7 @@ int64_t integer_rows(const WeightView& w) {
 
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
   if (M <= 0) return;
+  if (M >= kLaneRows && use_int8_lanes(-1) && int8_lanes_ok(w)) return gemm_int8_lanes(x, M, w, y, accumulate);
 #ifdef RS_AVX2
   if (M <= integer_rows(w)) return gemm_small(x, M, w, y, accumulate);
 #endif
