@@ -8,8 +8,8 @@ group checks its own values and ``EngineConfig`` the rules across groups, raisin
 
 The groups: ``cache`` (the device pool and the radix tree), ``scheduler``, ``kv_events``,
 ``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation) and
-``segments`` (RAG segments). Reading a flat name on an ``EngineConfig`` (``config.page_size``)
-still answers from its group.
+``segments`` (RAG segments). Readers use the nested name (``config.cache.page_size``); the flat
+names are only the builder's input.
 
 The KV pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such
 as ``"2GiB"``); with neither, by a share of the device's free memory. The hierarchical cache
@@ -80,6 +80,8 @@ class SchedulerConfig:
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
     max_overtakes: int = 32  # a waiting request passed over this often goes first
+    # grammar-forced tokens computed ahead in one chunk, kept as far as the model agrees
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("chunked_prefill_size", "max_running_requests", "max_overtakes"):
@@ -229,13 +231,6 @@ class EngineConfig:
         tiered = self.tiers.host_kv_memory is not None or self.tiers.kv_storage is not None
         if tiered and not self.cache.enable_prefix_caching:
             raise ValueError("host_kv_memory and kv_storage need the prefix cache (it is disabled)")
-
-    def __getattr__(self, name: str) -> Any:
-        """A flat option name (``config.page_size``) reads its group's field."""
-        group = OPTION_GROUP.get(name)
-        if group is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(object.__getattribute__(self, group), name)
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -1,12 +1,13 @@
-"""Test helper: write a transformers Llama or Qwen2 model to GGUF the way llama.cpp's converter
-does.
+"""Test helper: write a transformers Llama, Qwen2, Qwen3 or Gemma 3 (text) model to GGUF the
+way llama.cpp's converter does.
 
 Llama's Q and K projection rows are permuted into llama.cpp's rotary layout, so loading the file
 exercises the un-permutation that real GGUF files need. ``types`` gives some tensors another
 type than ``qtype`` (a Q4_K_M-like mix); the ``gguf`` package cannot quantize to K-quants,
 so those tensors get random blocks with sane scales (``random_blocks``) instead of the
 model's weights: the file is then its own model, for comparing its quantized and
-dequantized loads.
+dequantized loads. Gemma's norms are written as ``1 + weight``, as llama.cpp's converter
+writes them, with its sandwich norms under their own names.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -59,10 +68,11 @@ def random_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, rng) -
 
 
 def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) -> None:
-    """A ``llama`` or ``qwen2`` model (QKV biases, an untied head where the model has one;
-    llama.cpp permutes only ``llama``'s Q and K rows)."""
+    """A ``llama``, ``qwen2``, ``qwen3`` or ``gemma3_text`` model (QKV biases, an untied head
+    where the model has one; llama.cpp permutes only ``llama``'s Q and K rows)."""
     c = model.config
-    arch = c.model_type
+    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    layer_names = _GEMMA_LAYER if arch == "gemma3" else _LAYER
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -70,7 +80,7 @@ def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) 
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for i in range(c.num_hidden_layers):
-        for hf, cpp in _LAYER.items():
+        for hf, cpp in layer_names.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{cpp}.weight"
             if hf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 names[f"model.layers.{i}.{hf}.bias"] = f"blk.{i}.{cpp}.bias"
@@ -81,7 +91,14 @@ def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) 
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
     writer.add_bos_token_id(1)
@@ -90,6 +107,8 @@ def write_llama_gguf(model, path, qtype: gguf.GGMLQuantizationType, types=None) 
         if name not in names:
             continue  # a tied lm_head is the embedding
         w = tensor.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1
         if arch == "llama" and ".q_proj." in name:
             w = llama_cpp_permute(w, c.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:

@@ -129,7 +129,7 @@ def test_bad_options_raise_clear_errors():
         EngineConfig.from_options(page_size=0)
     with pytest.raises(ValueError, match="memory size"):
         EngineConfig.from_options(kv_cache_memory="lots")
-    assert EngineConfig.from_options(kv_cache_memory="2GiB").kv_cache_memory == 2 * 2**30
+    assert EngineConfig.from_options(kv_cache_memory="2GiB").cache.kv_cache_memory == 2 * 2**30
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p"):

@@ -137,7 +137,7 @@ def test_serve_flags_select_policy_and_threshold():
     )
     sub = args.parser
     config = engine_config_from_args(sub, args)
-    assert (config.eviction_policy, config.cache_threshold) == ("slru", 0.2)
+    assert (config.cache.eviction_policy, config.cache.cache_threshold) == ("slru", 0.2)
     bad = parser.parse_args(["generate", "x", "--cache-threshold", "3"])
     with pytest.raises(SystemExit):
         engine_config_from_args(bad.parser, bad)

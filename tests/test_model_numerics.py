@@ -200,10 +200,11 @@ def test_native_decode_attention_matches_the_pytorch_path(dtype):
         [(5, len(c) - 1, c) for c in contexts], [], pool.device, pool.pad_slot
     )
     q = torch.randn(4, 6, 32).to(dtype)
-    fast = _decode_attention(1, q, batch, pool, 0.2)
+    context = (batch.decode_context, batch.decode_lens, batch.decode_bias)
+    fast = _decode_attention(1, q, context, pool, 0.2)
     native._loaded["ops"], ops = None, native._loaded["ops"]  # the PyTorch path, once
     try:
-        slow = _decode_attention(1, q, batch, pool, 0.2)
+        slow = _decode_attention(1, q, context, pool, 0.2)
     finally:
         native._loaded["ops"] = ops
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -346,3 +346,22 @@ def test_segments_stored_after_the_prompt_prefix(make_engine):
     assert full["f"]["last"].usage.segment_hits == 3
     assert full["f"]["tokens"] == ref["tokens"]
     assert full["f"]["first"].logprob == pytest.approx(ref["first"].logprob, abs=1e-4)
+
+
+def test_rag_bench_row_reads_what_the_segments_did(make_engine, tiny_loaded):
+    """The RAG benchmark's per-ratio row: its counters come from the request's usage, so a
+    prompt over three stored segments, moved elsewhere, reports three hits, and at ratio 1.0
+    all their tokens computed again and it agrees with the full prefill token for token."""
+    from benchmarks.rag.rag_items import Runner, compare
+
+    prompt, segments = rag_prompt([0, 1, 2], DOCS, HEAD, QUESTION)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    full = Runner(make_engine(enable_prefix_caching=False))
+    blend = Runner(make_engine())
+    blend.run(prompt, params, segments=segments, recompute_ratio=0.0)  # stores the segments
+    moved, moved_segments = rag_prompt([2, 0, 1], DOCS, HEAD + ids(9, 15), QUESTION)
+    ref = full.run(moved, params)
+    row = compare(ref, blend.run(moved, params, segments=moved_segments, recompute_ratio=1.0), str)
+    assert row["hits"] == 3 and row["reused"] == 0
+    assert row["recomputed"] == sum(e - s for s, e in segments)  # all of them, at ratio 1.0
+    assert row["exact"] and row["first"] and row["kl"] == pytest.approx(0.0, abs=1e-6)

@@ -74,6 +74,9 @@ def test_json_object_and_json_schema_outputs_parse_and_validate(client, server):
     assert after["constrained_requests_total"] == before["constrained_requests_total"] + 1
     assert after["grammar_cache_hits_total"] == before["grammar_cache_hits_total"] + 1
     assert after["grammar_compiles_total"] == before["grammar_compiles_total"] >= 2
+    # the schema forces its first key: computed ahead as a draft (jump forward)
+    assert after["grammar_drafted_tokens_total"] > before["grammar_drafted_tokens_total"]
+    assert after["grammar_forced_tokens_total"] <= after["grammar_drafted_tokens_total"]
 
 
 def test_openai_parse_returns_the_pydantic_object(client):
@@ -249,3 +252,4 @@ def test_bad_tools_are_a_400_naming_the_tool(server, extra, words):
     r = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
+    assert_nothing_held(server)

@@ -153,11 +153,11 @@ def test_kv_storage_alone_is_a_host_tier_sized_by_default_over_a_directory(
     with caplog.at_level(logging.INFO, logger="radixserve"):
         out, engine = storage_round_trip(engines, str(tmp_path), reference, host_kv_memory=None)
     assert out.usage.storage_cached_tokens >= len(SHARED) - PAGE
-    assert engine.config.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
-    assert engine.config.write_policy == "write_through"
+    assert engine.config.tiers.kv_storage == f"file://{tmp_path}"  # a plain path is a file store
+    assert engine.config.tiers.write_policy == "write_through"
     sized = [r.getMessage() for r in caplog.records if "sized by default" in r.getMessage()]
     assert len(sized) == 2  # each engine logged the size it chose
-    assert engine.stats().tiers.host_capacity_tokens > engine.config.max_total_tokens
+    assert engine.stats().tiers.host_capacity_tokens > engine.config.cache.max_total_tokens
     engine.check_integrity()
 
 
@@ -206,6 +206,22 @@ def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, t
     assert tokens == reference[1]
     assert last.usage.storage_cached_tokens >= len(SHARED) - PAGE  # it got them, then ran
     second.check_integrity()
+
+
+def test_a_request_whose_pages_storage_lacks_is_admitted_in_its_first_step(
+    engines, tmp_path, monkeypatch
+):
+    """Its storage lookup (nothing found) is answered before the step schedules, so asking
+    storage costs it no step of waiting."""
+    from radixserve.cache import tier_controller
+
+    monkeypatch.setattr(tier_controller, "LOOKUP_WAIT_S", 5.0)  # a loaded machine: no race
+    engine = engines(kv_storage=str(tmp_path))
+    engine.add_request("a", SHARED + TAILS[0], GREEDY)
+    assert engine.stats().tiers.prefetches_in_flight == 1  # it asked storage
+    engine.step()
+    assert engine.requests["a"].num_computed > 0  # admitted and computing in this first step
+    engine.check_integrity()
 
 
 def test_redis_serves_another_engine(engines, reference):

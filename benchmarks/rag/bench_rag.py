@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.rag.rag_items import Runner, build_items, chosen_option, kl, sliced
+from benchmarks.rag.rag_items import Runner, build_items, chosen_option, compare, sliced
 from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
@@ -120,27 +120,14 @@ def main() -> None:
     for n, item in enumerate(items):
         ref = full.run(item["prompt"], params)
         ref_ttft.append(ref["ttft"])
-        ref_text = text(ref["tokens"])
         for r in ratios:
             got = blend.run(item["prompt"], params, segments=item["segments"], recompute_ratio=r)
-            got_text = text(got["tokens"])
-            rows[r].append({
-                "first": got["tokens"][0] == ref["tokens"][0],
-                "option": chosen_option(got_text),
-                "same_option": chosen_option(got_text) == chosen_option(ref_text),
-                "exact": got["tokens"] == ref["tokens"],
-                "text": got_text,
-                "kl": kl(ref["logits"], got["logits"]),
-                "ttft": got["ttft"],
-                "hits": got["out"].segment_hits,
-                "recomputed": got["out"].recomputed_tokens,
-                "reused": got["out"].reused_tokens,
-            })  # fmt: skip
+            rows[r].append(compare(ref, got, text))
         done = {
             "item": first + n,
             "full_ttft_s": ref["ttft"],
-            "full_option": chosen_option(ref_text),
-            "full_text": ref_text,
+            "full_option": chosen_option(text(ref["tokens"])),
+            "full_text": text(ref["tokens"]),
             "by_ratio": {r: rows[r][-1] for r in ratios},
         }
         print(json.dumps(done), flush=True)  # per item, so a cut-short run still tells

@@ -17,6 +17,7 @@ import csv
 import random
 import re
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -118,6 +119,25 @@ class Runner:
                 tokens += out.new_token_ids
                 last = out
         return {"ttft": ttft, "tokens": tokens, "logits": self.first_logits.pop(rid), "out": last}
+
+
+def compare(ref: dict, got: dict, text: Callable[[list[int]], str]) -> dict:
+    """One ratio's row for an item: ``got`` (a segment-reusing ``Runner.run``) against ``ref``
+    (the full prefill's), with what the segments did (``Usage``'s counters)."""
+    got_text, ref_text = text(got["tokens"]), text(ref["tokens"])
+    usage = got["out"].usage
+    return {
+        "first": got["tokens"][0] == ref["tokens"][0],
+        "option": chosen_option(got_text),
+        "same_option": chosen_option(got_text) == chosen_option(ref_text),
+        "exact": got["tokens"] == ref["tokens"],
+        "text": got_text,
+        "kl": kl(ref["logits"], got["logits"]),
+        "ttft": got["ttft"],
+        "hits": usage.segment_hits,
+        "recomputed": usage.recomputed_tokens,
+        "reused": usage.reused_tokens,
+    }
 
 
 def kl(ref: torch.Tensor, other: torch.Tensor) -> float:

@@ -101,6 +101,7 @@ class StorageIO:
         self.max_pending_pages = max_pending_pages
         self._pending_pages = 0
         self._reads_out = 0  # reader jobs not answered yet
+        self._lookups_out = 0  # ... of which lookups
         self._last_read = time.monotonic()  # when the reader last answered (or went idle)
         self._held: dict[int, torch.Tensor] = {}  # id(prefetch) -> host slots being fetched
         self._cleared = ClearResult(False)  # what the last clear did
@@ -136,6 +137,7 @@ class StorageIO:
         then fetch them: the returned ``Prefetch`` is done once ``poll`` handed them over."""
         prefetch = Prefetch(self.stats, self.timeout, token_ids, namespace, start, keys)
         self.stats.prefetches += 1
+        self._lookups_out += 1
         self._read(("lookup", prefetch))
         return prefetch
 
@@ -147,6 +149,10 @@ class StorageIO:
     def reads_in_flight(self) -> int:
         """Lookups and fetches asked of the reader and not answered yet."""
         return self._reads_out
+
+    def lookups_in_flight(self) -> int:
+        """Lookups (``exists`` questions) asked of the readers and not answered yet."""
+        return self._lookups_out
 
     def _read(self, job: tuple) -> None:
         if self._reads_out == 0:
@@ -178,6 +184,7 @@ class StorageIO:
                 return fetched
 
     def _on_found(self, p: Prefetch, num_blocks: int) -> None:
+        self._lookups_out -= 1
         n = num_blocks * self.block_tokens
         slots = self.alloc_host(n) if n >= self.min_tokens else None
         if slots is None:

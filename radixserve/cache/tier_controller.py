@@ -51,6 +51,7 @@ from radixserve.cache.tier_stats import TierStats
 
 WRITE_POLICIES = ("write_through_selective", "write_through", "write_back")
 SELECTIVE_MIN_HITS = 1  # write_through_selective copies a node once it was hit this often
+LOOKUP_WAIT_S = 0.005  # how long a step's start waits for storage lookups still out
 
 
 class TierController:
@@ -273,9 +274,21 @@ class TierController:
         return self.storage.lookup(key[:end].copy(), namespace, lo, keys)
 
     def poll(self, timeout: float = 0.0) -> None:
-        """Apply finished storage transfers (waiting up to ``timeout`` s for one)."""
-        if self.storage is not None:
-            self._attach(self.storage.poll(timeout))
+        """Apply finished storage transfers (waiting up to ``timeout`` s for one). Lookups
+        still out (requests that arrived since the last step) are awaited up to
+        ``LOOKUP_WAIT_S``: a store answers them in microseconds (a file index) to a
+        millisecond (a network store), so a request whose pages storage lacks is admitted in
+        this step instead of one step later, and a fetch starts a step sooner."""
+        if self.storage is None:
+            return
+        fetched = self.storage.poll(timeout)
+        deadline = time.monotonic() + LOOKUP_WAIT_S
+        while self.storage.lookups_in_flight() and not self.storage.stalled():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            fetched += self.storage.poll(left)
+        self._attach(fetched)
 
     def _attach(self, fetched: list[Fetched]) -> None:
         for f in fetched:

@@ -60,11 +60,11 @@ class DisaggInfo:
 class Disaggregation(KVTransfer):
     def __init__(self, engine):
         config = engine.config
-        self.mode = config.disaggregation_mode
-        self.layout = KVLayout.of_pool(engine.pool, model_identity(engine), config.page_size)
+        self.mode = config.disagg.disaggregation_mode
+        self.layout = KVLayout.of_pool(engine.pool, model_identity(engine), config.cache.page_size)
         beat = dict(
-            heartbeat_interval=config.kv_transfer_heartbeat,
-            heartbeat_timeout=config.kv_transfer_heartbeat * HEARTBEAT_TIMEOUT_PERIODS,
+            heartbeat_interval=config.disagg.kv_transfer_heartbeat,
+            heartbeat_timeout=config.disagg.kv_transfer_heartbeat * HEARTBEAT_TIMEOUT_PERIODS,
         )
         self.kv_source: KVSource | None = None
         self.service: PrefillService | None = None
@@ -72,8 +72,8 @@ class Disaggregation(KVTransfer):
             self.sender = ZmqKVSender(
                 engine.pool,
                 self.layout,
-                config.kv_transfer_host,
-                config.kv_transfer_port,
+                config.disagg.kv_transfer_host,
+                config.disagg.kv_transfer_port,
                 **beat,
             )
             self.endpoint: str | None = self.sender.endpoint
@@ -84,9 +84,9 @@ class Disaggregation(KVTransfer):
             self.endpoint = None
             self.kv_source = RemotePrefill(
                 self.receiver,
-                config.remote_prefill_min_tokens,
-                config.kv_transfer_timeout,
-                config.prefill_endpoint,
+                config.disagg.remote_prefill_min_tokens,
+                config.disagg.kv_transfer_timeout,
+                config.disagg.prefill_endpoint,
             )
             self.link = self.receiver
 

@@ -12,7 +12,10 @@ request's KV ledger. It never runs a model: an *executor* does (``ModelExecutor`
                                          and finish requests, one StepOutput per change
 
 so whatever runs the step, the bookkeeping is this one. Features that need to act around
-it (KV transfer, the step trace) attach as ``Feature`` hooks (``hooks.py``).
+it (KV transfer, the step trace) attach as ``Feature`` hooks (``hooks.py``). A constrained
+request whose grammar forces its next tokens gets them appended as a draft (jump forward,
+``grammar.py``); the step that computes it keeps what the sampler verified, commits that
+KV and frees the rest.
 
 ``add`` validates a ``RequestSpec`` (clear ``ValueError``s for empty, out-of-vocabulary,
 too-long or pool-exceeding prompts); a failed request (``fail``) and an aborted one
@@ -35,6 +38,8 @@ from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request, RequestStatus, TokenLogprob, Usage
 from radixserve.engine.scheduler import Scheduler, Step
 from radixserve.engine.spec import RequestSpec
+
+MAX_DRAFT_TOKENS = 64  # the longest grammar-forced run computed ahead in one chunk
 
 # What an executor drew for one request: the token and its logprob (None unless asked), or
 # the exception sampling its row raised.
@@ -59,6 +64,8 @@ class StepResult:
 
     sampled: list[tuple[Request, Drawn]] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    # request id -> how many of its grammar draft's tokens it keeps (requests with a draft)
+    forced: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ class EngineCore:
         features: Iterable[Feature] = (),
     ):
         self.config, self.kv, self.limits = config, kv, limits
-        self.scheduler = Scheduler(config, kv, source)
+        self.scheduler = Scheduler(config.scheduler, kv, source)
+        self._jump_forward = config.scheduler.jump_forward
         self.features = list(features)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -185,7 +193,13 @@ class EngineCore:
                 kv.commit(r, 1)
         for r, n in step.prefills:
             if r.status is running:
-                kv.commit(r, n)
+                if r.num_draft:  # computed all, keeps what the model agreed with
+                    dropped = r.num_draft - result.forced.get(r.request_id, 0)
+                    r.settle_draft(r.num_draft - dropped)
+                    kv.commit(r, n - dropped)
+                    kv.trim(r)
+                else:
+                    kv.commit(r, n)
                 kv.publish(r)
         for f in self.features:
             f.after_forward(step)
@@ -194,14 +208,31 @@ class EngineCore:
                 outputs.append(self.fail(r, drawn))
                 continue
             token, logprob = drawn
+            k = result.forced.get(r.request_id, 0)
+            kept = r.output_ids[-k:] if k else []  # draft tokens verified this step
             r.append_token(token)
             if logprob is not None:
                 r.logprobs.append(logprob)
             reason = self._stop_reason(r, token)
             if reason is not None:
                 self._finish(r, reason)
-            outputs.append(self._output(r, [token], [logprob] if logprob else []))
+            elif self._jump_forward and r.grammar is not None:
+                self._draft(r)
+            outputs.append(self._output(r, kept + [token], [logprob] if logprob else []))
         return outputs
+
+    def _draft(self, req: Request) -> None:
+        """Append the tokens the grammar forces next as a draft (jump forward), for requests
+        whose draws do not depend on their output so far (no penalties) and that ask no
+        logprobs (a kept draft token has none)."""
+        p = req.params
+        if p.needs_penalties or p.logprobs is not None:
+            return
+        draft = req.grammar.forced_tokens(min(req.remaining_output - 1, MAX_DRAFT_TOKENS))
+        stops = [i for i, t in enumerate(draft) if t in p.stop_token_ids]
+        draft = draft[: stops[0]] if stops else draft
+        if draft:
+            req.add_draft(draft)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

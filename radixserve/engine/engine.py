@@ -71,14 +71,14 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         model_len = self.model.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.max_model_len = min(config.scheduler.max_model_len or model_len, model_len)
         self._build_kv(config, loaded)
         self.disagg: KVTransfer | None = None
-        if config.disaggregation_mode != "off":
+        if config.disagg.disaggregation_mode != "off":
             if transfer is None:
                 raise ValueError(
-                    f"disaggregation_mode {config.disaggregation_mode!r} needs the KV transfer "
-                    "feature: Engine(config, transfer=radixserve.disagg.Disaggregation)"
+                    f"disaggregation_mode {config.disagg.disaggregation_mode!r} needs the KV "
+                    "transfer feature: Engine(config, transfer=radixserve.disagg.Disaggregation)"
                 )
             self.disagg = transfer(self)
         self.record = StepRecord(self.cache)
@@ -90,28 +90,29 @@ class Engine:
         source = self.disagg and self.disagg.kv_source
         self.core = EngineCore(config, self.kv, limits, source, features)
         self.scheduler, self.requests = self.core.scheduler, self.core.requests
+        seg = config.segments
         select = RecomputeSelector(
-            self.model, self.pool, config.segment_first_tokens, config.segment_deviation_layer
+            self.model, self.pool, seg.segment_first_tokens, seg.segment_deviation_layer
         )
         self.segments = SegmentBlender(self.model, self.pool, self.cache, self.kv,
-                                       config.segment_recompute_ratio, select,
-                                       prefix_tokens=config.segment_prefix_tokens)  # fmt: skip
+                                       seg.segment_recompute_ratio, select,
+                                       prefix_tokens=seg.segment_prefix_tokens)  # fmt: skip
         self.executor = ModelExecutor(self.model, self.pool, self.segments)
         self._grammars: GrammarCompiler | None = None
 
     def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
         shape = self.model.kv_shape()
-        if config.max_total_tokens is not None:
-            num_slots = config.max_total_tokens
+        if config.cache.max_total_tokens is not None:
+            num_slots = config.cache.max_total_tokens
         else:
-            budget = config.kv_cache_memory or default_kv_cache_bytes(config.device)
-            num_slots = shape.slots_for_memory(int(budget), config.page_size)
+            budget = config.cache.kv_cache_memory or default_kv_cache_bytes(config.device)
+            num_slots = shape.slots_for_memory(int(budget), config.cache.page_size)
         if torch.device(config.device).type == "cpu":
             native.paged_ops()  # build (first run) or load the kernels now, not mid-request
-        self.allocator = PagedAllocator(num_slots, config.page_size)
+        self.allocator = PagedAllocator(num_slots, config.cache.page_size)
         self.pool = KVPool(shape, self.allocator.num_slots, config.device)
-        events = KVEventQueue() if config.enable_kv_events else None
+        events = KVEventQueue() if config.kv_events.enable_kv_events else None
         self.cache = build_cache(
             config, self.allocator, self.pool, events, loaded.path, loaded.name
         )

@@ -47,7 +47,8 @@ class ModelExecutor:
             return result
         sampling = [r for r in step.sampling() if r.request_id not in done] + blended
         if sampling:
-            drawn = self.sample(torch.cat(logits) if len(logits) > 1 else logits[0], sampling)
+            logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+            drawn = self.sample(logits, sampling, result.forced)
             result.sampled = list(zip(sampling, drawn, strict=True))
         return result
 
@@ -76,25 +77,35 @@ class ModelExecutor:
                 torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
                 r.num_computed,
                 r.kv.slots[: r.num_computed + n],
-                r.num_computed + n == r.num_tokens and not r.spec.prefill_only,
+                # a chunk that ends the sequence gives logits at its last token and at the
+                # token before each draft token (grammar.py)
+                1 + r.num_draft
+                if r.num_computed + n == r.num_tokens and not r.spec.prefill_only
+                else 0,
             )
             for r, n in prefills
         ]
         batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
         return self.model.forward(batch, self.pool)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[Drawn]:
-        """One ``(token, logprob)`` per request, or the exception its row raised."""
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request], forced: dict[str, int]
+    ) -> list[Drawn]:
+        """One ``(token, logprob)`` per request, or the exception its rows raised; the draft
+        tokens each request keeps go to ``forced``."""
         try:
-            return list(sample(logits, reqs))
+            return list(sample(logits, reqs, forced))
         except Exception:
             log.exception("sampling a batch failed; sampling its rows one by one")
         drawn: list[Drawn] = []
         # Each request draws from its own generator, so a row sampled alone gets what it would
         # have got in the batch (unless the failed batch call had already advanced it).
-        for i, r in enumerate(reqs):
+        at = 0
+        for r in reqs:
+            rows = 1 + r.num_draft
             try:
-                drawn.append(sample(logits[i : i + 1], [r])[0])
+                drawn.append(sample(logits[at : at + rows], [r], forced)[0])
             except Exception as e:
                 drawn.append(e)
+            at += rows
         return drawn

@@ -15,6 +15,7 @@ keeps one ledger (``KVLedger``) and this module is the only code that writes it:
     allocate:  extend / extend_decode take slots from the allocator (evicting unlocked tree
                leaves when short): allocated grows
     commit:    after a forward pass wrote their KV: computed grows (never past allocated)
+    trim:      a grammar draft the model did not keep: allocated falls back to computed
     publish:   after a prefill chunk, insert the computed prefix into the tree and re-lock,
                so queued requests sharing it hit the cache before this one finishes
     release:   on finish, abort, failure or retraction: insert what was computed, free the
@@ -203,6 +204,15 @@ class RequestKV:
         if kv.computed + n > kv.allocated:
             raise RuntimeError(f"{req!r}: committing {n} tokens beyond its allocated slots")
         kv.computed += n
+
+    def trim(self, req) -> None:
+        """Give back the slots allocated past ``computed`` (a draft the model did not keep):
+        whole pages past the one holding the last computed token go to the allocator."""
+        kv: KVLedger = req.kv
+        start = -(-kv.computed // self.page_size) * self.page_size
+        if start < kv.allocated:
+            self.allocator.free(kv.slots[start : kv.allocated])
+        kv.allocated = kv.computed
 
     # ------------------------------------------------------------------ tree updates
     def publish(self, req) -> None:

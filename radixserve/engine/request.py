@@ -5,6 +5,10 @@ so appending is O(1) and the radix tree gets a zero-copy view. The request's KV 
 far they are cached, computed and allocated live in its ledger ``kv`` (a ``KVLedger``), which
 only ``RequestKV`` writes; ``num_computed`` reads it.
 
+A constrained request may carry a *draft*: the ``num_draft`` last tokens, which its grammar
+forces and which are computed with the next chunk but count as output only once the
+sampler has checked that the model would have drawn each of them (``grammar.py``).
+
 States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
 then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its output.
 A request whose KV comes from elsewhere (``kv_source.py``) is LOADING between admission and
@@ -105,6 +109,7 @@ class Request:
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
         self.grammar: Any = None  # its GrammarState (grammar.py) when the spec has a grammar
+        self.num_draft = 0  # trailing tokens the grammar forces, appended but not yet verified
 
     # ------------------------------------------------------------------ the spec
     @property
@@ -144,6 +149,27 @@ class Request:
         n = len(token_ids)
         self._ids[self.num_tokens : self.num_tokens + n] = token_ids
         self.num_tokens += n
+
+    def add_draft(self, token_ids: list[int]) -> None:
+        """Append tokens the grammar forces next (jump forward); they are computed with the
+        next chunk and kept as far as the model's own choice agrees (``settle_draft``)."""
+        if self.num_draft:
+            raise RuntimeError(f"{self!r} already has a draft")
+        self.append_tokens(np.asarray(token_ids, dtype=np.int32))
+        self.num_draft = len(token_ids)
+
+    def settle_draft(self, accepted: int) -> None:
+        """Keep the first ``accepted`` draft tokens as output and drop the rest."""
+        if not 0 <= accepted <= self.num_draft:
+            raise RuntimeError(f"{self!r}: {accepted} of {self.num_draft} draft tokens accepted")
+        self.num_tokens -= self.num_draft - accepted
+        self.num_draft = 0
+
+    def trim_draft(self, keep: int = 0) -> None:
+        """Drop all but the first ``keep`` draft tokens (not yet computed)."""
+        keep = min(keep, self.num_draft)
+        self.num_tokens -= self.num_draft - keep
+        self.num_draft = keep
 
     # ------------------------------------------------------------------ progress
     @property

@@ -8,7 +8,9 @@ top-k, top-p and min-p masks over one sort, then a draw. Each request draws with
 exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not depend on what
 else is in the batch.
 Logprobs are of the model's distribution (raw logits, before penalties and temperature).
-Each constrained request's matcher then accepts the token drawn for it.
+Each constrained request's matcher then accepts the token drawn for it. A request with a
+grammar draft (``grammar.py``) has one row per draft token plus one; it keeps the draft up
+to the first row whose token differs from it and takes that row's token as its next.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from radixserve.engine.request import Request, TokenLogprob
 from radixserve.model import native
 
 
-def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+def _apply_penalties(logits: torch.Tensor, reqs: list[Request], first: list[int]) -> None:
+    """Penalties on each penalised request's row (such a request never has a draft)."""
     vocab = logits.shape[1]
     for i, r in enumerate(reqs):
         p = r.params
         if not p.needs_penalties:
             continue
-        row = logits[i]
+        row = logits[first[i]]
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             seen[torch.from_numpy(r.token_ids.astype("int64")).to(logits.device)] = True
@@ -70,44 +73,74 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
-    """``logits``: float32 ``[len(reqs), vocab]``; one (token, logprob or None) per request."""
+def _draw(logits: torch.Tensor, reqs: list[Request], first: list[int], drafts: list[list[int]]):
+    """Each request's candidate token at each of its rows: the argmax, or for a random
+    request a draw per row, in row order, stopping after the first row that leaves its draft
+    (so its generator advances exactly as in token-by-token decoding)."""
+    tokens = _argmax(logits)
+    for i, r in enumerate(reqs):
+        if r.params.greedy:
+            continue
+        draft = drafts[i]
+        span = slice(first[i], first[i] + len(draft) + 1)
+        probs = _filter(logits[span], [r] * (len(draft) + 1)).softmax(dim=-1)
+        for j in range(len(draft) + 1):
+            # drawn on the CPU, where the request's generator lives, whatever the device
+            race = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+            tokens[first[i] + j] = (probs[j] / race.to(probs.device)).argmax()
+            if j == len(draft) or int(tokens[first[i] + j]) != draft[j]:
+                break
+    return tokens.tolist()
+
+
+def sample(
+    logits: torch.Tensor, reqs: list[Request], forced: dict[str, int] | None = None
+) -> list[tuple[int, TokenLogprob | None]]:
+    """``logits``: float32, one row per request, or ``1 + num_draft`` rows for a request with
+    a draft (the row after each draft token). One (token, logprob or None) per request; for
+    a request with a draft, ``forced[request_id]`` is how many draft tokens it keeps."""
+    rows = [1 + r.num_draft for r in reqs]
+    first = [sum(rows[:i]) for i in range(len(reqs))]
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in reqs):
         raw_logprobs = logits.log_softmax(dim=-1)
     biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
     constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-    if biased or constrained or any(r.params.needs_penalties for r in reqs):
+    penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+    if biased or constrained or penalised:
         logits = logits.clone()  # the steps below write into the rows
     for i in biased:
         bias = reqs[i].params.logit_bias
         ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
-        logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
+        span = slice(first[i], first[i] + rows[i])
+        logits[span, ids] += torch.tensor(list(bias.values()), device=logits.device)
+    drafts = [_draft(r) for r in reqs]
     if constrained:
-        apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
-    if any(r.params.needs_penalties for r in reqs):
-        _apply_penalties(logits, reqs)
-    tokens = _argmax(logits)
-    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    if random_rows:
-        filtered = _filter(logits[random_rows], [reqs[i] for i in random_rows])
-        probs = filtered.softmax(dim=-1)
-        for j, i in enumerate(random_rows):
-            # drawn on the CPU, where the request's generator lives, whatever the device
-            race = torch.empty(probs.shape[1]).exponential_(generator=reqs[i].generator)
-            race = race.to(probs.device)
-            tokens[i] = (probs[j] / race).argmax()
-    chosen = tokens.tolist()
-    for i in constrained:
-        reqs[i].grammar.accept(chosen[i])
+        apply_masks(logits, [(first[i], reqs[i].grammar, drafts[i]) for i in constrained])
+    if penalised:
+        _apply_penalties(logits, reqs, first)
+    tokens = _draw(logits, reqs, first, drafts)
     out: list[tuple[int, TokenLogprob | None]] = []
     for i, r in enumerate(reqs):
+        kept = 0
+        while kept < len(drafts[i]) and tokens[first[i] + kept] == drafts[i][kept]:
+            kept += 1
+        token = tokens[first[i] + kept]
+        if r.grammar is not None:
+            r.grammar.settle(len(drafts[i]), kept, token)
+        if drafts[i] and forced is not None:
+            forced[r.request_id] = kept
         lp = None
         if raw_logprobs is not None and r.params.logprobs is not None:
+            row = raw_logprobs[first[i]]
             top = []
             if r.params.logprobs > 0:
-                values, ids = raw_logprobs[i].topk(r.params.logprobs)
+                values, ids = row.topk(r.params.logprobs)
                 top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            lp = TokenLogprob(chosen[i], float(raw_logprobs[i, chosen[i]]), top)
-        out.append((chosen[i], lp))
+            lp = TokenLogprob(token, float(row[token]), top)
+        out.append((token, lp))
     return out
+
+
+def _draft(r: Request) -> list[int]:
+    return r.token_ids[len(r.token_ids) - r.num_draft :].tolist() if r.num_draft else []

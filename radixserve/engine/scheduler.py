@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixserve.config import EngineConfig
+from radixserve.config import SchedulerConfig
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.policy import order_waiting
@@ -71,7 +71,7 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: RequestKV, source: KVSource | None = None):
+    def __init__(self, config: SchedulerConfig, kv: RequestKV, source: KVSource | None = None):
         self.config = config
         self.kv = kv
         self.source = source
@@ -191,7 +191,10 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
-        it is copied, not computed); any other prefills at most ``budget`` tokens."""
+        it is copied, not computed); any other prefills at most ``budget`` tokens. A grammar
+        draft is computed in one chunk with the token before it, so it is cut to fit."""
+        if req.num_draft and req.num_uncomputed > budget:
+            req.trim_draft(max(req.num_draft - (req.num_uncomputed - budget), 0))
         if (
             self.kv.reuses_prefixes
             and req.segments
@@ -242,6 +245,7 @@ class Scheduler:
     # ------------------------------------------------------------------ leaving
     def _retract_newest(self) -> Request:
         victim = max(self.running, key=lambda r: r.arrival)
+        victim.trim_draft()  # not computed: resuming drafts again
         self.kv.release(victim)
         self.running.remove(victim)
         victim.status = RequestStatus.WAITING

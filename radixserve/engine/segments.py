@@ -102,6 +102,8 @@ class SegmentBlender:
         """Does this prefill chunk (the request's next ``n`` tokens) reuse segments?"""
         if not req.segments or not self.cache.reuses_prefixes or req.spec.prefill_only:
             return False
+        if self.model.config.sliding_layers:  # moving keys assumes one RoPE for every layer:
+            return False  # a model with local layers computes its segments in full
         start = req.num_computed
         return start + n == req.num_tokens and any(s >= start for s, _ in req.segments)
 

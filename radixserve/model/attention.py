@@ -17,6 +17,7 @@ where each new token's K/V goes (``out_slots``) and which slots each sequence at
   Its rows are attended in groups of ``SPARSE_GROUP`` (``SparseGroup``), each against the
   context only up to its own last row: one masked call over the whole context would pay for
   every masked-out pair, which for rows spread through a long context is most of them.
+- A layer with a sliding window reads only the keys inside its window (``window.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool
 from radixserve.model import native
+from radixserve.model.window import WindowBlock, plans
 
 # Rows of a sparse prefill attended per call: small enough that a group's masked-out pairs
 # are few, large enough that the attention kernel still works on full query blocks.
@@ -42,6 +44,7 @@ class SparseGroup:
     hi: int
     context_len: int
     mask: torch.Tensor  # [hi - lo, context_len]: bool, made additive once per step
+    rows: torch.Tensor | None = None  # [hi - lo] the rows' context indices
 
 
 @dataclass
@@ -81,6 +84,7 @@ class ForwardBatch:
     decode_bias: torch.Tensor | None = None  # [1, num_decode, 1, max_len]: 0 or -inf
     decode_lens: torch.Tensor | None = None  # [num_decode] int64 context lengths
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
+    windows: dict = field(default_factory=dict)  # sliding-window plans, made by window.py
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +93,7 @@ class ForwardBatch:
 
 def build_forward_batch(
     decode: list[tuple[int, int, torch.Tensor]],
-    prefill: list[tuple[torch.Tensor, int, torch.Tensor, bool] | SparsePrefill],
+    prefill: list[tuple[torch.Tensor, int, torch.Tensor, int] | SparsePrefill],
     device: torch.device,
     pad_slot: int,
 ) -> ForwardBatch:
@@ -97,7 +101,8 @@ def build_forward_batch(
 
     ``decode``: per sequence ``(token_id, position, context_slots)``, the context including the
     slot of the new token. ``prefill``: per chunk ``(token_ids, prefix_len, context_slots,
-    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``.
+    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``;
+    ``wants_logits`` is how many of the chunk's last tokens get a logits row (a bool: one).
     Padding reads ``pad_slot``.
     """
     ids, pos, out = [], [], []
@@ -139,7 +144,7 @@ def build_forward_batch(
         out.append(out_slots)
         row += span.num_new
         if wants_logits:
-            logits_rows.append(row - 1)
+            logits_rows.extend(range(row - int(wants_logits), row))
     return ForwardBatch(
         input_ids=torch.cat(ids).to(device=device, dtype=torch.int64),
         positions=torch.cat(pos).to(device),
@@ -170,7 +175,7 @@ def _sparse_span(
         hi = min(lo + SPARSE_GROUP, n)
         length = int(rows[hi - 1]) + 1
         mask = torch.arange(length)[None, :] <= rows[lo:hi, None]
-        span.groups.append(SparseGroup(lo, hi, length, mask.to(device)))
+        span.groups.append(SparseGroup(lo, hi, length, mask.to(device), rows[lo:hi].to(device)))
     return span, item.token_ids, rows + item.pos_offset, item.context_slots[rows]
 
 
@@ -182,13 +187,19 @@ def paged_attention(
     batch: ForwardBatch,
     pool: KVPool,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D] for the new tokens. Returns [T, H, D]."""
+    """``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D] for the new tokens. Returns [T, H, D].
+    ``window``: the layer attends over that many tokens only (a local layer)."""
     pool.write(layer, batch.out_slots, k, v)
     out = torch.empty_like(q)
+    if window is not None:
+        _windowed(layer, q, k, v, batch, pool, scale, window, out)
+        return out
     b = batch.num_decode
     if b:
-        out[:b] = _decode_attention(layer, q[:b], batch, pool, scale)
+        ctx = (batch.decode_context, batch.decode_lens, batch.decode_bias)
+        out[:b] = _decode_attention(layer, q[:b], ctx, pool, scale)
     for span in batch.prefill_spans:
         rows = slice(span.start, span.start + span.num_new)
         if span.context_slots is None:
@@ -234,22 +245,49 @@ def _sparse_attention(
         out[g.lo : g.hi] = _attend(q[g.lo : g.hi], ks[:, :c], vs[:, :c], g.mask, scale)
 
 
-def _decode_attention(layer: int, q: torch.Tensor, batch: ForwardBatch, pool: KVPool,
+def _windowed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              batch: ForwardBatch, pool: KVPool, scale: float, window: int,
+              out: torch.Tensor) -> None:  # fmt: skip
+    """A local layer's attention into ``out``: each row reads its window's keys only."""
+    plan = plans(batch, window)
+    b = batch.num_decode
+    if plan.decode is not None:
+        d = plan.decode
+        out[:b] = _decode_attention(layer, q[:b], (d.context, d.lens, d.bias), pool, scale)
+    for span, blocks in zip(batch.prefill_spans, plan.spans, strict=True):
+        base = span.start
+        for blk in blocks:
+            rows = slice(base + blk.lo, base + blk.hi)
+            ks, vs = _block_keys(layer, k, v, span, blk, pool)
+            out[rows] = _attend(q[rows], ks, vs, blk.mask, scale)
+
+
+def _block_keys(layer: int, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
+                blk: WindowBlock, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The K/V ``[KVH, keys, D]`` of a window block: the chunk's fresh rows, or the pool's."""
+    if span.context_slots is None:
+        keys = slice(span.start + blk.key_lo, span.start + blk.key_hi)
+        return k[keys].transpose(0, 1), v[keys].transpose(0, 1)
+    return pool.gather(layer, span.context_slots[blk.key_lo : blk.key_hi])
+
+
+def _decode_attention(layer: int, q: torch.Tensor, context: tuple, pool: KVPool,
                       scale: float) -> torch.Tensor:  # fmt: skip
-    """One query token per sequence, against its context slots. Scores are laid out
-    [KVH, B, group, L]: a KV head's query heads share each K/V row read."""
+    """One query token per sequence, against its context slots ``(slots [B, L], lens [B],
+    bias [1, B, 1, L])``. Scores are laid out [KVH, B, group, L]: a KV head's query heads
+    share each K/V row read."""
     b, num_heads, dim = q.shape
     num_kv = pool.shape.num_kv_heads
-    ctx = batch.decode_context
+    ctx, lens, bias = context
     ops = native.paged_ops() if pool.device.type == "cpu" and dim % 16 == 0 else None
     if ops is not None:  # straight from the pool, no gathered copy of K and V
-        scores = ops.paged_scores(q.contiguous(), pool.k[layer], ctx, batch.decode_lens)
-        probs = scores.mul_(scale).add_(batch.decode_bias).softmax(dim=-1)
-        return ops.paged_values(probs, pool.v[layer], ctx, batch.decode_lens)
+        scores = ops.paged_scores(q.contiguous(), pool.k[layer], ctx, lens)
+        probs = scores.mul_(scale).add_(bias).softmax(dim=-1)
+        return ops.paged_values(probs, pool.v[layer], ctx, lens)
     kc, vc = pool.gather(layer, ctx.view(-1))
     kc, vc = kc.view(num_kv, b, ctx.shape[1], dim), vc.view(num_kv, b, ctx.shape[1], dim)
     # Two batched matmuls beat SDPA here: its CPU kernel is slow for 1-token queries.
     qd = q.view(b, num_kv, num_heads // num_kv, dim).transpose(0, 1)
     scores = torch.matmul(qd, kc.transpose(-1, -2)).float().mul_(scale)
-    probs = scores.add_(batch.decode_bias).softmax(dim=-1).to(vc.dtype)
+    probs = scores.add_(bias).softmax(dim=-1).to(vc.dtype)
     return torch.matmul(probs, vc).transpose(0, 1).reshape(b, num_heads, dim)

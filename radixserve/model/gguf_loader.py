@@ -3,7 +3,11 @@
 llama.cpp's converter permutes the rows of the Q and K projections of ``llama`` models for its
 own rotary layout (pairs of adjacent dimensions instead of halves); ``unpermute_qk`` undoes
 it so the weights follow the Hugging Face convention our forward pass uses. ``qwen2`` files
-are not permuted. Any tensor type ``gguf`` can dequantize loads (F32, F16, BF16, Q4_0, Q4_1,
+, ``qwen3`` and ``gemma3`` files are not permuted. Gemma's RMSNorm weights are stored as
+``1 + weight`` (llama.cpp's converter adds the one); they load as Hugging Face's ``weight``.
+A ``gemma3`` file does not say which layers are local nor their RoPE base: llama.cpp's
+fixed values apply (every sixth layer global, base 10000, scores scaled by the head size).
+Any tensor type ``gguf`` can dequantize loads (F32, F16, BF16, Q4_0, Q4_1,
 Q5_x, Q8_0, K-quants). What stays quantized follows ``quantization`` (see ``quant.py``):
 under ``auto`` every quantized matrix becomes a ``QuantizedWeight`` straight from its blocks
 (Q5_0/Q5_1/K-quants as views of the memory-mapped file, nothing converted), the rest become
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from radixserve.model.config import ModelConfig, RopeScaling
+from radixserve.model.config import GEMMA3_PATTERN, ModelConfig, RopeScaling
 from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.quant import (
     GGUF_BLOCKS,
@@ -30,7 +34,7 @@ from radixserve.model.quant import (
     target_format,
 )
 
-GGUF_ARCH_TO_HF = {"llama": "llama", "qwen2": "qwen2"}
+GGUF_ARCH_TO_HF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -45,6 +49,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma's sandwich norms: its ``ffn_norm`` is the norm before the MLP, not after attention
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -54,13 +67,14 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+        if rest in names:
+            return f"model.layers.{layer}.{names[rest]}"
     return None
 
 
@@ -79,7 +93,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def read_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCH_TO_HF:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; radixserve runs llama, qwen2")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; radixserve runs {', '.join(GGUF_ARCH_TO_HF)}"
+        )
     a = arch
     hidden = _field(reader, f"{a}.embedding_length")
     num_heads = _field(reader, f"{a}.attention.head_count")
@@ -110,7 +126,27 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(e) for e in eos if e is not None],
         name=name,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        **(_gemma3_fields(reader, hidden, num_heads) if arch == "gemma3" else {}),
     )
+
+
+def _gemma3_fields(reader: Any, hidden: int, num_heads: int) -> dict[str, Any]:
+    """Gemma 3's local layers and attention scale, as llama.cpp reads them."""
+    layers = _field(reader, "gemma3.block_count")
+    pattern = _field(reader, "gemma3.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: true where local
+        local = tuple(i for i, is_local in enumerate(pattern) if is_local)
+    else:
+        local = tuple(i for i in range(layers) if (i + 1) % GEMMA3_PATTERN)
+    head_dim = _field(reader, "gemma3.attention.key_length", hidden // num_heads)
+    return {
+        "sliding_window": int(_field(reader, "gemma3.attention.sliding_window", 0)),
+        "sliding_layers": local,
+        "rope_local_theta": float(_field(reader, "gemma3.rope.freq_base_swa", 10000.0)),
+        # the 27B model (62 layers) scales by hidden / heads, the others by the head size
+        "query_pre_attn_scalar": hidden / num_heads if layers == 62 else head_dim,
+    }
 
 
 def load_gguf(
@@ -124,10 +160,11 @@ def load_gguf(
     path = Path(path)
     reader = GGUFFile(path)
     config = read_config(reader, name=path.stem)
-    permute = _field(reader, "general.architecture") == "llama"
+    arch = _field(reader, "general.architecture")
+    permute = arch == "llama"
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress):
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         heads = None
@@ -158,5 +195,7 @@ def load_gguf(
             weights[name] = quantize(dense, fmt)
         else:
             keep_fp32 = name == "rope_freq_factors"
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                dense = dense - 1  # stored as 1 + weight
             weights[name] = dense.to(torch.float32 if keep_fp32 else dtype)
     return config, weights

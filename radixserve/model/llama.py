@@ -1,10 +1,13 @@
-"""The Llama-family forward pass (Llama 2/3, Mistral, SmolLM, Qwen2) over the paged KV pool.
+"""The Llama-family forward pass (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3) over the paged KV
+pool; Gemma 3 (``gemma3.py``) extends it.
 
 Weights use Hugging Face names on input and are fused on load (Q/K/V into one projection,
 gate/up into another) so a layer is four matmuls; a matrix is a dense tensor or a
 ``QuantizedWeight`` (``quant.py``). RMSNorm and RoPE follow transformers'
 ``LlamaForCausalLM`` exactly (rotate-half layout; Llama-3 and linear RoPE scaling; per-
-frequency factors from GGUF ``rope_freqs``). ``forward`` computes logits only at
+frequency factors from GGUF ``rope_freqs``); Qwen3's q and k are RMS-normed per head before
+RoPE (``qk_norm``). Layers with a sliding window attend over it only (``attention.py``).
+``forward`` computes logits only at
 ``batch.logits_indices``: the last token of each sequence that samples, never every prompt
 position. A step of decode tokens only runs in one native call where the kernels are built
 (``native_decode.py``); everything else runs op by op here, with RMSNorm, RoPE and
@@ -32,10 +35,14 @@ from radixserve.model.quant import QuantizedWeight, linear
 Weight = torch.Tensor | QuantizedWeight
 
 
-def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
+def rope_inv_freq(
+    config: ModelConfig, freq_factors: torch.Tensor | None, local: bool = False
+) -> torch.Tensor:
+    """The RoPE frequencies; ``local``: the local layers' (their own base, never scaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    s = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = None if local else config.rope_scaling
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     elif s is not None and s.rope_type == "linear":
@@ -56,11 +63,12 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None) -> tor
 
 class RopeAt(NamedTuple):
     """RoPE for a batch's rows: their positions, and the gathered tables on the PyTorch path
-    (None where the native row kernels rotate straight from the full tables)."""
+    (None where the native row kernels rotate straight from the full tables ``tables``)."""
 
     positions: torch.Tensor
     cos: torch.Tensor | None
     sin: torch.Tensor | None
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +87,7 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         c = config
 
         def take(name: str) -> Weight:
@@ -114,13 +122,14 @@ class LlamaModel:
             }
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+            if c.qk_norm:
+                layer["q_norm"] = take(a + "q_norm.weight")
+                layer["k_norm"] = take(a + "k_norm.weight")
             self.layers.append(layer)
         inv_freq = rope_inv_freq(c, weights.get("rope_freq_factors"))
-        angles = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
         self.rope_inv_freq = inv_freq.to(self.device)
-        self.rope_cos = angles.cos().to(device=self.device, dtype=dtype)
-        self.rope_sin = angles.sin().to(device=self.device, dtype=dtype)
+        self.rope_cos, self.rope_sin = self._rope_tables(inv_freq)
+        self.windows = [c.window(i) for i in range(c.num_layers)]
         # (kernels module, its decoder or None where the model does not fit it)
         self._native: tuple[Any, native_decode.NativeDecoder | None] | None = None
         # the native row kernels take float32 rows of these widths (RMSNorm, RoPE, SiLU * up)
@@ -128,6 +137,13 @@ class LlamaModel:
             self.device.type == "cpu" and dtype == torch.float32 and c.head_dim % 16 == 0
             and c.hidden_size % 8 == 0 and c.intermediate_size % 8 == 0
         )  # fmt: skip
+
+    def _rope_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        to = {"device": self.device, "dtype": self.dtype}
+        return angles.cos().to(**to), angles.sin().to(**to)
 
     def rope_tables_float32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables as the native decoder wants them (same values as ours)."""
@@ -168,23 +184,23 @@ class LlamaModel:
             return self.embed.embedding(input_ids, self.dtype)
         return F.embedding(input_ids, self.embed)
 
-    def _rope(self, positions: torch.Tensor) -> RopeAt:
+    def _rope(self, positions: torch.Tensor, tables: tuple | None = None) -> RopeAt:
+        cos, sin = tables or (self.rope_cos, self.rope_sin)
         if self._row_kernels() is not None:
-            return RopeAt(positions.contiguous(), None, None)
-        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        return RopeAt(positions, cos, sin)
+            return RopeAt(positions.contiguous(), None, None, (cos, sin))
+        return RopeAt(positions, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
 
     def _qkv(self, layer: dict, h: torch.Tensor, rope: RopeAt):
         c, t = self.config, h.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         x = self._rms_norm(h, layer["input_norm"])
         qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+        if c.qk_norm:
+            qkv = self._norm_qk(layer, qkv)
         if rope.cos is None:  # native: q and k heads rotated in place, in one pass
             heads = c.num_heads + c.num_kv_heads
             qkv = qkv.contiguous()
-            self._row_kernels().rope_(
-                qkv, rope.positions, self.rope_cos, self.rope_sin, heads, c.head_dim
-            )
+            self._row_kernels().rope_(qkv, rope.positions, *rope.tables, heads, c.head_dim)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
@@ -192,6 +208,15 @@ class LlamaModel:
             q = q * rope.cos + rotate_half(q) * rope.sin
             k = k * rope.cos + rotate_half(k) * rope.sin
         return q, k, v.reshape(t, c.num_kv_heads, c.head_dim)
+
+    def _norm_qk(self, layer: dict, qkv: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each q head and each k head over its own dimensions (Qwen3, Gemma 3)."""
+        c, t = self.config, qkv.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self._rms_norm(q.reshape(-1, c.head_dim), layer["q_norm"]).view(t, q_size)
+        k = self._rms_norm(k.reshape(-1, c.head_dim), layer["k_norm"]).view(t, kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
     def _mlp_input(self, gate_up: torch.Tensor) -> torch.Tensor:
         ops = self._row_kernels()
@@ -204,7 +229,7 @@ class LlamaModel:
                qkv: tuple | None = None):  # fmt: skip
         layer = self.layers[i]
         q, k, v = qkv if qkv is not None else self._qkv(layer, h, rope)
-        attn = paged_attention(i, q, k, v, batch, pool, self.scale)
+        attn = paged_attention(i, q, k, v, batch, pool, self.scale, self.windows[i])
         h = linear(attn.reshape(h.shape[0], -1), layer["o"], residual=h)
         x = self._rms_norm(h, layer["post_norm"])
         return linear(self._mlp_input(linear(x, layer["gate_up"])), layer["down"], residual=h)

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from radixserve.model import native
+from radixserve.model.config import ModelConfig
+from radixserve.model.gemma3 import Gemma3Model
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaModel
@@ -100,6 +102,14 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return table[dtype]
 
 
+def build_model(
+    config: ModelConfig, weights: dict, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> LlamaModel:
+    """The forward pass of ``config``'s architecture over loaded ``weights``."""
+    model_class = Gemma3Model if config.architecture == "gemma3" else LlamaModel
+    return model_class(config, weights, device=device, dtype=dtype)
+
+
 def load_model(
     model: str | Path | None = None,
     device: str = "cpu",
@@ -122,6 +132,6 @@ def load_model(
         log.warning("no native kernels: %d quantized matrices run dequantized", len(quantized))
         for k in quantized:
             weights[k] = weights[k].dequantize(torch_dtype)
-    llama = LlamaModel(config, weights, device=device, dtype=torch_dtype)
+    llama = build_model(config, weights, device, torch_dtype)
     tokenizer = Tokenizer.from_model_path(path, config.eos_token_ids)
     return LoadedModel(model=llama, tokenizer=tokenizer, path=path, name=config.name)

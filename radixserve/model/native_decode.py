@@ -67,6 +67,8 @@ def supported(model: LlamaModel) -> bool:
     c = model.config
     if model.device.type != "cpu" or c.head_dim % 16 or c.hidden_size % 32:
         return False
+    if c.qk_norm or c.sliding_layers:  # layers the native stack does not compute
+        return False
     matrices = [model.embed, model.lm_head]
     for layer in model.layers:
         matrices += [layer["qkv"], layer["o"], layer["gate_up"], layer["down"]]

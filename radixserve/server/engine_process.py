@@ -275,9 +275,9 @@ def run_engine_process(
     try:
         engine = Engine(config, transfer=Disaggregation)
         info, bridge = engine.info(), None
-        if config.kv_events_endpoint and info.kv_events_block_size:
+        if config.kv_events.kv_events_endpoint and info.kv_events_block_size:
             publisher = KVEventPublisher(
-                config.kv_events_endpoint, config.kv_events_replay_endpoint
+                config.kv_events.kv_events_endpoint, config.kv_events.kv_events_replay_endpoint
             )
             endpoint, replay = publisher.start()
             info = dataclasses.replace(

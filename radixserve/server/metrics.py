@@ -173,6 +173,12 @@ class Metrics:
                       g.cache_hits)  # fmt: skip
         yield counter(m, "grammar_compile_seconds", "Time spent compiling grammars",
                       g.compile_seconds)  # fmt: skip
+        yield counter(m, "grammar_drafted_tokens",
+                      "Grammar-forced tokens computed ahead in one chunk (jump forward)",
+                      g.drafted_tokens)  # fmt: skip
+        yield counter(m, "grammar_forced_tokens",
+                      "Output tokens taken from grammar drafts, without a decode step each",
+                      g.forced_tokens)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""Jump forward: grammar-forced tokens computed ahead in one chunk give exactly the output of
+token-by-token constrained decoding (greedy and seeded), also through retraction and with
+pages, and the kept tokens are counted."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from radixserve.engine import SamplingParams
+
+# Request bodies of real APIs: GitHub's "create a label", Kubernetes' ContainerPort, and a
+# Stripe-style customer address (required keys, so the grammar forces every key).
+GITHUB_LABEL = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "color": {"type": "string", "pattern": "^[0-9a-f]{6}$"},
+        "description": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "color", "description"],
+    "additionalProperties": False,
+}
+CONTAINER_PORT = {
+    "type": "object",
+    "properties": {
+        "containerPort": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "protocol": {"enum": ["TCP", "UDP", "SCTP"]},
+        "name": {"type": "string", "maxLength": 15},
+    },
+    "required": ["containerPort", "protocol", "name"],
+    "additionalProperties": False,
+}
+ADDRESS = {
+    "type": "object",
+    "properties": {
+        "shipping_address_line1": {"type": "string", "maxLength": 24},
+        "shipping_postal_code": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "shipping_country_code": {"enum": ["US", "FR", "DE", "NO"]},
+        "is_default_shipping_address": {"type": "boolean"},
+    },
+    "required": [
+        "shipping_address_line1",
+        "shipping_postal_code",
+        "shipping_country_code",
+        "is_default_shipping_address",
+    ],
+    "additionalProperties": False,
+}
+SCHEMAS = [GITHUB_LABEL, CONTAINER_PORT, ADDRESS]
+
+
+def generate(engine, prompts, schemas, params_list):
+    """Every request's output token ids and finish reason, run together."""
+    outs, reasons = {}, {}
+    for i, (prompt, schema, params) in enumerate(zip(prompts, schemas, params_list, strict=True)):
+        engine.add_request(str(i), prompt, params, grammar=("json_schema", json.dumps(schema)))
+        outs[str(i)] = []
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        steps += 1
+    return outs, reasons, steps
+
+
+def compare(make_engine, loaded, schemas, params, prompts, **options):
+    """Run the same requests with jump forward off and on; return both runs."""
+    runs = []
+    for jump in (False, True):
+        engine = make_engine(loaded, jump_forward=jump, **options)
+        runs.append((engine, *generate(engine, prompts, schemas, params)))
+    (_, off, off_reasons, off_steps), (on_engine, on, on_reasons, on_steps) = runs
+    assert on == off and on_reasons == off_reasons  # the very same tokens
+    return on_engine, on, on_reasons, off_steps, on_steps
+
+
+def test_real_model_outputs_are_identical_and_take_fewer_steps(make_engine, real_loaded):
+    engine = make_engine(real_loaded)
+    chat = engine.tokenizer.encode_chat
+    prompts = [
+        chat([{"role": "user", "content": f"Write a JSON object: {name}."}])
+        for name in ("a GitHub label", "a Kubernetes container port", "a shipping address")
+    ] * 2
+    greedy = SamplingParams(max_tokens=80, temperature=0)
+    seeded = SamplingParams(max_tokens=80, temperature=0.8, seed=7)
+    params = [greedy] * 3 + [seeded] * 3
+    on_engine, outs, reasons, off_steps, on_steps = compare(
+        make_engine, real_loaded, SCHEMAS * 2, params, prompts
+    )
+    stats = on_engine.grammar_stats()
+    assert stats.forced_tokens > 20 and stats.drafted_tokens >= stats.forced_tokens
+    assert on_steps < off_steps
+    for i, schema in enumerate(SCHEMAS * 2):
+        if reasons[str(i)] == "stop":
+            jsonschema.validate(json.loads(on_engine.tokenizer.decode(outs[str(i)])), schema)
+    assert sum(r == "stop" for r in reasons.values()) >= 3
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_drafts_survive_retraction_and_pages(make_engine, page_size):
+    """A pool too small for every request retracts some mid-draft; outputs stay identical and
+    nothing leaks (``make_engine`` checks integrity)."""
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(6)]
+    params = [SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 1.0, seed=i)
+              for i in range(6)]  # fmt: skip
+    engine, _, _, _, _ = compare(
+        make_engine, None, SCHEMAS * 2, params, prompts,
+        max_total_tokens=160, page_size=page_size, chunked_prefill_size=16,
+    )  # fmt: skip
+    assert engine.scheduler.num_retractions > 0
+    assert engine.grammar_stats().drafted_tokens > 0
