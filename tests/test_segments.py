@@ -12,7 +12,7 @@ from radixserve.cache import KVPool
 from radixserve.engine.segment_select import kv_deviation
 from radixserve.engine.segments import reanchor, segment_namespace
 from radixserve.model import build_forward_batch
-from radixserve.model.attention import SparsePrefill
+from radixserve.model.forward_batch import SparsePrefill
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 

@@ -23,7 +23,8 @@ import torch
 
 from radixserve.cache.kv_pool import KVPool
 from radixserve.engine.request import Request
-from radixserve.model.attention import ForwardBatch, SparsePrefill, build_forward_batch
+from radixserve.model.attention import build_forward_batch
+from radixserve.model.forward_batch import ForwardBatch, SparsePrefill
 
 
 class RecomputeSelector:

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool, KVShape
 from radixserve.model import native, native_decode
-from radixserve.model.attention import ForwardBatch, paged_attention
+from radixserve.model.attention import paged_attention
 from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.quant import QuantizedWeight, linear
 
 Weight = torch.Tensor | QuantizedWeight
