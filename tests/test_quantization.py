@@ -122,15 +122,22 @@ def gguf_model(path, quantization: str) -> LlamaModel:
 PROMPTS = [[17, 934, 2210, 77, 5, 9001, 312], [48, 1200, 6, 815], [40000, 27, 3333, 91, 12, 4]]
 
 
-def run_steps(model, decode_steps: int = 4) -> tuple[torch.Tensor, list[list[int]]]:
-    """Prefill three prompts in one step, then decode them together greedily; scattered slots."""
+def run_steps(
+    model, decode_steps: int = 4, sequences: int = 3
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Prefill ``sequences`` prompts in one step, then decode them together greedily;
+    scattered slots (up to 10 sequences)."""
+    prompts = PROMPTS + [[(i * 7919 + j * 104729) % 30000 + 5 for j in range(3 + i % 5)]
+                         for i in range(len(PROMPTS), sequences)]  # fmt: skip
+    prompts = prompts[:sequences]
     pool = KVPool(model.kv_shape(), 400)
-    slots = [torch.randperm(400, generator=torch.Generator().manual_seed(i))[:40] for i in range(3)]
-    prefill = [(torch.tensor(p), 0, s[: len(p)], True) for p, s in zip(PROMPTS, slots, strict=True)]
+    perm = torch.randperm(400, generator=torch.Generator().manual_seed(0))
+    slots = [perm[40 * i : 40 * (i + 1)] for i in range(sequences)]
+    prefill = [(torch.tensor(p), 0, s[: len(p)], True) for p, s in zip(prompts, slots, strict=True)]
     batch = build_forward_batch([], prefill, model.device, pool.pad_slot)
     logits = [model.forward(batch, pool)]
     tokens = [[int(t)] for t in logits[0].argmax(-1)]
-    lens = [len(p) for p in PROMPTS]
+    lens = [len(p) for p in prompts]
     for _ in range(decode_steps):
         decode = [(t[-1], n, s[: n + 1]) for t, n, s in zip(tokens, lens, slots, strict=True)]
         batch = build_forward_batch(decode, [], model.device, pool.pad_slot)

@@ -1,12 +1,13 @@
 """The simulator: it runs the engine's own scheduler and tree, its shortcuts change nothing,
 traces load, Belady bounds every online policy, and the CLI writes its reports."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from radixserve.cache import PagedAllocator, RadixCache
+from radixserve.cache import PagedAllocator
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cli import main
 from radixserve.config import EngineConfig
@@ -15,8 +16,9 @@ from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
 from radixserve.kvevents.hashing import prompt_block_hashes
-from radixserve.sim.instance import TimingExecutor
+from radixserve.sim.instance import TimingExecutor, sim_cache
 from radixserve.sim.loop import SimConfig, Simulation
+from radixserve.sim.metrics import summarize
 from radixserve.sim.replay import replay, replay_order, slot_replay
 from radixserve.sim.routing import ROUTING_POLICIES, RoutingConfig, SimRouter
 from radixserve.sim.timing import (
@@ -43,7 +45,9 @@ def small_trace(seed=0, sessions=40, rate=1.0):
     return synthetic_trace(spec, seed)
 
 
-def run(trace, kv=4000, instances=1, routing="cache-aware", decode_runs=True, **engine):
+def run(
+    trace, kv=4000, instances=1, routing="cache-aware", decode_runs=True, timing=TIMING, **engine
+):
     config = SimConfig(
         EngineConfig.from_options(max_total_tokens=kv, chunked_prefill_size=64, **engine),
         instances,
@@ -51,7 +55,7 @@ def run(trace, kv=4000, instances=1, routing="cache-aware", decode_runs=True, **
         max_concurrency=4,
         check_integrity=True,
     )
-    return Simulation(trace, config, TIMING, decode_runs=decode_runs).run()
+    return Simulation(trace, config, timing, decode_runs=decode_runs).run()
 
 
 def test_instance_runs_the_engine_scheduler_step_for_step(make_engine):
@@ -99,34 +103,47 @@ def test_instance_runs_the_engine_scheduler_step_for_step(make_engine):
     assert sum(result.records.cached) > 0  # the shared prefix was reused
 
 
-def test_any_executor_drives_the_same_core_bookkeeping(make_engine):
+def _drive(schedule, step_fn):
+    steps, outputs = [], []
+    while (step := schedule()) is not None:
+        steps.append(([(n, r.num_computed) for r, n in step.prefills], len(step.decodes)))
+        outputs += [(o.request_id, o.new_token_ids, o.finished, o.usage) for o in step_fn(step)]
+    return steps, outputs
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_any_executor_drives_the_same_core_bookkeeping(make_engine, tier):
     """The executor interface: an executor only computes a step and draws tokens
     (``run(step) -> StepResult``); the core does the rest. A bare ``EngineCore`` driven by the
     simulator's ``TimingExecutor``, replaying the tokens the model drew, schedules the same
-    steps, emits the same outputs and gets the same cache hits as the model engine."""
+    steps, emits the same outputs and gets the same cache hits as the model engine; with a
+    host tier, over the simulator's cache (the server's tree and tier controller over a host
+    pool without KV), the same hits loaded back from the host."""
     rng = np.random.default_rng(1)
     shared = rng.integers(3, 1000, 70).tolist()
-    prompts = [shared + rng.integers(3, 1000, n).tolist() for n in (40, 9, 60)]
-    config = dict(max_total_tokens=300, chunked_prefill_size=48, max_running_requests=2)
+    if tier == "device":
+        prompts = [shared + rng.integers(3, 1000, n).tolist() for n in (40, 9, 60)]
+        config = dict(max_total_tokens=300, chunked_prefill_size=48, max_running_requests=2)
+    else:  # the second prompt evicts the first's prefix, the third finds it on the host
+        prompts = [shared + rng.integers(3, 1000, 30).tolist(), rng.integers(3, 1000, 140).tolist(),
+                   shared + rng.integers(3, 1000, 20).tolist()]  # fmt: skip
+        config = dict(max_total_tokens=200, chunked_prefill_size=48, max_running_requests=1,
+                      schedule_policy="fcfs", host_kv_memory="4MiB",
+                      write_policy="write_back")  # fmt: skip
     engine = make_engine(**config)
-    core = EngineCore(engine.config, RequestKV(RadixCache(alloc := PagedAllocator(300)), alloc),
-                      Limits(engine.max_model_len))  # fmt: skip
-    executor = TimingExecutor(TIMING)
-
-    def drive(schedule, step_fn):
-        steps, outputs = [], []
-        while (step := schedule()) is not None:
-            steps.append(([(n, r.num_computed) for r, n in step.prefills], len(step.decodes)))
-            outputs += [(o.request_id, o.new_token_ids, o.finished, o.usage) for o in step_fn(step)]
-        return steps, outputs
-
+    timing = dataclasses.replace(TIMING, kv_bytes_per_token=engine.pool.shape.bytes_per_token())
+    alloc = PagedAllocator(engine.allocator.num_slots)
+    cache, host = sim_cache(engine.config, alloc, None, timing)
+    assert (host is None) == (tier == "device")
+    core = EngineCore(engine.config, RequestKV(cache, alloc), Limits(engine.max_model_len))
+    executor = TimingExecutor(timing)
     specs = [RequestSpec(request_id=str(i), prompt_ids=p,
                          params=SamplingParams(max_tokens=5 + i, ignore_eos=True))
              for i, p in enumerate(prompts)]  # fmt: skip
     for spec in specs:
         engine.add(spec)
         core.add(spec)
-    model_run = drive(
+    model_run = _drive(
         lambda: engine.core.schedule() if engine.has_unfinished() else None,
         lambda step: engine.core.postprocess(step, engine.executor.run(step)),
     )
@@ -134,13 +151,52 @@ def test_any_executor_drives_the_same_core_bookkeeping(make_engine):
     for rid, new, _, _ in model_run[1]:
         tokens.setdefault(rid, []).extend(new)
     executor.outputs = {rid: np.array(t, np.int32) for rid, t in tokens.items()}
-    timed_run = drive(
+    timed_run = _drive(
         lambda: core.schedule() if core.has_unfinished() else None,
         lambda step: core.postprocess(step, executor.run(step)),
     )
     assert timed_run == model_run
-    assert sum(u.cached_tokens for _, _, done, u in timed_run[1] if done) > 0  # reused
+    final = {rid: u for rid, _, done, u in timed_run[1] if done}
+    assert sum(u.cached_tokens for u in final.values()) > 0  # reused
+    if tier == "host":
+        usage = final["2"]  # the shared prefix: its evicted tail loaded back from the host
+        assert usage.cached_tokens == 70 and usage.host_cached_tokens > 0
+        moved = engine.cache.host.stats
+        assert (host.stats.pages_to_host, host.stats.pages_to_device) == (
+            moved.pages_to_host, moved.pages_to_device)  # fmt: skip
     core.check_integrity()
+
+
+def test_a_host_tier_recovers_the_hits_the_device_pool_loses():
+    """Same trace, same device pool: a simulated host tier serves prompt tokens the
+    device-only run computes again, its copies cost the steps time, and every tier's
+    integrity holds at the end."""
+    trace = small_trace(sessions=40, rate=2.0)
+    timing = dataclasses.replace(TIMING, host_load_token=1e-5, host_write_token=2e-5,
+                                 kv_bytes_per_token=1000)  # fmt: skip
+    device = run(trace, kv=1200, timing=timing)
+    tiered = run(trace, kv=1200, timing=timing, host_kv_memory=40_000_000,
+                 write_policy="write_back")  # fmt: skip
+    assert device.config.engine.tiers.host_kv_memory is None
+    hit = {name: r.records.cached.sum() / r.records.prompt_len.sum()
+           for name, r in (("device", device), ("tiered", tiered))}  # fmt: skip
+    assert hit["tiered"] > hit["device"] + 0.05, hit
+    assert device.records.host_cached.sum() == 0 < tiered.records.host_cached.sum()
+    summary = summarize(tiered)
+    assert summary["host_kv_tokens_per_instance"] == 40_000
+    assert summary["host_loaded_tokens"] >= summary["host_cached_tokens"] > 0
+    written, loaded = summary["host_written_tokens"], summary["host_loaded_tokens"]
+    assert 0 < summary["host_transfer_s"] <= timing.transfer_time(loaded, written) + 1e-9
+    assert "host_kv_tokens_per_instance" not in summarize(device)
+
+
+def test_a_simulated_host_tier_needs_its_size_in_tokens():
+    config = EngineConfig.from_options(max_total_tokens=1000, host_kv_memory="1MiB")
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        Simulation(small_trace(sessions=2), SimConfig(config, max_concurrency=1), TIMING)
+    storage = EngineConfig.from_options(max_total_tokens=1000, kv_storage="/tmp/kv")
+    with pytest.raises(ValueError, match="not kv_storage"):
+        Simulation(small_trace(sessions=2), SimConfig(storage, max_concurrency=1), TIMING)
 
 
 def test_decode_runs_change_nothing_but_speed():
@@ -251,6 +307,22 @@ def test_simulate_cli_writes_results_report_and_plots(tmp_path, capsys):
     assert "| synthetic |" in (out / "report.md").read_text()
 
 
+def test_simulate_cli_takes_the_host_tier_options(tmp_path, capsys):
+    out, timing = tmp_path / "sim", tmp_path / "t.json"
+    dataclasses.replace(TIMING, host_load_token=1e-5, kv_bytes_per_token=1000).save(timing)
+    code = main(["simulate", "--trace", "synthetic", "--sessions", "25", "--trace-args",
+                 "system_prompt_len=100,mean_user_len=20,mean_output_len=10,session_rate=2",
+                 "--kv-tokens", "1000", "--host-kv-memory", "none,20MB", "--write-policy",
+                 "write_through", "--timing", str(timing), "--no-plots",
+                 "--output-dir", str(out)])  # fmt: skip
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    device, tiered = sorted(rows, key=lambda r: "write_policy" in r)
+    assert (tiered["host_kv_tokens_per_instance"], tiered["write_policy"]) == (
+        20_000, "write_through")  # fmt: skip
+    assert tiered["host_written_tokens"] > 0 and tiered["hit_rate"] >= device["hit_rate"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -261,6 +333,9 @@ def test_simulate_cli_writes_results_report_and_plots(tmp_path, capsys):
         (["--router-args", "gate=1"], "unknown --router-args option"),
         (["--trace-args", "bogus=1"], "bogus"),
         (["--timing", "no-such-profile"], "neither a file nor a shipped profile"),
+        (["--write-policy", "write_back"], "--write-policy needs a host tier"),
+        (["--host-kv-memory", "1GiB"], "--host-kv-memory needs the timing model's kv_bytes"),
+        (["--host-kv-memory", "lots"], "--host-kv-memory: cannot read 'lots'"),
     ],
 )
 def test_simulate_cli_rejects_bad_options(argv, message, capsys, tmp_path):

@@ -10,6 +10,9 @@ Plus directed tests of what each write policy copies and which KV events each mo
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 from hypothesis import settings
@@ -345,3 +348,31 @@ def test_a_load_keeps_its_host_nodes_while_making_room_evicts_host_leaves():
     assert read_device(pool, loaded.device_indices) == [token_value(None, tuple(a[: i + 1]))
                                                         for i in range(8)]  # fmt: skip
     cache.check_integrity(NO_HELD)
+
+
+def test_storage_blocks_are_copied_on_an_io_thread_without_compute_threads():
+    """A storage I/O thread reads and writes host blocks without a torch kernel: one there
+    would start a second OpenMP team (new OS threads) whose workers the forward pass then has
+    to wake at every operation. The block round-trips exactly."""
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=128, dtype=torch.float32)
+    host = HostKVPool(KVPool(shape, 256), 1024, 16)
+    host.data.copy_(torch.arange(host.data.numel(), dtype=torch.float32).view_as(host.data))
+    batch = host.pages(list(range(8)), per_block=4)  # two blocks of four 16-token pages
+    counts = []
+
+    def io() -> None:
+        before = len(os.listdir("/proc/self/task"))
+        batch.write_page(1, bytes(batch.read_page(0)))  # block 0's KV into block 1's pages
+        counts.append((before, len(os.listdir("/proc/self/task"))))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        t = threading.Thread(target=io)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[0][1] == counts[0][0]  # no thread was started on its behalf
+    assert torch.equal(host.data[4:8], host.data[0:4])
+    assert not torch.equal(host.data[0:4], host.data[8:12])  # (the values differ by page)

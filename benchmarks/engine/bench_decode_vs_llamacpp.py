@@ -18,7 +18,10 @@ prompt each time, so no prompt cache helps), greedy, ``ignore_eos``:
 
 Also reported, per server: ``startup_s`` (process start to a healthy ``/health``, the model
 load included) and ``rss_mb`` (resident memory of the server's process group after the
-measurements). With ``--agreement`` (and both servers), the greedy answers to 8 chat prompts
+measurements); for radixserve also ``engine_rss_mb`` (its engine process alone),
+``kv_used_mb`` (the KV slots held or cached at the end, from ``/metrics``) and
+``engine_rss_budget_mb``: the weights file + ``kv_used_mb`` + 600 MB, the engine's memory
+target. With ``--agreement`` (and both servers), the greedy answers to 8 chat prompts
 (``radixserve/bench/agreement.py``: 32 tokens, repetition penalty off on both; 8 completion
 prompts for a model whose file has no chat template, a base model) are compared,
 each disagreement classed as a near tie or a real difference by radixserve's logprobs.
@@ -138,6 +141,21 @@ async def measure(servers: dict[str, str], args) -> dict:
     }
 
 
+def engine_memory(server: baselines.ManagedServer, model: str | None) -> dict[str, int]:
+    """The engine process's resident memory against its target (see the module's docstring)."""
+    from radixserve.bench.processes import read_metrics
+    from radixserve.model.loader import resolve_model_path
+
+    metrics = read_metrics(server.base_url, {})
+    kv = metrics["kv_cache_used_tokens"] * metrics["kv_cache_bytes_per_token"] / 2**20
+    weights = resolve_model_path(model).stat().st_size / 2**20
+    return {
+        "engine_rss_mb": round(server.largest_child_rss_bytes() / 2**20),
+        "kv_used_mb": round(kv),
+        "engine_rss_budget_mb": round(weights + kv + 600),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
@@ -180,6 +198,8 @@ def main() -> None:
         for name, server in managed.items():
             result[name]["startup_s"] = round(server.startup_s or 0.0, 1)
             result[name]["rss_mb"] = round(server.rss_bytes() / 2**20)
+        if "radix" in managed:
+            result["radix"] |= engine_memory(managed["radix"], args.model)
     out = {
         "bench": "decode_vs_llamacpp",
         "threads": args.threads,

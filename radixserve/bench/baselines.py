@@ -168,17 +168,27 @@ class ManagedServer:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server's process group (the server and its engine)."""
+        return sum(self.group_rss().values())
+
+    def largest_child_rss_bytes(self) -> int:
+        """Resident memory of the server's largest child process (radixserve's engine)."""
+        return max((rss for pid, rss in self.group_rss().items() if pid != self.proc.pid),
+                   default=0)  # fmt: skip
+
+    def group_rss(self) -> dict[int, int]:
+        """Resident bytes of each process of the server's process group."""
         if self.proc is None:
-            return 0
-        total = 0
+            return {}
+        out = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
                 if int(fields[2]) == self.proc.pid:  # the process group id
-                    total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss in pages
+                    pid = int(stat.parent.name)
+                    out[pid] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss in pages
             except (OSError, IndexError, ValueError):
                 continue  # a process that ended meanwhile
-        return total
+        return out
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -25,6 +25,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.cache.allocator import PagedAllocator
@@ -52,6 +53,7 @@ class HostKVPool:
         size = (self.allocator.num_pages, shape.num_layers, 2, shape.num_kv_heads, page_size,
                 shape.head_dim)  # fmt: skip
         self.data = torch.empty(size, dtype=shape.dtype, pin_memory=cuda)
+        self.raw = self.data.view(torch.uint8).numpy()  # the same memory as bytes, for I/O
         self.page_nbytes = self.data[0].numel() * self.data.element_size()
         self._stream = torch.cuda.Stream(device_pool.device) if cuda else None
         self._stage = torch.empty(0, dtype=shape.dtype, pin_memory=cuda)
@@ -112,7 +114,7 @@ class HostKVPool:
     # ------------------------------------------------------------------ page buffers
     def page_buffer(self, page: int) -> memoryview:
         """One page's bytes (every layer's K and V), a view: storage reads and writes it."""
-        return memoryview(self.data[page].view(torch.uint8).numpy()).cast("B")
+        return memoryview(self.raw[page]).cast("B")
 
     def pages(self, pages: list[int], per_block: int = 1) -> PageBatch | BlockBatch:
         """Host pages as a storage backend reads and writes them: one stored page per host
@@ -216,7 +218,10 @@ class BlockBatch:
     """Host pages grouped into storage blocks (``storage.base.HostPages``): block j is pages
     ``pages[j * k : (j + 1) * k]``, its tokens theirs in order, its payload in the layer-major
     layout of a page of ``k * page_size`` tokens (``page_format``). So a block is the same
-    bytes whatever the host page size that wrote it. Reading or writing one copies it."""
+    bytes whatever the host page size that wrote it. Reading or writing one copies it, with
+    numpy: storage I/O threads call these, and a torch operation there would start a second
+    OpenMP team beside the forward pass's, which then wakes its workers from sleep at every
+    operation (twice the time per step on two cores, far more on a busy machine)."""
 
     def __init__(self, pool: HostKVPool, pages: list[int], per_block: int):
         if len(pages) % per_block:
@@ -227,17 +232,17 @@ class BlockBatch:
     def __len__(self) -> int:
         return len(self.page_ids) // self.per_block
 
-    def _ids(self, i: int) -> torch.Tensor:
+    def _ids(self, i: int) -> list[int]:
         k = self.per_block
-        return torch.tensor(self.page_ids[i * k : (i + 1) * k], dtype=torch.int64)
+        return self.page_ids[i * k : (i + 1) * k]
 
     def read_page(self, i: int) -> memoryview:
-        block = self.pool.data[self._ids(i)]  # [k, layers, 2, heads, page, dim]
-        block = block.permute(1, 2, 3, 0, 4, 5).contiguous()  # [layers, 2, heads, k * page, dim]
-        return memoryview(block.view(torch.uint8).numpy()).cast("B")
+        block = self.pool.raw[self._ids(i)]  # [k, layers, 2, heads, page, dim bytes]
+        block = np.ascontiguousarray(block.transpose(1, 2, 3, 0, 4, 5))  # k pages: one page
+        return memoryview(block).cast("B")
 
     def write_page(self, i: int, data: memoryview) -> None:
-        _, layers, two, heads, page, dim = self.pool.data.shape
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.pool.data.dtype)
-        block = raw.view(layers, two, heads, self.per_block, page, dim)
-        self.pool.data[self._ids(i)] = block.permute(3, 0, 1, 2, 4, 5)
+        _, layers, two, heads, page, row = self.pool.raw.shape
+        raw = np.frombuffer(data, dtype=np.uint8)
+        block = raw.reshape(layers, two, heads, self.per_block, page, row)
+        self.pool.raw[self._ids(i)] = block.transpose(3, 0, 1, 2, 4, 5)

@@ -24,6 +24,7 @@ from radixserve.cache import (
     PrefixCache,
     RadixCache,
 )
+from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.config import EngineConfig
@@ -41,32 +42,12 @@ def build_cache(
     model_path: Path,
     model_name: str,
 ) -> PrefixCache:
-    caching, tiers = config.cache, config.tiers
-    block_size = config.kv_events.kv_events_block_size
-    if not caching.enable_prefix_caching:
-        return NullCache(allocator)
-    if tiers.host_kv_memory is None and tiers.kv_storage is None:
-        return RadixCache(
-            allocator,
-            caching.eviction_policy,
-            events,
-            block_size,
-            caching.cache_threshold,
-        )
-    host_bytes = tiers.host_kv_memory
-    if host_bytes is None:
-        host_bytes = default_host_kv_bytes(allocator.num_slots * pool.shape.bytes_per_token())
-    host_slots = pool.shape.slots_for_memory(int(host_bytes), caching.page_size)
-    if host_slots <= allocator.num_slots:
-        raise ValueError(
-            f"host_kv_memory ({host_bytes} bytes{'' if tiers.host_kv_memory else ', default'})"
-            f" holds {host_slots} tokens of KV, no more than the device pool "
-            f"({allocator.num_slots} tokens); the host tier must be larger than the device pool"
-        )
-    host = HostKVPool(pool, host_slots, caching.page_size)
-    cache = TieredRadixCache(allocator, host, tiers.write_policy, caching.eviction_policy,
-                             events, tiers.load_back_min_tokens, block_size,
-                             caching.cache_threshold)  # fmt: skip
+    tiers = config.tiers
+    if not is_tiered(config):
+        return device_cache(config, allocator, events)
+    slots = host_slots(config, allocator.num_slots, pool.shape.bytes_per_token())
+    cache = tiered_cache(config, allocator, HostKVPool(pool, slots, allocator.page_size), events)
+    host = cache.host
     log.info("host KV tier: %d tokens (%.2f GiB%s), write policy %s", host.num_slots,
              host.nbytes() / 2**30, "" if tiers.host_kv_memory else ", sized by default",
              tiers.write_policy)  # fmt: skip
@@ -79,6 +60,62 @@ def build_cache(
         log.info("KV storage tier: %s, blocks of %d tokens", tiers.kv_storage,
                  cache.storage.block_tokens)  # fmt: skip
     return cache
+
+
+def is_tiered(config: EngineConfig) -> bool:
+    """Whether the config asks for tiers below the device pool (and the prefix cache is on)."""
+    tiers = config.tiers
+    on = tiers.host_kv_memory is not None or tiers.kv_storage is not None
+    return on and config.cache.enable_prefix_caching
+
+
+def device_cache(
+    config: EngineConfig,
+    allocator: PagedAllocator,
+    events: KVEventQueue | None,
+    eviction_policy: str | EvictionPolicy | None = None,
+) -> PrefixCache:
+    """The cache of a device pool alone: the radix tree, or ``NullCache`` with the prefix
+    cache off. ``eviction_policy``: an object instead of the config's policy name."""
+    caching = config.cache
+    if not caching.enable_prefix_caching:
+        return NullCache(allocator)
+    return RadixCache(allocator, eviction_policy or caching.eviction_policy, events,
+                      config.kv_events.kv_events_block_size, caching.cache_threshold)  # fmt: skip
+
+
+def host_slots(config: EngineConfig, device_slots: int, bytes_per_token: int) -> int:
+    """The host tier's size in slots (whole pages): ``host_kv_memory`` or, without it, the
+    default share of free RAM; it must hold more than the device pool."""
+    host_bytes = config.tiers.host_kv_memory
+    if host_bytes is None:
+        host_bytes = default_host_kv_bytes(device_slots * bytes_per_token)
+    page = config.cache.page_size
+    slots = int(host_bytes) // bytes_per_token // page * page
+    if slots <= device_slots:
+        raise ValueError(
+            f"host_kv_memory ({host_bytes} bytes"
+            f"{'' if config.tiers.host_kv_memory else ', default'}) holds {slots} tokens of KV, "
+            f"no more than the device pool ({device_slots} tokens); the host tier must be "
+            "larger than the device pool"
+        )
+    return slots
+
+
+def tiered_cache(
+    config: EngineConfig,
+    allocator: PagedAllocator,
+    host: HostKVPool,
+    events: KVEventQueue | None,
+    eviction_policy: str | EvictionPolicy | None = None,
+) -> TieredRadixCache:
+    """The radix tree over the device pool with ``host`` below it, moved between by the tier
+    controller with the config's write policy (the server's and the simulator's)."""
+    caching, tiers = config.cache, config.tiers
+    return TieredRadixCache(allocator, host, tiers.write_policy,
+                            eviction_policy or caching.eviction_policy, events,
+                            tiers.load_back_min_tokens, config.kv_events.kv_events_block_size,
+                            caching.cache_threshold)  # fmt: skip
 
 
 def model_identity(path: Path, name: str) -> str:

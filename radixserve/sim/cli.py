@@ -16,6 +16,7 @@ import argparse
 import json
 
 from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.tiered_cache import WRITE_POLICIES
 from radixserve.config import SCHEDULE_POLICIES
 from radixserve.sim.cli_args import build_trace, check_plots, out_dir, run_meta
 
@@ -36,6 +37,8 @@ examples:
       --eviction lru,lfu,slru,cost-aware
   radixserve simulate --trace sharegpt --sessions 3000 --instances 1,10,100 \\
       --routing cache-aware,round-robin,consistent-hash --kv-tokens 20000 --session-rate 20
+  radixserve simulate --trace sharegpt --sessions 300 --kv-tokens 8000 \\
+      --host-kv-memory none,2GiB --write-policy write_back
   radixserve simulate replay --trace sharegpt --sessions 500 --kv-fraction 0.25 \\
       --eviction lru,lfu,slru,cost-aware,belady
   radixserve simulate fit --output my-cpu.json --server
@@ -93,6 +96,18 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         "pool, running requests and speed (the pooled optimum routing is measured against)",
     )  # fmt: skip
     g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
+    g = p.add_argument_group("host tier (the server's options; a list is a grid dimension)")
+    g.add_argument(
+        "--host-kv-memory", default="none",
+        help="host KV tier (L2) size per instance, e.g. none,2GiB: what the device evicts is "
+        "kept there and loaded back on a hit (tokens: bytes / the timing profile's "
+        "kv_bytes_per_token); default none",
+    )  # fmt: skip
+    g.add_argument(
+        "--write-policy", choices=WRITE_POLICIES,
+        help="when KV is copied to the host tier: once reused (write_through_selective), as "
+        "soon as computed (write_through) or when evicted (write_back, the default)",
+    )  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", help="default: sim_results/<timestamp>")
     g.add_argument("--no-plots", action="store_true")

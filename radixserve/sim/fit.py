@@ -19,23 +19,34 @@ steps (kernel builds, allocator warm-up) are discarded. ``fit_coefficients`` the
 non-negative least-squares fit of relative error. The request overheads (time outside the
 engine's steps) and the scale of the engine as it serves are measured on a real server by
 ``served.calibrate_served`` (``radixserve simulate fit --server``).
+
+Host tier copies (``measure_tier_costs``): a host pool is built on the engine's own KV pool
+and runs of 64, 256 and 1,024 tokens are copied device -> host (``HostKVPool.backup``, what
+the tier controller does when it writes a node out) and back (``restore``, a load-back),
+each timed ``repeats`` times, keeping the fastest; the cost per token is the sum of those
+times over the sum of the tokens (so the per-copy overhead is spread as it is on runs of
+those lengths).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
 from typing import Any
 
 import numpy as np
+import torch
 
+from radixserve.cache.host_pool import HostKVPool
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.sim.timing import TimingModel, fit_coefficients, model_from_fit, step_features
 from radixserve.utils import cpu_model
 
 WARMUP_STEPS = 6
+TIER_COPY_TOKENS = (64, 256, 1024)
 # Prompt lengths, cached prefixes and decode contexts (fractions of ``max_len``), batches.
 PLANS = {
     "full": dict(lengths=(32, 128, 512, 1024, 2048), cached=(0, 0.25, 0.5),
@@ -161,7 +172,33 @@ def fit_engine(
         "statistic": statistic,
         "load_average": os.getloadavg()[0],
     }
-    return model_from_fit(coef, 0.0, meta)
+    return dataclasses.replace(model_from_fit(coef, 0.0, meta),
+                               **measure_tier_costs(engine, max(repeats, 3)))  # fmt: skip
+
+
+def measure_tier_costs(engine: Engine, repeats: int = 5) -> dict[str, float]:
+    """Seconds per token of copying KV device -> host (``host_write_token``) and host ->
+    device (``host_load_token``) on ``engine``'s pool, and its ``kv_bytes_per_token``. The
+    device slots copied are read and written back unchanged (the host copy is restored to
+    the slots it came from), so the engine's cache is untouched."""
+    pool, page = engine.pool, engine.allocator.page_size
+    sizes = [-(-n // page) * page for n in TIER_COPY_TOKENS]
+    host = HostKVPool(pool, max(sizes), page)
+    write = load = 0.0
+    for n in sizes:
+        device_slots, host_slots = torch.arange(n), host.alloc(n)
+        best = [float("inf"), float("inf")]
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            host.backup(device_slots, host_slots)
+            t1 = time.perf_counter()
+            host.restore(host_slots, device_slots)
+            t2 = time.perf_counter()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+        write, load = write + best[0], load + best[1]
+        host.free(host_slots)
+    return {"host_write_token": write / sum(sizes), "host_load_token": load / sum(sizes),
+            "kv_bytes_per_token": pool.shape.bytes_per_token()}  # fmt: skip
 
 
 def _threads() -> int:

@@ -25,6 +25,7 @@ from radixserve.sim.cli_args import (
     run_meta,
     split_list,
 )
+from radixserve.sim.instance import host_tier_slots
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
 from radixserve.sim.report import write_report
@@ -38,9 +39,17 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         instances = split_list(args.instances, int)
     except ValueError as e:
         parser.error(f"--instances: {e}")
+    hosts = [None if h.lower() in ("none", "off", "0") else h
+             for h in split_list(args.host_kv_memory)]  # fmt: skip
+    if args.write_policy and not any(hosts):
+        parser.error("--write-policy needs a host tier: give --host-kv-memory")
+    try:
+        timing = TimingModel.load(args.timing)
+    except ValueError as e:
+        parser.error(f"--timing: {e}")
     configs = []  # every configuration is validated before anything runs
-    for (kv, policy, threshold), n, routing in itertools.product(
-        cache_grid(parser, args), instances, split_list(args.routing)
+    for (kv, policy, threshold), host, n, routing in itertools.product(
+        cache_grid(parser, args), hosts or [None], instances, split_list(args.routing)
     ):
         try:
             engine = EngineConfig.from_options(
@@ -48,17 +57,15 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 cache_threshold=threshold, schedule_policy=args.schedule_policy,
                 chunked_prefill_size=args.chunked_prefill_size,
                 max_running_requests=args.max_running_requests, load_progress=False,
+                host_kv_memory=host, write_policy=args.write_policy if host else None,
             )  # fmt: skip
+            host_tier_slots(engine, timing)
             route = RoutingConfig(routing, args.event_delay, args.event_loss, args.seed,
                                   kv_pairs(args.router_args))  # fmt: skip
             configs.append(SimConfig(engine, n, route, args.max_concurrency, args.session_rate,
                                      args.seed))  # fmt: skip
         except ValueError as e:
             parser.error(flag_names(str(e)))
-    try:
-        timing = TimingModel.load(args.timing)
-    except ValueError as e:
-        parser.error(f"--timing: {e}")
     trace = build_trace(parser, args)
     if args.optimum:
         configs += [pooled(c) for c in configs if c.instances > 1]
@@ -94,7 +101,8 @@ FLAGS = {"max_total_tokens": "--kv-tokens", "eviction_policy": "--eviction",
          "chunked_prefill_size": "--chunked-prefill-size", "event_delay": "--event-delay",
          "max_running_requests": "--max-running-requests", "event_loss": "--event-loss",
          "instances": "--instances", "unknown router option": "unknown --router-args option",
-         "routing policy": "--routing policy"}  # fmt: skip
+         "routing policy": "--routing policy", "host_kv_memory": "--host-kv-memory",
+         "write_policy": "--write-policy"}  # fmt: skip
 
 
 def flag_names(message: str) -> str:
@@ -107,8 +115,10 @@ def flag_names(message: str) -> str:
 def pooled(config: SimConfig) -> SimConfig:
     """One instance holding what ``config``'s N instances hold, N times as fast."""
     n, e = config.instances, config.engine
+    host = e.tiers.host_kv_memory
     engine = e.replace(max_total_tokens=n * e.cache.max_total_tokens,
-                       max_running_requests=n * e.scheduler.max_running_requests)  # fmt: skip
+                       max_running_requests=n * e.scheduler.max_running_requests,
+                       host_kv_memory=n * host if host else None)  # fmt: skip
     return dataclasses.replace(config, engine=engine, instances=1, pooled=n,
                                routing=RoutingConfig(seed=config.seed))  # fmt: skip
 

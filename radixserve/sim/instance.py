@@ -13,6 +13,12 @@ the memory obtainable now, ``EngineCore.decode_run_length``) is applied in one g
 (``EngineCore.advance_decodes``), its step times summed in closed form; a request routed
 here mid-run cuts it at the step boundary after its arrival, where the real engine would
 admit it. This keeps 1,000 instances x 100,000 requests within minutes.
+
+The host tier. With ``host_kv_memory`` the instance builds the server's own tiered cache
+(``engine/cache_setup.py``: the same sizing, tree and ``TierController``) over a
+``SimHostPool`` (slots, no KV). The pages the controller copied since the last planned step
+(written out on insert or eviction, loaded back on admission) cost that step
+``TimingModel.transfer_time``; a pure-decode run's copies are charged to the step after it.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.cache import KVEventQueue, NullCache, PagedAllocator, RadixCache
+from radixserve.cache import KVEventQueue, PagedAllocator, PrefixCache
+from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.config import EngineConfig
+from radixserve.engine.cache_setup import device_cache, host_slots, is_tiered, tiered_cache
 from radixserve.engine.core import EngineCore, Limits, StepOutput, StepResult
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request, Usage
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Step
 from radixserve.engine.spec import RequestSpec
+from radixserve.sim.host import SimHostPool
 from radixserve.sim.timing import TimingModel, step_features
 
 NO_CONTEXT_LIMIT = 2**62  # a simulated instance is bounded by its pool alone
@@ -78,15 +87,10 @@ class SimInstance:
         self.timing = timing
         self.allocator = PagedAllocator(config.cache.max_total_tokens, config.cache.page_size)
         self.events = KVEventQueue(maxlen=1 << 30) if events else None
-        if not config.cache.enable_prefix_caching:
-            self.cache = NullCache(self.allocator)
-        else:
-            policy = config.cache.eviction_policy
-            if policy_factory:
-                policy = policy_factory(self.allocator)
-            self.cache = RadixCache(
-                self.allocator, policy, self.events, cache_threshold=config.cache.cache_threshold
-            )
+        policy = policy_factory(self.allocator) if policy_factory else None
+        self.cache, self.host = sim_cache(config, self.allocator, self.events, timing, policy)
+        self._moved = (0, 0)  # host pages loaded, written, as of the last charged step
+        self.transfer_time = 0.0  # seconds of steps spent copying between tiers
         self.kv = RequestKV(self.cache, self.allocator)
         self.core = EngineCore(config, self.kv, Limits(NO_CONTEXT_LIMIT))
         self.scheduler = self.core.scheduler
@@ -136,7 +140,7 @@ class SimInstance:
             if k >= 2:
                 running = self.scheduler.running
                 ctx = sum(r.num_computed for r in running)
-                ends = self.timing.decode_run(len(running), ctx, k)
+                ends = self.timing.decode_run(len(running), ctx, k) + self._transfers()
                 self._run = (now, ends, k)
                 return self._begin(now, float(ends[-1]))
         step = self.core.schedule()
@@ -144,7 +148,19 @@ class SimInstance:
             self.busy = False
             return None
         self._step = step
-        return self._begin(now, self.executor.duration(step))
+        return self._begin(now, self.executor.duration(step) + self._transfers())
+
+    def _transfers(self) -> float:
+        """Seconds of the tier copies made since the last step that was charged for them."""
+        if self.host is None:
+            return 0.0
+        moved = (self.host.stats.pages_to_device, self.host.stats.pages_to_host)
+        loaded, written = (self.allocator.page_size * (a - b)
+                           for a, b in zip(moved, self._moved, strict=True))  # fmt: skip
+        self._moved = moved
+        seconds = self.timing.transfer_time(loaded, written)
+        self.transfer_time += seconds
+        return seconds
 
     def _begin(self, now: float, duration: float) -> float:
         self.busy = True
@@ -195,3 +211,35 @@ class SimInstance:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
+
+
+def sim_cache(
+    config: EngineConfig,
+    allocator: PagedAllocator,
+    events: KVEventQueue | None,
+    timing: TimingModel,
+    policy: EvictionPolicy | None = None,
+) -> tuple[PrefixCache, SimHostPool | None]:
+    """A simulated instance's cache, built as the server builds its own, and its host pool
+    (None without a host tier)."""
+    slots = host_tier_slots(config, timing)
+    if slots is None:
+        return device_cache(config, allocator, events, policy), None
+    host = SimHostPool(slots, allocator.page_size, timing.kv_bytes_per_token)
+    return tiered_cache(config, allocator, host, events, policy), host
+
+
+def host_tier_slots(config: EngineConfig, timing: TimingModel) -> int | None:
+    """The host tier's size in tokens (None: no host tier): ``host_kv_memory`` over the
+    timing model's ``kv_bytes_per_token``. A ValueError names what is wrong."""
+    if config.tiers.kv_storage is not None:
+        raise ValueError("the simulator models a host tier (host_kv_memory), not kv_storage")
+    if not is_tiered(config):
+        return None
+    if not timing.kv_bytes_per_token:
+        raise ValueError(
+            "host_kv_memory needs the timing model's kv_bytes_per_token (a profile from "
+            "`radixserve simulate fit` has it)"
+        )
+    device = config.cache.max_total_tokens or 0
+    return host_slots(config, device, timing.kv_bytes_per_token)

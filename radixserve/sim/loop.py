@@ -75,6 +75,7 @@ class Records:
     finish: Any = field(default_factory=list)
     prompt_len: Any = field(default_factory=list)
     cached: Any = field(default_factory=list)
+    host_cached: Any = field(default_factory=list)  # of ``cached``: loaded from the host tier
     output_len: Any = field(default_factory=list)
     instance: Any = field(default_factory=list)
     turn: Any = field(default_factory=list)
@@ -92,7 +93,8 @@ class Records:
         outside: float = 0.0,
     ) -> int:
         for name, value in (("arrival", arrival), ("first_token", math.nan), ("finish", math.nan),
-                            ("prompt_len", prompt_len), ("cached", 0), ("output_len", output_len),
+                            ("prompt_len", prompt_len), ("cached", 0), ("host_cached", 0),
+                            ("output_len", output_len),
                             ("instance", instance), ("turn", turn),
                             ("session", session), ("outside", outside)):  # fmt: skip
             getattr(self, name).append(value)
@@ -216,6 +218,7 @@ class Simulation:
         for (row, si, k, ticket), usage in finished:
             rec.finish[row] = t
             rec.cached[row] = usage.cached_tokens
+            rec.host_cached[row] = usage.host_cached_tokens
             self.router.finish(ticket, usage.cached_tokens, t)
             turns = self.trace.sessions[si].turns
             if k + 1 < len(turns):

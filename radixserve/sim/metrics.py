@@ -48,6 +48,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         if engine.cache.enable_prefix_caching
         else "none",
         "schedule_policy": engine.scheduler.schedule_policy,
+        **host_tier(result),
         "routing": "pooled optimum" if cfg.pooled > 1 else cfg.routing.policy,
         "requests": int(done.sum()),
         "requests_failed": result.failed,
@@ -73,6 +74,24 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "router": result.router.stats() if cfg.instances > 1 else None,
         "wall_s": result.wall_seconds,
         "cpu_s": result.cpu_seconds,
+    }
+
+
+def host_tier(result: SimResult) -> dict[str, Any]:
+    """The host tier's part: its size, write policy, the prompt tokens it served and the
+    copies it cost (empty without a host tier)."""
+    hosts = [inst.host for inst in result.instances if inst.host is not None]
+    if not hosts:
+        return {}
+    rec, done = result.records, ~np.isnan(result.records.finish)
+    page = result.instances[0].allocator.page_size
+    return {
+        "host_kv_tokens_per_instance": hosts[0].num_slots,
+        "write_policy": result.config.engine.tiers.write_policy,
+        "host_cached_tokens": int(rec.host_cached[done].sum()),
+        "host_loaded_tokens": sum(h.stats.pages_to_device for h in hosts) * page,
+        "host_written_tokens": sum(h.stats.pages_to_host for h in hosts) * page,
+        "host_transfer_s": sum(inst.transfer_time for inst in result.instances),
     }
 
 

@@ -19,9 +19,17 @@ added to every request's time to first token and latency, ``P`` being its prompt
 outside the engine's steps (HTTP, chat template, tokenizing, the engine process hop, streaming
 back), which grows with its prompt and with the streams the front end serves at once; all are
 measured on a real server (``served.py``), which also scales the step coefficients to the
-engine as it serves. Coefficients are fitted (``fit_coefficients``, non-negative
-least squares) to steps measured on the real engine by ``radixserve simulate fit`` and saved
-as JSON; ``profiles/`` holds the default model's profile for the CPU it was measured on.
+engine as it serves. Coefficients are fitted (``fit_coefficients``, non-negative least
+squares) to steps measured on the real engine by ``radixserve simulate fit`` and saved as
+JSON; ``profiles/`` holds the default model's profile for the CPU it was measured on.
+
+With a host tier, a step also copies KV between the device and the host pool (synchronously,
+in the step, as the server's tier controller does on CPU): ``host_load_token`` seconds per
+token loaded back to the device and ``host_write_token`` per token written to the host are
+added to the step that moved them. ``kv_bytes_per_token`` (the model's KV size) turns a host
+tier given in bytes (``host_kv_memory``) into tokens. All three are measured by
+``radixserve simulate fit`` on the engine's own pools (``fit.measure_tier_costs``); the two
+costs scale with the steps (``scaled``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ FEATURES = (
     "decode_attention",
 )
 OVERHEADS = ("request_overhead", "request_overhead_per_token", "request_overhead_per_stream")
+TIER_COSTS = ("host_load_token", "host_write_token")
 DEFAULT_PROFILE = "cpu-smollm2-135m"
 
 
@@ -58,10 +67,13 @@ class TimingModel:
     request_overhead: float = 0.0
     request_overhead_per_token: float = 0.0
     request_overhead_per_stream: float = 0.0
+    host_load_token: float = 0.0  # s per token copied host -> device
+    host_write_token: float = 0.0  # s per token copied device -> host
+    kv_bytes_per_token: int = 0  # the model's KV bytes per token; 0: unknown
     meta: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
 
     def __post_init__(self) -> None:
-        for name in (*FEATURES, *OVERHEADS):
+        for name in (*FEATURES, *OVERHEADS, *TIER_COSTS, "kv_bytes_per_token"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"timing model: {name} must be a number >= 0, got {value!r}")
@@ -86,10 +98,15 @@ class TimingModel:
     def scaled(self, factor: float) -> TimingModel:
         """Every step ``factor`` times as long (the request overheads unchanged): e.g. one
         instance as fast as ``N`` of these with ``factor = 1 / N``."""
-        steps = {f: getattr(self, f) * factor for f in FEATURES}
+        steps = {f: getattr(self, f) * factor for f in (*FEATURES, *TIER_COSTS)}
         overheads = {f: getattr(self, f) for f in OVERHEADS}
         meta = {**self.meta, "scaled": factor}
-        return TimingModel(**steps, **overheads, meta=meta)
+        return TimingModel(**steps, **overheads, kv_bytes_per_token=self.kv_bytes_per_token,
+                           meta=meta)  # fmt: skip
+
+    def transfer_time(self, loaded_tokens: int, written_tokens: int) -> float:
+        """Seconds a step spends copying KV: tokens loaded host -> device, written to host."""
+        return loaded_tokens * self.host_load_token + written_tokens * self.host_write_token
 
     def outside_time(self, prompt_tokens: int, streams: float) -> float:
         """Seconds a request of ``prompt_tokens`` spends outside the engine's steps when

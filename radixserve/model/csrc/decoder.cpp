@@ -5,7 +5,9 @@
 // -> K/V written to the pool -> attention over each sequence's slots -> output matmul added
 // to the residual -> RMSNorm -> gate/up matmul -> SiLU(gate) * up -> down matmul added to the
 // residual; then the final norm and the LM head. The arithmetic matches llama.py's forward:
-// float32 activations, rotate-half RoPE from float32 tables, softmax in float32. Weights are
+// float32 activations, rotate-half RoPE from float32 tables, softmax in float32; batches of 8
+// sequences or more round the matmuls' inputs to int8 per block (gemm_int8_lanes), as
+// llama.cpp does for every matmul, unless RADIXSERVE_INT8_LANES=0. Weights are
 // QWeights (block-quantized or dense float); the pool keeps its dtype (float32, bfloat16,
 // float16), laid out [layers, kv_heads, slots, head_dim].
 //
@@ -152,14 +154,14 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
 }
 
 template <typename T>
-void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s) {
+void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s, bool int8) {
   const int64_t B = batch.size, D = w.dim, H = w.hidden, I = w.inter;
   const int64_t q_size = w.heads * D, kv_size = w.kv_heads * D, qkv_n = q_size + 2 * kv_size;
   T* kp = static_cast<T*>(batch.k_pool);
   T* vp = static_cast<T*>(batch.v_pool);
   for (int64_t l = 0; l < w.layers; ++l) {
     rms_norm_rows(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
-    qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
+    qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false, int8);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         float* row = s.qkv.data() + b * qkv_n;
@@ -177,13 +179,13 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
       }
     });
     attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
-    qgemm(s.attn.data(), B, w.o[l], s.h.data(), true);
+    qgemm(s.attn.data(), B, w.o[l], s.h.data(), true, int8);
     rms_norm_rows(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
-    qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false);
+    qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false, int8);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       silu_mul_rows(s.gu.data() + b0 * 2 * I, b1 - b0, I, s.act.data() + b0 * I);
     });
-    qgemm(s.act.data(), B, w.down[l], s.h.data(), true);
+    qgemm(s.act.data(), B, w.down[l], s.h.data(), true, int8);
   }
 }
 
@@ -199,13 +201,14 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
   s.gu.resize(B * 2 * w.inter);
   s.act.resize(B * w.inter);
   for (int64_t b = 0; b < B; ++b) dequant_rows(w.embed, batch.ids[b], 1, s.h.data() + b * H);
+  const bool int8 = use_int8_lanes(-1);  // batches of 8+ sequences: int8 activations
   switch (batch.kv_type) {
-    case KVType::F32: layers<float>(w, batch, s); break;
-    case KVType::BF16: layers<c10::BFloat16>(w, batch, s); break;
-    case KVType::F16: layers<c10::Half>(w, batch, s); break;
+    case KVType::F32: layers<float>(w, batch, s, int8); break;
+    case KVType::BF16: layers<c10::BFloat16>(w, batch, s, int8); break;
+    case KVType::F16: layers<c10::Half>(w, batch, s, int8); break;
   }
   rms_norm_rows(s.h.data(), w.norms.back(), B, H, w.eps, s.x.data());
-  qgemm(s.x.data(), B, w.lm_head, logits, false);
+  qgemm(s.x.data(), B, w.lm_head, logits, false, int8);
 }
 
 }  // namespace rs

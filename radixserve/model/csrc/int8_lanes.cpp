@@ -422,6 +422,26 @@ void tiles_any(int64_t nr, const XLanes& x, int64_t groups, const RowsCodes& w, 
 }
 #endif
 
+// Asks for the bytes of W's rows [n0, n1) (codes and scales), so that they arrive while the
+// tile before them computes: unpacking a tile would otherwise wait on memory for each row.
+void prefetch_rows(const WeightView& w, int64_t n0, int64_t n1) {
+  auto ask = [](const void* p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
+  };
+  for_rows(w, n0, n1, [&](const WeightView& part, int64_t row, int64_t) {
+    const uint8_t* qs = static_cast<const uint8_t*>(part.qs);
+    const int64_t nb = part.k / kBlock;
+    if (part.fmt == WFormat::Q8_0 || part.fmt == WFormat::Q4_1) {
+      const int64_t bytes = part.fmt == WFormat::Q8_0 ? part.k : part.k / 2;
+      ask(qs + row * bytes, bytes);
+      ask(part.d + row * nb, nb * 4);
+      if (part.m != nullptr) ask(part.m + row * nb, nb * 4);
+    } else {
+      ask(qs + row * part.row_bytes, part.row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 bool int8_lanes_ok(const WeightView& w) {
@@ -458,6 +478,7 @@ void gemm_int8_lanes(const float* x, int64_t M, const WeightView& w, float* y, b
     rc.c.resize(kTileRows * 2 * nb);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows, nr = std::min(kTileRows, N - n0);
+      prefetch_rows(w, std::min(N, n0 + kTileRows), std::min(N, n0 + 2 * kTileRows));
       rc.halves = rc.mins = false;
       for_rows(w, n0, n0 + nr, [&](const WeightView& part, int64_t row, int64_t n) {
         const int64_t j = n - n0;

@@ -87,12 +87,15 @@ void gguf_row_dot(const XBlocks& x, int64_t M, const WeightView& w, int64_t row,
                   int64_t ldy, bool accumulate);
 
 // y[M, N] = x[M, K] @ W^T, or y += that when accumulate; x, y row-major and contiguous.
-void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
+// int8_rows: 8 rows or more may round x to int8 (gemm_int8_lanes) instead of computing in
+// float; the decoder's batches do, while use_int8_lanes says so.
+void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate,
+           bool int8_rows = false);
 // The same for M >= 8 with float FMAs over lanes of x's rows (lane_gemm.cpp; qgemm picks it).
 void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // The same for M >= 8 with x rounded to int8 per block and W's codes as bytes (int8_lanes.cpp),
-// for W whose every piece int8_lanes_ok accepts; qgemm picks it while use_int8_lanes (on
-// unless RADIXSERVE_INT8_LANES=0; set >= 0 turns it off or on, -1 only asks).
+// for W whose every piece int8_lanes_ok accepts. use_int8_lanes: whether the decoder asks for
+// it (on unless RADIXSERVE_INT8_LANES=0; set >= 0 turns it off or on, -1 only asks).
 bool use_int8_lanes(int set);
 bool int8_lanes_ok(const WeightView& w);
 void gemm_int8_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);

@@ -15,7 +15,8 @@
 //     small buffer that stays in L1, then a 4x3 register tile of float dot products runs over
 //     the inputs. This equals x @ dequantize(W)^T up to float summation order.
 //   8 rows or more otherwise: gemm_lanes (lane_gemm.cpp), float FMAs with the vector lanes
-//     over x's rows, the same function up to summation order.
+//     over x's rows, the same function up to summation order; or, when the caller allows it
+//     (the decoder's batches), gemm_int8_lanes (int8_lanes.cpp) with x rounded to int8.
 #include "kernels.h"
 
 #ifndef RS_SMALL_ROWS  // a build flag only for timing experiments
@@ -329,9 +330,10 @@ int64_t integer_rows(const WeightView& w) {
   }
 }
 
-void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {
+void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate,
+           bool int8_rows) {
   if (M <= 0) return;
-  if (M >= kLaneRows && use_int8_lanes(-1) && int8_lanes_ok(w)) return gemm_int8_lanes(x, M, w, y, accumulate);
+  if (int8_rows && M >= kLaneRows && int8_lanes_ok(w)) return gemm_int8_lanes(x, M, w, y, accumulate);
 #ifdef RS_AVX2
   if (M <= integer_rows(w)) return gemm_small(x, M, w, y, accumulate);
 #endif

@@ -1,0 +1,73 @@
+"""The native matmul on a model's own matrices: time per call by row count and path.
+
+Method. Loads a model (default: Qwen2.5-Coder-0.5B Q4_K_M) with its weights kept quantized
+and times ``qgemm`` on layer 0's fused QKV, output and fused gate/up, the down projections of
+layers 0 and 1 (each counted for half the layers), and the LM head, for each ``--rows`` count
+(x random): from 8 rows both the float path and the int8 path (x rounded to int8 per block,
+what the decoder's batches use), one after the other on each matrix, best of ``--repeat``
+timings each. ``step_ms`` adds the matrices up as a decode step runs them (every
+layer, the LM head once). Threads: ``OMP_NUM_THREADS``. Prints one JSON line.
+
+Usage: ``python -m benchmarks.engine.bench_matmul_rows [--model NAME] [--rows 1 16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from radixserve.model import native
+from radixserve.model.loader import load_model
+
+
+def best_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    ops = native.paged_ops()
+    if ops is None:
+        raise SystemExit("the native kernels did not build on this machine")
+    model = load_model(args.model, progress=False, dtype="float32").model
+    layers = model.layers
+    n = len(layers)
+    # (name, weight, how many of it a decode step multiplies)
+    mats = [("qkv", layers[0]["qkv"], n), ("o", layers[0]["o"], n),
+            ("gate_up", layers[0]["gate_up"], n), ("down_0", layers[0]["down"], (n + 1) // 2),
+            ("down_1", layers[1]["down"], n // 2), ("lm_head", model.lm_head, 1)]  # fmt: skip
+    out: dict = {"bench": "matmul_rows", "model": args.model, "threads": torch.get_num_threads()}
+    for m in args.rows:
+        paths = ("float", "int8") if m >= 8 else ("float",)
+        row: dict = {p: {"step_ms": 0.0} for p in paths}
+        for name, w, count in mats:
+            view = w.native_view()
+            x = torch.randn(m, w.shape[1])
+            for path in paths:
+                int8 = path == "int8"
+                ms = best_ms(lambda v=view, x=x, i=int8: ops.qgemm(x, v, int8=i), args.repeat)
+                row[path][name] = round(ms, 3)
+                row[path]["step_ms"] += ms * count
+        for path in paths:
+            row[path]["step_ms"] = round(row[path]["step_ms"], 2)
+        if m >= 8:
+            row["int8_speedup"] = round(row["float"]["step_ms"] / row["int8"]["step_ms"], 2)
+        out[f"rows_{m}"] = row
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

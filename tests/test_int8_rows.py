@@ -1,0 +1,154 @@
+"""The batched integer matmul: x rounded to int8 per block of 32, W's codes as bytes.
+
+With ``int8=True`` (what the native decoder asks for on batches of 8 sequences or more),
+``qgemm`` must compute exactly ``round_int8(x) @ dequantize(W).T`` up to float summation
+order, for every format it takes (the file's blocks checked against the ``gguf`` package's
+dequantization), stacks mixing formats included; fewer rows, and formats it does not take,
+keep their own paths. The older CPUs' builds (AVX2 without VNNI, plain C++) are checked by a
+slow test that builds them on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf_writer import random_blocks
+from test_quantization import gguf_model, run_steps, tiny_q4_gguf  # noqa: F401 (a fixture)
+
+from radixserve.model import native
+from radixserve.model.quant import QuantizedWeight, from_gguf_blocks, quantize
+
+Q = gguf.GGMLQuantizationType
+FILE_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"]
+ROWS = (8, 9, 16, 17, 33)  # one lane group, a part of one, two, two and a part, four and one
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = native.paged_ops()
+    if ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    return ops
+
+
+def file_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A weight of ``qtype`` as a GGUF file holds it, and its dequantization by ``gguf``."""
+    rng = np.random.default_rng(seed)
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        raw = gguf.quants.quantize(rng.normal(0, 0.2, (n, k)).astype(np.float32), Q[qtype])
+    else:
+        raw = random_blocks(n, k, Q[qtype], rng)
+    dense = gguf.quants.dequantize(raw, Q[qtype]).reshape(n, k).astype(np.float32)
+    return from_gguf_blocks(raw, qtype, (n, k)), torch.from_numpy(dense)
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: each block of 32 on its own grid of max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    return (a - b).abs().max().item() <= rel * b.abs().max().item()
+
+
+def outlier_rows(m: int, k: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, 5] *= 30  # an outlier input, as real activations have: its block loses precision
+    return x
+
+
+def check_int8(ops, weight: QuantizedWeight, dense: torch.Tensor) -> None:
+    view = weight.native_view()
+    for m in ROWS:
+        x = outlier_rows(m, dense.shape[1])
+        ref = int8_rounded(x) @ dense.T
+        y = ops.qgemm(x, view, int8=True)
+        assert close(y, ref, 1e-5), m
+        assert not close(y, x @ dense.T, 1e-4), m  # it did round x: not the float path
+        base = torch.randn(m, dense.shape[0])
+        assert close(ops.qgemm(x, view, base.clone(), int8=True) - base, ref, 1e-5), m
+    x = outlier_rows(7, dense.shape[1])  # fewer rows than a lane group: their own path
+    assert torch.equal(ops.qgemm(x, view, int8=True), ops.qgemm(x, view))
+
+
+@pytest.mark.parametrize("qtype", FILE_TYPES)
+def test_int8_rows_compute_rounded_x_times_the_weights(qtype, ops):
+    weight, dense = file_weight(qtype, 45, 768)  # 45: tiles of 4 rows and a part
+    check_int8(ops, weight, dense)
+
+
+def test_int8_rows_of_quantized_dense_weights(ops):
+    w = torch.randn(21, 96, generator=torch.Generator().manual_seed(0)) * 0.2
+    for fmt in ("q8_0", "q4_1"):
+        weight = quantize(w, fmt)
+        check_int8(ops, weight, weight.dequantize())
+
+
+def test_int8_rows_of_a_stack_mixing_formats(ops):
+    # tiles of 4 rows cross the seams, so one tile mixes Q6_K's per-16 scales with a real min
+    pieces = [file_weight(t, n, 512, seed=i) for i, (t, n) in
+              enumerate([("Q5_0", 20), ("Q6_K", 7), ("Q4_K", 13), ("Q8_0", 11)])]  # fmt: skip
+    stacked = QuantizedWeight.cat([w for w, _ in pieces])
+    assert stacked.fmt == "stack"
+    check_int8(ops, stacked, torch.cat([d for _, d in pieces]))
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_formats_without_byte_codes_keep_the_float_path(qtype, ops):
+    weight, dense = file_weight(qtype, 12, 256)
+    x = outlier_rows(16, 256)
+    y = ops.qgemm(x, weight.native_view(), int8=True)
+    assert torch.equal(y, ops.qgemm(x, weight.native_view()))
+    assert close(y, x @ dense.T, 1e-5)
+
+
+def test_decoder_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F811
+    """Nine sequences decode in one batch: int8 moves the logits a little, the switch
+    restores the float path exactly."""
+    assert ops.use_int8_lanes()  # the default (RADIXSERVE_INT8_LANES unset)
+    model = gguf_model(tiny_q4_gguf, "auto")
+    int8, tokens = run_steps(model, sequences=9)
+    try:
+        ops.use_int8_lanes(0)
+        floats, float_tokens = run_steps(model, sequences=9)
+    finally:
+        ops.use_int8_lanes(1)
+    dense, _ = run_steps(gguf_model(tiny_q4_gguf, "none"), sequences=9)
+    assert (floats - dense).abs().max() < 1e-3 * dense.abs().max()
+    err = (int8 - dense).abs().max() / dense.abs().max()
+    assert 1e-4 < err < 5e-2  # rounded, by about what int8 rounding costs this tiny model
+    assert int8[:9].equal(floats[:9])  # the prefill step is not a decoder batch
+
+
+CHILD = """
+from radixserve.model import native
+ops = native.paged_ops()
+assert ops is not None, "the build failed"
+print(ops.__name__)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_older_cpus_paths(isa, ops):
+    """Build the kernels as an AVX2-only (no VNNI, no AVX-512) or a plain C++ CPU would, and
+    run the format and int8 tests on them (each build takes a few minutes)."""
+    env = {**os.environ, "RADIXSERVE_NATIVE_ISA": isa}
+    built = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert built.stdout.strip() != ops.__name__  # another build, not this machine's
+    tests = [__file__, os.path.join(os.path.dirname(__file__), "test_gguf_formats.py")]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *tests], env=env, capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
