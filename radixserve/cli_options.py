@@ -187,10 +187,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="run without the radix cache (the baseline)",
     )
     group.add_argument(
-        "--disable-jump-forward",
+        "--jump-forward",
         action="store_true",
-        help="decode grammar-forced tokens one step each instead of computing them ahead "
-        "in one chunk (structured output)",
+        help="compute grammar-forced tokens ahead in one chunk, kept as far as the model "
+        "agrees (structured output; off by default: slower on CPUs)",
     )
 
 
@@ -199,7 +199,7 @@ def engine_config_from_args(
 ) -> EngineConfig:
     options = {k: getattr(args, k) for k in ENGINE_FLAGS}
     options["enable_prefix_caching"] = not args.disable_prefix_caching
-    options["jump_forward"] = not args.disable_jump_forward
+    options["jump_forward"] = args.jump_forward
     try:
         return EngineConfig.from_options(**options, **extra)
     except ValueError as e:

@@ -80,8 +80,9 @@ class SchedulerConfig:
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
     max_overtakes: int = 32  # a waiting request passed over this often goes first
-    # grammar-forced tokens computed ahead in one chunk, kept as far as the model agrees
-    jump_forward: bool = True
+    # grammar-forced tokens computed ahead in one chunk, kept as far as the model agrees (off:
+    # slower than decoding them on CPUs, docs/structured-output.md)
+    jump_forward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("chunked_prefill_size", "max_running_requests", "max_overtakes"):

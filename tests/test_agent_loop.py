@@ -38,13 +38,14 @@ def qwen_server():
             f"{QWEN_05B.name} is not installed (`radixserve pull {QWEN_05B.name}` installs it "
             f"into {QWEN_05B.path.parent})"
         )
-    with running_server("--model", str(path), "--max-total-tokens", "8192", timeout=600) as url:
+    args = ("--model", str(path), "--max-total-tokens", "8192", "--served-model-name", "qwen")
+    with running_server(*args, timeout=600) as url:
         yield url
 
 
 @pytest.mark.slow
 def test_three_round_agent_loop_reuses_every_previous_round(qwen_server):
-    client = openai.OpenAI(base_url=qwen_server + "/v1", api_key="x", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=qwen_server + "/v1", api_key="x", max_retries=0, timeout=900)
     messages = [
         {"role": "system", "content": "You are a travel assistant. Use the tools."},
         {"role": "user", "content": "What is the weather in Oslo, and what time is it there?"},

@@ -32,3 +32,27 @@ def test_a_difference_is_placed_and_classed_by_the_references_margin():
     ours = answer(["a", "b", "c"], [2.0, 3.0, 2.0])
     result = compare("q", {"radix": ours, "llamacpp": peer}, "radix")
     assert result.verdict == "real difference" and result.margin == 3.0
+
+
+def completion(tokens: list[str], margins: list[float] | None = None) -> dict:
+    """A /v1/completions answer; legacy logprobs only where ``margins`` are given."""
+    choice: dict = {"text": "".join(tokens)}
+    if margins is not None:
+        choice["logprobs"] = {
+            "tokens": tokens,
+            "top_logprobs": [{t: -0.1, "other": -0.1 - m} for t, m in zip(tokens, margins,
+                                                                           strict=True)],
+        }  # fmt: skip
+    return {"choices": [choice], "usage": {"prompt_tokens": 5}}
+
+
+def test_completions_are_compared_by_text_and_placed_by_the_references_tokens():
+    """A base model's answers: the peer gives no logprobs, the first differing character
+    (inside the reference's third token) places the difference."""
+    ours = completion([" Paris", ".", " It is", " big"], [2.0, 2.0, NEAR_TIE / 4, 2.0])
+    peer = completion([" Paris", ".", " It was", " big"])
+    result = compare("q", {"radix": ours, "llamacpp": peer}, "radix")
+    assert not result.agree and result.first_difference == 2
+    assert result.verdict == "near tie" and result.texts["llamacpp"] == " Paris. It was big"
+    same = compare("q", {"radix": ours, "llamacpp": completion([" Paris. It is big"])}, "radix")
+    assert same.agree

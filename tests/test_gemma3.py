@@ -200,3 +200,32 @@ def test_gguf_matches_transformers(arch, qtype, tmp_path):
         expected = reference_logits(ref, PROMPT)
     assert_close(logits, expected, 5e-5 if qtype == "F32" else 3e-3)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_matches_transformers():
+    """The released Q4_K_M file (``radixserve pull gemma3-270m``), kept quantized, against
+    transformers' float32 dequantization of the same file, on a prompt longer than the
+    512-token window: prefill in chunks after a cached prefix, then decode steps."""
+    from transformers import AutoModelForCausalLM
+
+    from radixserve.model.registry import KNOWN_MODELS, installed_path
+
+    path = installed_path(KNOWN_MODELS["gemma3-270m"])
+    if path is None:
+        pytest.skip("gemma3-270m is not installed (`radixserve pull gemma3-270m`)")
+    ours = load_model(path, dtype="float32", progress=False)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box." for i in range(90))
+    ids = ours.tokenizer.encode(text)[:700]
+    ref = reference_logits(ref_model.eval(), ids)
+    run = Runner(ours.model, 1024)
+    n = len(ids)
+    run.step(prefill=[(torch.tensor(ids[:600]), 0, torch.arange(600), False)])
+    logits = run.step(prefill=[(torch.tensor(ids[600:n - 3]), 600, torch.arange(n - 3), True)],
+                      all_logits=True)  # fmt: skip
+    assert_close(logits, ref[600 : n - 3], 0.1)
+    assert (logits.argmax(-1) == ref[600 : n - 3].argmax(-1)).float().mean() > 0.95
+    for pos in range(n - 3, n):
+        logits = run.step(decode=[(ids[pos], pos, torch.arange(pos + 1))])
+        assert_close(logits[0], ref[pos], 0.1)

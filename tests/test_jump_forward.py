@@ -58,13 +58,14 @@ def generate(engine, prompts, schemas, params_list):
     for i, (prompt, schema, params) in enumerate(zip(prompts, schemas, params_list, strict=True)):
         engine.add_request(str(i), prompt, params, grammar=("json_schema", json.dumps(schema)))
         outs[str(i)] = []
-    steps = 0
+    steps = 0  # that computed something (not those waiting for the grammars to compile)
     while engine.has_unfinished():
-        for o in engine.step():
+        outputs = engine.step()
+        for o in outputs:
             outs[o.request_id] += o.new_token_ids
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
-        steps += 1
+        steps += bool(outputs)
     return outs, reasons, steps
 
 

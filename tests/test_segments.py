@@ -9,9 +9,10 @@ import torch
 from benchmarks.rag.selection_variants import SelectionVariants
 from radixserve import SamplingParams
 from radixserve.cache import KVPool
+from radixserve.engine.segment_select import kv_deviation
 from radixserve.engine.segments import reanchor, segment_namespace
 from radixserve.model import build_forward_batch
-from radixserve.model.attention import SparsePrefill
+from radixserve.model.forward_batch import SparsePrefill
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 
@@ -243,12 +244,12 @@ def test_probe_attention_column_is_a_distribution_per_query_row(tiny_loaded):
     tokens, slots = torch.tensor(ids(50, 12)), torch.arange(50)
     batch = build_forward_batch([], [(tokens, 0, slots, False)], model.device, pool.pad_slot)
     model.forward(batch, pool)
-    dev = model.kv_deviation(batch, pool, 1, query_rows=7)[0]
+    dev = kv_deviation(model, batch, pool, 1, query_rows=7)[0]
     assert dev.shape == (50, 3)
     assert float(dev[:, 2].sum()) == pytest.approx(7 * model.config.num_heads, rel=1e-4)
     assert torch.allclose(dev[:, :2], torch.zeros(50, 2), atol=1e-4)  # exact K/V: no deviation
     # causal: the last row is seen by itself only, whatever the number of query rows
-    alone = model.kv_deviation(batch, pool, 1, query_rows=1)[0]
+    alone = kv_deviation(model, batch, pool, 1, query_rows=1)[0]
     assert float(alone[:, 2].sum()) == pytest.approx(model.config.num_heads, rel=1e-4)
     assert float(dev[49, 2]) == pytest.approx(float(alone[49, 2]), rel=1e-4)
 
@@ -276,7 +277,7 @@ def test_probe_over_several_layers_scores_each_against_the_pool(deep_loaded):
     batch = build_forward_batch([], [(tokens, 0, slots, False)], model.device, pool.pad_slot)
     model.forward(batch, pool)
     pool.v[2][:, 10:15] += 0.5
-    dev = model.kv_deviation(batch, pool, 3, query_rows=7, first=1)
+    dev = kv_deviation(model, batch, pool, 3, query_rows=7, first=1)
     assert dev.shape == (3, 50, 3)
     moved = torch.zeros(50, dtype=torch.bool)
     moved[10:15] = True

@@ -11,8 +11,9 @@ import gguf
 import msgspec
 import pytest
 
+from radixserve.api.body import lone_surrogate_at
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
-from radixserve.api.protocol import ChatCompletionRequest, GenerateRequest, lone_surrogate_at
+from radixserve.api.protocol import ChatCompletionRequest, GenerateRequest
 from radixserve.engine import SamplingParams
 from radixserve.engine.spec import RequestSpec
 from radixserve.model.generation_defaults import generation_defaults

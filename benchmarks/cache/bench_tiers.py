@@ -180,6 +180,7 @@ def step_time(path: Path) -> dict:
         "backed_up_tokens": sum(t.backed_up_tokens for t in moved),
         "pages_to_storage": sum(t.pages_to_storage for t in moved),
         "pages_from_storage": sum(t.pages_from_storage for t in moved),
+        "lookup_wait_s": sum(t.lookup_wait_s for t in moved),
     }
 
 

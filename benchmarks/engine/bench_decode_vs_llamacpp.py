@@ -22,7 +22,8 @@ measurements); for radixserve also ``engine_rss_mb`` (its engine process alone),
 ``kv_used_mb`` (the KV slots held or cached at the end, from ``/metrics``) and
 ``engine_rss_budget_mb``: the weights file + ``kv_used_mb`` + 600 MB, the engine's memory
 target. With ``--agreement`` (and both servers), the greedy answers to 8 chat prompts
-(``radixserve/bench/agreement.py``: 32 tokens, repetition penalty off on both) are compared,
+(``radixserve/bench/agreement.py``: 32 tokens, repetition penalty off on both; 8 completion
+prompts for a model whose file has no chat template, a base model) are compared,
 each disagreement classed as a near tie or a real difference by radixserve's logprobs.
 
 Prints one JSON line: each figure for both servers and our/llama.cpp ratios. Extra flags for
@@ -98,9 +99,17 @@ async def prefill(client, url, model, prompts, n: int) -> float:
     return r.prompt_tokens / r.ttft
 
 
-async def check_agreement(servers: dict[str, str]) -> dict:
+async def check_agreement(servers: dict[str, str], chat_model: bool) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        return await greedy_agreement(client, servers)
+        return await greedy_agreement(client, servers, chat_model=chat_model)
+
+
+def has_chat_template(model: str | None) -> bool:
+    """Does the served GGUF file carry a chat template (a chat model, not a base model)?"""
+    from radixserve.model.gguf_file import GGUFFile
+    from radixserve.model.loader import resolve_model_path
+
+    return "tokenizer.chat_template" in GGUFFile(resolve_model_path(model)).fields
 
 
 async def measure(servers: dict[str, str], args) -> dict:
@@ -182,7 +191,9 @@ def main() -> None:
             server = baselines.ManagedServer(name, baselines.command(name, settings), settings)
             managed[name] = stack.enter_context(server)
         servers = {name: server.base_url for name, server in managed.items()}
-        agreement = asyncio.run(check_agreement(servers)) if args.agreement else None
+        agreement = None
+        if args.agreement:
+            agreement = asyncio.run(check_agreement(servers, has_chat_template(args.model)))
         result = asyncio.run(measure(servers, args))
         for name, server in managed.items():
             result[name]["startup_s"] = round(server.startup_s or 0.0, 1)

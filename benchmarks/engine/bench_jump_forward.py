@@ -52,13 +52,14 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=2, help="prompts per schema")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     from benchmarks.engine.bench_structured import run_pass
     from radixserve.config import EngineConfig
     from radixserve.engine import Engine
     from radixserve.model import load_model
 
-    loaded = load_model(args.model, progress=False)
+    loaded = load_model(args.model, dtype=args.dtype, progress=False)
     engines = {
         jump: Engine(EngineConfig.from_options(model=args.model, load_progress=False,
                                                max_total_tokens=16384, jump_forward=jump),
@@ -85,7 +86,7 @@ def main() -> None:
     stats = engines[True].grammar_stats()
     off, on = max(rates[False]), max(rates[True])
     print(json.dumps({
-        "model": args.model or "smollm2-135m", "streams": args.streams,
+        "model": args.model or "smollm2-135m", "dtype": args.dtype, "streams": args.streams,
         "requests": len(prompts), "tokens": sum(len(v) for v in outs[True].values()),
         "tokens_per_s": {"token_by_token": round(off, 1), "jump_forward": round(on, 1)},
         "speedup": round(on / off, 3), "identical": outs[True] == outs[False],

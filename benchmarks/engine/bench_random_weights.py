@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from radixserve.cache import KVPool
 from radixserve.model import LlamaModel, ModelConfig, build_forward_batch
-from radixserve.model.attention import ForwardBatch
+from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.loader import parse_dtype
 from radixserve.model.quant import quantize_dense
 

@@ -1,210 +1,35 @@
-"""OpenAI-compatible request bodies, and the one place they become ``SamplingParams``.
+"""The request bodies of the endpoints: chat and text completions (OpenAI's) and the native
+``/generate``, each becoming ``SamplingParams`` and the spec's other fields.
 
-Every field is either honoured or rejected: unknown fields fail validation (``extra=forbid``)
-and known OpenAI fields we do not implement (``functions``, ``echo``, ...) are refused with a
-message naming them, unless they carry their neutral value. Constrained output (chat's
-``response_format``; the extensions ``regex``, ``ebnf`` and ``json_schema``) becomes the
-spec's ``grammar``, checked here so a bad one is a 400 naming the problem. Types are
-strict (``true`` is not a count, ``2.5`` is not an integer), floats finite, and no string
-anywhere in a body may hold a lone surrogate (the tokenizer cannot encode one). Parameters
-a request leaves out take the server's defaults (the model's recommendation, see
-``generation_defaults``); ``model`` may be left out too. ``cache_salt`` puts the request's
-prefixes in a cache namespace of their own.
+Every field is either honoured or rejected: unknown fields fail validation and known OpenAI
+fields we do not implement (``functions``, ``echo``, ...) are refused with a message naming
+them, unless they carry their neutral value. Constrained output (chat's ``response_format``;
+the extensions ``regex``, ``ebnf`` and ``json_schema``) becomes the spec's ``grammar``,
+checked here so a bad one is a 400 naming the problem. Parameters a request leaves out take
+the server's defaults (the model's recommendation, see ``generation_defaults``); ``model``
+may be left out too. What every body shares (strict types, valid Unicode, ``cache_salt``,
+the sampling fields and ``build_params``) is ``body.py``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
+from radixserve.api.body import (
+    STRICT,
+    Body,
+    Sampling,
+    TokenId,
+    build_params,
+)
 from radixserve.api.constraints import grammar_from, parse_logit_bias, response_format_grammar
 from radixserve.api.errors import ApiError
 from radixserve.api.tools import ToolPlan, history_message
-from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
-
-# a token id as a request may give it: beyond int32 no vocabulary reaches, and the engine's
-# messages carry 64-bit integers at most, so a bigger number is a 400 here
-MAX_TOKEN_ID = 2**31
-
-
-def _token_id(v: int) -> int:
-    if not 0 <= v < MAX_TOKEN_ID:
-        raise ValueError(f"token ids must be in [0, 2^31), got {v}")
-    return v
-
-
-TokenId = Annotated[int, AfterValidator(_token_id)]
-
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-MAX_SALT_CHARS = 256
+from radixserve.engine.sampling_params import SamplingParams
 
 PLACEHOLDER = "\x00reusable\x00"  # where ChatMessage.text puts a reusable part's text
-
-
-def lone_surrogate_at(value: Any, path: str = "") -> str | None:
-    """The path of the first string in a JSON value that is not valid Unicode, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for key, item in items:
-        if isinstance(key, str) and lone_surrogate_at(key) is not None:
-            return path or "body"
-        found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
-
-
-class _Body(BaseModel):
-    """A request body: strict types, and every string valid Unicode."""
-
-    model_config = STRICT
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = lone_surrogate_at(data)
-        if where is not None:
-            raise ValueError(f"{where} holds a lone surrogate, which is not valid Unicode")
-        return data
-
-
-class StreamOptions(BaseModel):
-    model_config = STRICT
-    include_usage: bool = False
-
-
-class _Sampling(_Body):
-    """Fields shared by chat and text completions (OpenAI names plus common extensions)."""
-
-    model: str | None = None  # None: the served model
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    user: str | None = None  # an end-user id for the caller's logs; no effect on generation
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
-    # extensions (as in vLLM / SGLang): constrained output, at most one
-    regex: str | None = None
-    ebnf: str | None = None
-    json_schema: dict[str, Any] | str | None = None
-    # extensions (as in vLLM / SGLang)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def _unsupported(self) -> dict[str, Any]:
-        return {}
-
-    def grammar(self) -> tuple[str, str] | None:
-        """The output constraint this request asks for (checked), or None."""
-        given = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": self.json_schema}
-        return grammar_from(given)
-
-    def reject_unsupported(self) -> None:
-        for name, value in self._unsupported().items():
-            if value not in (None, False):
-                raise ApiError(400, f"parameter {name!r} is not supported by this server", name)
-        if not 1 <= self.n <= 16:
-            raise ApiError(400, "n must be between 1 and 16", "n")
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(
-                400, "stream_options is only allowed with stream: true", "stream_options"
-            )
-
-    def choice_params(self, defaults: dict[str, Any]) -> list[SamplingParams]:
-        """Validated sampling parameters for each of the ``n`` choices (seeds differ);
-        ``defaults`` fill what the request leaves out."""
-        self.reject_unsupported()
-        return [self.to_sampling_params(defaults, i) for i in range(self.n)]
-
-    def to_sampling_params(self, defaults: dict[str, Any], seed_offset: int = 0) -> SamplingParams:
-        raise NotImplementedError
-
-    def sampling_params(
-        self,
-        defaults: dict[str, Any],
-        max_tokens: int | None,
-        logprobs: int | None,
-        seed_offset: int = 0,
-    ) -> SamplingParams:
-        seed = self.seed
-        if seed is not None and seed <= SEED_MAX < seed + seed_offset:
-            seed -= 2**64  # wrap, so that choice i's seed stays within what torch takes
-        fields = {
-            "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "seed": None if seed is None else seed + seed_offset,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
-            "stop_token_ids": self.stop_token_ids or [],
-            "ignore_eos": self.ignore_eos,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "logprobs": logprobs,
-            "skip_special_tokens": self.skip_special_tokens,
-            "logit_bias": parse_logit_bias(self.logit_bias),
-        }
-        return build_params(fields, defaults)
-
-
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-
-
-def build_params(
-    fields: dict[str, Any], defaults: dict[str, Any], where: str = ""
-) -> SamplingParams:
-    """``SamplingParams`` from what a request gave (None: left out), over ``defaults``.
-    A ``max_tokens`` left out with no default means up to the context. ``where`` prefixes
-    the field names in errors (``"sampling_params."`` for ``/generate``), so a message names
-    the field as the client wrote it."""
-    unknown = [k for k in fields if k not in SAMPLING_FIELDS]
-    if unknown:
-        name = where + unknown[0]
-        raise ApiError(
-            400,
-            f"{name} is not supported; the supported fields are {', '.join(SAMPLING_FIELDS)}",
-            name,
-        )
-    given = {k: v for k, v in fields.items() if v is not None}
-    merged = {"max_tokens": None, **defaults, **given}
-    try:
-        return SamplingParams(**merged)
-    except ValueError as e:
-        param = _param_named_in(str(e), merged)
-        message = where + str(e) if param else str(e)
-        raise ApiError(400, message, where + param if param else None) from e
-
-
-def _param_named_in(message: str, fields: dict[str, Any]) -> str | None:
-    return next((name for name in fields if message.startswith(name)), None)
 
 
 class ChatMessage(BaseModel):
@@ -246,7 +71,7 @@ class ChatMessage(BaseModel):
         return [p["text"] for p in self.content if p.get("reusable") is True and p.get("text")]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -317,7 +142,7 @@ class ChatCompletionRequest(_Sampling):
         return parts
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -380,7 +205,7 @@ class PromptSegment(BaseModel):
         return self
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(Body):
     """The native endpoint: token ids (or text, or a list of segments) in, token ids out.
     ``sampling_params`` are ``SamplingParams`` fields, checked there (strictly typed, since
     JSON reaches it as is). ``recompute_ratio`` (with segments): share of the reused segment

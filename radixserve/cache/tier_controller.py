@@ -282,12 +282,13 @@ class TierController:
         if self.storage is None:
             return
         fetched = self.storage.poll(timeout)
-        deadline = time.monotonic() + LOOKUP_WAIT_S
+        start = time.monotonic()
         while self.storage.lookups_in_flight() and not self.storage.stalled():
-            left = deadline - time.monotonic()
+            left = start + LOOKUP_WAIT_S - time.monotonic()
             if left <= 0:
                 break
             fetched += self.storage.poll(left)
+        self.tiers.lookup_wait_seconds += time.monotonic() - start
         self._attach(fetched)
 
     def _attach(self, fetched: list[Fetched]) -> None:

@@ -62,6 +62,7 @@ class TierStats:
     prefetch_timeouts: int = 0  # requests admitted before their prefetch finished
     storage_write_skipped_pages: int = 0  # not written: too many writes pending
     backup_seconds: float = 0.0  # time spent copying device -> host (inside steps)
+    lookup_wait_seconds: float = 0.0  # steps' starts waiting for storage lookups (``poll``)
     prefetches_in_flight: int = 0  # storage reads not answered yet (gauge)
     load_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     storage_url: str | None = None  # None: no storage tier

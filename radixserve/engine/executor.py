@@ -37,15 +37,21 @@ class ModelExecutor:
         blended, logits = self._blend(step, result)
         done = {r.request_id for r, _ in result.failed} | {r.request_id for r in blended}
         prefills = [(r, n) for r, n in step.prefills if r.request_id not in done]
+        # a grammar draft and the token before it run as decode rows, one per token, each
+        # against its own context (the decode kernel; the batch writes all K/V first)
+        drafted = [r for r, n in prefills if r.num_draft and n == 1 + r.num_draft]
+        prefills = [(r, n) for r, n in prefills if r not in drafted]
         try:
-            if step.decodes or prefills:
-                logits.insert(0, self._forward(step.decodes, prefills))
+            if step.decodes or prefills or drafted:
+                logits.insert(0, self._forward(step.decodes + drafted, prefills))
         except Exception as e:
             log.exception("the forward pass failed; failing the requests of this step")
-            failed = step.decodes + [r for r, _ in prefills] + blended
+            failed = step.decodes + drafted + [r for r, _ in prefills] + blended
             result.failed += [(r, e) for r in failed]
             return result
-        sampling = [r for r in step.sampling() if r.request_id not in done] + blended
+        later = Step(prefills=prefills).sampling()  # logits rows: decodes, drafts, prefills
+        sampling = step.decodes + drafted + [r for r in later if r.request_id not in done]
+        sampling += blended
         if sampling:
             logits = torch.cat(logits) if len(logits) > 1 else logits[0]
             drawn = self.sample(logits, sampling, result.forced)
@@ -69,8 +75,9 @@ class ModelExecutor:
 
     def _forward(self, decodes: list[Request], prefills: list[tuple[Request, int]]):
         decode = [
-            (int(r.token_ids[r.num_computed]), r.num_computed, r.kv.slots[: r.num_computed + 1])
+            (int(r.token_ids[p]), p, r.kv.slots[: p + 1])
             for r in decodes
+            for p in range(r.num_computed, r.num_tokens)
         ]
         prefill = [
             (

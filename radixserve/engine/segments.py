@@ -38,7 +38,8 @@ from radixserve.cache.base import Namespace, PrefixCache
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.segment_select import RecomputeSelector
-from radixserve.model.attention import SparsePrefill, build_forward_batch
+from radixserve.model.attention import build_forward_batch
+from radixserve.model.forward_batch import SparsePrefill
 from radixserve.model.llama import rotate_half
 
 SEGMENT_NAMESPACE = "rag-segment"

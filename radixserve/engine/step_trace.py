@@ -40,6 +40,7 @@ class TierTrace:
     pages_to_storage: int = 0
     pages_from_storage: int = 0
     storage_reads_out: int = 0  # a gauge: reads not answered at the step's end
+    lookup_wait_s: float = 0.0  # the step's start waiting for storage lookups
 
     @classmethod
     def between(cls, before: Any, after: Any) -> TierTrace:
@@ -54,6 +55,7 @@ class TierTrace:
             pages_to_storage=after.pages_to_storage - before.pages_to_storage,
             pages_from_storage=after.pages_from_storage - before.pages_from_storage,
             storage_reads_out=after.prefetches_in_flight,
+            lookup_wait_s=after.lookup_wait_seconds - before.lookup_wait_seconds,
         )
 
 

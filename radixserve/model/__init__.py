@@ -1,7 +1,8 @@
 """Model loading (GGUF, HF safetensors), the Llama-family forward, attention over slots."""
 
-from radixserve.model.attention import ForwardBatch, build_forward_batch
+from radixserve.model.attention import build_forward_batch
 from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import LoadedModel, ModelNotFoundError, load_model
 from radixserve.model.tokenizer import Tokenizer

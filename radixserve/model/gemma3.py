@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.attention import ForwardBatch, paged_attention
+from radixserve.model.attention import paged_attention
 from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaModel, RopeAt, Weight, rope_inv_freq
 from radixserve.model.quant import linear
 

@@ -14,13 +14,14 @@ position. A step of decode tokens only runs in one native call where the kernels
 SiLU(gate) * up in native row kernels on a float32 CPU model (``_row_kernels``) and the
 residual adds inside the matmuls.
 
-For KV reuse at a new position (RAG segments), ``kv_deviation`` runs the first layers of a
-batch and says how far each row's fresh K/V at one layer is from what the pool holds for it.
+``forward_layers`` runs a batch layer by layer and shows each layer's fresh Q/K/V before the
+layer writes them: what RAG segments compare with the K/V the pool holds (``engine/segments``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -28,8 +29,9 @@ import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool, KVShape
 from radixserve.model import native, native_decode
-from radixserve.model.attention import ForwardBatch, paged_attention
+from radixserve.model.attention import paged_attention
 from radixserve.model.config import ModelConfig
+from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.quant import QuantizedWeight, linear
 
 Weight = torch.Tensor | QuantizedWeight
@@ -235,43 +237,19 @@ class LlamaModel:
         return linear(self._mlp_input(linear(x, layer["gate_up"])), layer["down"], residual=h)
 
     @torch.inference_mode()
-    def kv_deviation(
-        self, batch: ForwardBatch, pool: KVPool, layer: int, query_rows: int = 1, first: int = 0
-    ) -> torch.Tensor:
-        """Run layers ``[0, layer)`` of ``batch`` (one sequence, writing their K/V); at each
-        probe layer ``max(first, 1)`` to ``layer`` return, per row, the distance between the
-        row's fresh K and what the pool held for it there (before this call), the same for V,
-        and the attention the row gets there from the batch's last ``query_rows`` rows
-        (summed over them and the heads; the batch's rows only, causal):
-        ``[probe layers, rows, 3]``."""
-        if not 0 < layer < len(self.layers) or first > layer:
-            raise ValueError(
-                f"the deviation layers must be in [1, {len(self.layers)}), first <= last; "
-                f"got {first} to {layer}"
-            )
+    def forward_layers(
+        self, batch: ForwardBatch, pool: KVPool, last: int
+    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """The forward of ``batch`` layer by layer up to layer ``last``: yield each layer's
+        index and its fresh ``(q, k, v)`` (after RoPE, ``[rows, heads, head_dim]``) before the
+        layer runs; the layers before ``last`` then run whole (writing their K/V to the pool).
+        For callers that look at a layer's K/V before it replaces the pool's (RAG segments)."""
+        if not 0 <= last < len(self.layers):
+            raise ValueError(f"the last layer must be in [0, {len(self.layers)}), got {last}")
         h = self._embed(batch.input_ids)
         rope = self._rope(batch.positions)
-        out = []
-        for i in range(layer + 1):
+        for i in range(last + 1):
             qkv = self._qkv(self.layers[i], h, rope)
-            if i >= max(first, 1):
-                q, k, v = qkv
-                old_k = pool.k[i][:, batch.out_slots].transpose(0, 1)
-                old_v = pool.v[i][:, batch.out_slots].transpose(0, 1)
-                dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
-                dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
-                att = self._attention_from_last(q, k, query_rows)
-                out.append(torch.stack([dk.sqrt(), dv.sqrt(), att], 1))
-            if i < layer:
+            yield i, qkv
+            if i < last:
                 h = self._layer(i, h, rope, batch, pool, qkv)
-        return torch.stack(out)
-
-    def _attention_from_last(self, q: torch.Tensor, k: torch.Tensor, m: int) -> torch.Tensor:
-        t, group = k.shape[0], self.config.num_heads // self.config.num_kv_heads
-        m = max(1, min(m, t))
-        keys = k.float().repeat_interleave(group, dim=1)  # [t, heads, head_dim]
-        scores = torch.einsum("mhd,thd->hmt", q[t - m :].float(), keys) * self.scale
-        rows = torch.arange(t, device=scores.device)
-        late = rows[None, :] > rows[t - m :, None]  # causal
-        scores.masked_fill_(late, float("-inf"))
-        return scores.softmax(-1).sum(dim=(0, 1))

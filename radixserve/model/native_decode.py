@@ -20,7 +20,7 @@ from radixserve.model.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from radixserve.cache.kv_pool import KVPool
-    from radixserve.model.attention import ForwardBatch
+    from radixserve.model.forward_batch import ForwardBatch
 
 
 # a ``LlamaModel``: llama.py imports this module, so the type is not imported back

@@ -86,8 +86,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         ),
         KnownModel(
             name="gemma3-270m",
-            description="Gemma 3 270M, Q4_K_M (gemma3: downloads; radixserve does not run "
-            "this architecture yet)",
+            description="Gemma 3 270M, Q4_K_M (gemma3; a base model, no chat template)",
             filename="gemma-3-270m-q4_k_m.gguf",
             parts=tuple(
                 Part(

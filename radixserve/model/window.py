@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.model.attention import ForwardBatch, PrefillSpan
+    from radixserve.model.forward_batch import ForwardBatch, PrefillSpan
 
 
 @dataclass
