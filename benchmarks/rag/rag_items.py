@@ -97,11 +97,11 @@ class Runner:
         self.first_logits: dict[str, torch.Tensor] = {}
         sample = engine.executor.sample  # a measurement hook: keep each first logits row
 
-        def capture(logits, reqs):
+        def capture(logits, reqs, forced):
             for row, r in zip(logits, reqs, strict=True):
                 if r.num_output == 0:
                     self.first_logits[r.request_id] = row.detach().float().clone()
-            return sample(logits, reqs)
+            return sample(logits, reqs, forced)
 
         engine.executor.sample = capture
         self.count = 0

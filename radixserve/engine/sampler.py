@@ -78,12 +78,17 @@ def _draw(logits: torch.Tensor, reqs: list[Request], first: list[int], drafts: l
     request a draw per row, in row order, stopping after the first row that leaves its draft
     (so its generator advances exactly as in token-by-token decoding)."""
     tokens = _argmax(logits)
-    for i, r in enumerate(reqs):
-        if r.params.greedy:
-            continue
-        draft = drafts[i]
-        span = slice(first[i], first[i] + len(draft) + 1)
-        probs = _filter(logits[span], [r] * (len(draft) + 1)).softmax(dim=-1)
+    randoms = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    # Every row's filter first: one that cannot be computed fails the call before any
+    # request's generator has advanced, so the rows sampled again one by one draw the same.
+    filtered = {
+        i: _filter(
+            logits[first[i] : first[i] + len(drafts[i]) + 1], [reqs[i]] * (len(drafts[i]) + 1)
+        ).softmax(dim=-1)
+        for i in randoms
+    }
+    for i in randoms:
+        r, draft, probs = reqs[i], drafts[i], filtered[i]
         for j in range(len(draft) + 1):
             # drawn on the CPU, where the request's generator lives, whatever the device
             race = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
