@@ -328,52 +328,56 @@ def test_a_busy_worker_past_the_first_byte_timeout_is_not_taken_for_hung(tiny_mo
         assert all(w["healthy"] for w in listing["workers"]), listing
 
 
-def test_a_worker_stopped_mid_stream_ends_the_stream_once_health_checks_take_it_out(
-    router, workers
-):
-    """Worker 1 stopped (SIGSTOP) while it streams: its health checks fail, and the stream
-    ends with an error event then, instead of waiting for the worker to come back."""
-    url = router.url
+def stream_cut_on_worker(url: str, worker, cut, resume=None) -> tuple[int, list[str], float]:
+    """Stream a long chat until it lands on ``worker`` (round-robin: one of two does), call
+    ``cut()`` after its first 3 lines, read the rest: (status, the SSE events' data, seconds
+    the rest took). ``resume()`` runs once the rest is read, however the read ended."""
     body = chat_body(url, "count to a thousand", max_tokens=2000, ignore_eos=True, stream=True)
-    pid = workers[1].proc.pid
     with httpx.Client(timeout=60) as client:
-        for _ in range(2):  # round-robin: one of two goes to worker 1
+        for _ in range(2):
             with client.stream("POST", url + CHAT, json=body, headers=A) as r:
-                if r.headers["x-radixserve-worker"] != workers[1].url:
+                if r.headers["x-radixserve-worker"] != worker.url:
                     continue
                 lines = r.iter_lines()
                 seen = [next(lines) for _ in range(3)]
-                os.kill(pid, signal.SIGSTOP)
+                cut()
                 t0 = time.monotonic()
                 try:
                     seen += list(lines)
                     took = time.monotonic() - t0
                 finally:
-                    os.kill(pid, signal.SIGCONT)
-                break
-    events = [line[6:] for line in seen if line.startswith("data: ")]
+                    if resume is not None:
+                        resume()
+                events = [line[6:] for line in seen if line.startswith("data: ")]
+                return r.status_code, events, took
+    raise AssertionError(f"no stream went to {worker.url}")
+
+
+def test_a_worker_stopped_mid_stream_ends_the_stream_once_health_checks_take_it_out(
+    router, workers
+):
+    """Worker 1 stopped (SIGSTOP) while it streams: its health checks fail, and the stream
+    ends with an error event then, instead of waiting for the worker to come back."""
+    pid = workers[1].proc.pid
+    _, events, took = stream_cut_on_worker(
+        router.url,
+        workers[1],
+        cut=lambda: os.kill(pid, signal.SIGSTOP),
+        resume=lambda: os.kill(pid, signal.SIGCONT),
+    )
     assert "[DONE]" not in events
     assert json.loads(events[-1])["error"]["type"] == "server_error"
     assert took < 30, took  # the health checks' time, not the worker's
-    wait_fleet_ok(url)
+    wait_fleet_ok(router.url)
 
 
 def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(router, workers):
     """Last: kills worker 1."""
-    url = router.url
-    body = chat_body(url, "count to a thousand", max_tokens=2000, ignore_eos=True, stream=True)
-    with httpx.Client(timeout=60) as client:
-        for _ in range(2):  # round-robin: one of two goes to worker 1
-            with client.stream("POST", url + CHAT, json=body, headers=A) as r:
-                if r.headers["x-radixserve-worker"] != workers[1].url:
-                    continue
-                lines = r.iter_lines()
-                seen = [next(lines) for _ in range(3)]
-                os.kill(workers[1].proc.pid, signal.SIGKILL)
-                seen += list(lines)
-                break
-    events = [line[6:] for line in seen if line.startswith("data: ")]
-    assert r.status_code == 200 and events[0].startswith("{")
+    pid = workers[1].proc.pid
+    status, events, _ = stream_cut_on_worker(
+        router.url, workers[1], cut=lambda: os.kill(pid, signal.SIGKILL)
+    )
+    assert status == 200 and events[0].startswith("{")
     assert "[DONE]" not in events
     last = json.loads(events[-1])
     assert last["error"]["type"] == "server_error" and workers[1].url in last["error"]["message"]
