@@ -79,20 +79,23 @@ def _draw(logits: torch.Tensor, reqs: list[Request], first: list[int], drafts: l
     (so its generator advances exactly as in token-by-token decoding)."""
     tokens = _argmax(logits)
     randoms = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    # Every row's filter first: one that cannot be computed fails the call before any
-    # request's generator has advanced, so the rows sampled again one by one draw the same.
-    filtered = {
-        i: _filter(
-            logits[first[i] : first[i] + len(drafts[i]) + 1], [reqs[i]] * (len(drafts[i]) + 1)
-        ).softmax(dim=-1)
-        for i in randoms
-    }
+    if not randoms:
+        return tokens.tolist()
+    # Every random row filtered in one batch first: a row that cannot be filtered fails the
+    # call before any request's generator has advanced, so the rows sampled again one by
+    # one draw the same.
+    spans = [range(first[i], first[i] + len(drafts[i]) + 1) for i in randoms]
+    rows = [row for span in spans for row in span]
+    row_reqs = [reqs[i] for i, span in zip(randoms, spans, strict=True) for _ in span]
+    filtered = _filter(logits[rows], row_reqs).softmax(dim=-1)
+    probs_of_row = dict(zip(rows, filtered, strict=True))
     for i in randoms:
-        r, draft, probs = reqs[i], drafts[i], filtered[i]
+        r, draft = reqs[i], drafts[i]
         for j in range(len(draft) + 1):
+            probs = probs_of_row[first[i] + j]
             # drawn on the CPU, where the request's generator lives, whatever the device
-            race = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
-            tokens[first[i] + j] = (probs[j] / race.to(probs.device)).argmax()
+            race = torch.empty(probs.shape[0]).exponential_(generator=r.generator)
+            tokens[first[i] + j] = (probs / race.to(probs.device)).argmax()
             if j == len(draft) or int(tokens[first[i] + j]) != draft[j]:
                 break
     return tokens.tolist()
