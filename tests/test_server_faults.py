@@ -144,12 +144,14 @@ def drains_on_a_group_signal(server, signum: int) -> None:
     rng = np.random.default_rng(signum)
     prompts = [rng.integers(100, 40000, 40).tolist() for _ in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(generate, server.url, p, 160) for p in prompts]
+        # Long enough that all four are still decoding when the last one is admitted, even
+        # on a busy machine (4 x 440 tokens fit the 2,048-token pool).
+        running = [pool.submit(generate, server.url, p, 400) for p in prompts]
         wait_running(server.url, 4)
         os.killpg(server.proc.pid, signum)
         answers = [f.result(timeout=300) for f in running]
     assert [r.status_code for r in answers] == [200] * 4, [r.text[:200] for r in answers]
-    assert all(len(r.json()["output_ids"]) == 160 for r in answers)
+    assert all(len(r.json()["output_ids"]) == 400 for r in answers)
     assert server.proc.wait(timeout=120) == 0
     assert "restarting the engine" not in server.log and "died" not in server.log, server.log
 

@@ -293,6 +293,25 @@ def test_a_device_leaf_with_host_children_is_copied_before_it_leaves():
     cache.check_integrity(NO_HELD)
 
 
+def test_a_lookup_ending_on_the_host_reorders_the_device_leaf_above_it():
+    # A device leaf whose only child is host-only is reached by a lookup that ends on the host
+    # (here: a storage fetch hanging more pages below): its recency changes, so its place in
+    # the eviction order must too, or eviction skips it as stale.
+    cache, pool = make_cache(1, 24, 40, "write_back")
+
+    def attach(tokens):
+        start = cache.peek_prefix(tokens).length
+        assert cache.attach_host(tokens, None, start, cache.host.alloc(len(tokens) - start))
+
+    attach([0, 0])
+    loaded = cache.load_back(cache.match_prefix([0]))  # [0] on the device, [0, 0] on the host
+    assert loaded.device_len == 1
+    attach([0, 0, 0])
+    cache.check_integrity(NO_HELD)
+    assert cache.evict(1) == 1  # the device leaf is found and evicted
+    cache.check_integrity(NO_HELD)
+
+
 def test_a_full_device_pool_loads_back_the_leading_part_that_fits():
     cache, pool = make_cache(4, 16, 48, "write_through")
     a, b = list(range(12)), [7] * 12

@@ -237,14 +237,16 @@ class RadixCache(PrefixCache):
 
     def _touch(self, node: TreeNode | None) -> None:
         self._clock += 1
-        n = node
+        n, device_leaf = node, None
         while n is not None and n.parent is not None:
             n.last_access = self._clock
+            if device_leaf is None and n in self._evictable_leaves:
+                device_leaf = n  # ``node`` itself, or the device end above a host-only tail
             n = n.parent
-        if node is not None and node in self._evictable_leaves:
-            self._heap.push(node)  # its priority changed; the old entry goes stale
+        if device_leaf is not None:
+            self._heap.push(device_leaf)  # its priority changed; the old entry goes stale
             self._heap.maybe_compact(self._evictable_leaves, len(self._evictable_leaves))
-        elif node is not None and node in self._host_leaves:
+        if node is not None and node in self._host_leaves:
             self._host_heap.push(node)
             self._host_heap.maybe_compact(self._host_leaves, len(self._host_leaves))
 
