@@ -254,3 +254,72 @@ def test_bad_tools_are_a_400_naming_the_tool(server, extra, words):
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     assert_nothing_held(server)
+
+
+LOOKAHEAD = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^(?=a)\\w+$"}}}
+NOT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path, extra, message",
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": LOOKAHEAD}}},
+         "response_format.json_schema.schema.properties.id.pattern: lookahead (?=...) is not "
+         "supported"),
+        ("/v1/completions", {"json_schema": {"allOf": [{"type": "integer"}, {"minimum": 3}]}},
+         "json_schema.allOf: allOf with several schemas is not supported"),
+        ("/generate", {"sampling_params": {"json_schema": json.dumps({"type": "array",
+            "items": {"type": "string"}, "uniqueItems": True})}},
+         "sampling_params.json_schema.uniqueItems: uniqueItems is not supported"),
+        ("/v1/completions", {"regex": "a$b"},
+         "regex: '$' that is not at the end of the pattern or of an alternative is not "
+         "supported"),
+        ("/v1/chat/completions", {"tools": [WEATHER, NOT_TOOL], "tool_choice": "required"},
+         "tools[1].function.parameters.properties.x.not: not is not supported"),
+        ("/v1/chat/completions", {"tools": [NOT_TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "f"}}},
+         "tools[0].function.parameters.properties.x.not: not is not supported"),
+    ],
+)  # fmt: skip
+def test_constructs_the_grammar_would_not_enforce_are_a_400_naming_path_and_keyword(
+    server, path, extra, message
+):
+    body = {"model": "tiny", "max_tokens": 4, **extra}
+    if path == "/v1/chat/completions":
+        body["messages"] = CHAT
+    elif path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body = {"text": "hi", **extra}
+    r = httpx.post(server + path, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] == message and error["type"] == "invalid_request_error", error
+    assert_nothing_held(server)
+
+
+def test_exclusive_one_of_is_accepted_and_auto_tools_keep_any_schema(client, server):
+    pet = {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {
+            "type": "integer", "minimum": 1, "maximum": 9}}, "required": ["kind", "lives"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"enum": ["dog", "fox"]}},
+         "required": ["kind"], "additionalProperties": False},
+        {"type": "null"},
+    ]}  # fmt: skip
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=60, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": pet}},
+        )  # fmt: skip
+        choice = out.choices[0]
+        if choice.finish_reason == "stop":  # else cut off by max_tokens: not an output
+            jsonschema.validate(json.loads(choice.message.content), pet)
+    # with tool_choice auto the parameters only go into the prompt: nothing is refused
+    auto = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[NOT_TOOL], max_tokens=4, temperature=0
+    )
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert_nothing_held(server)

@@ -1,7 +1,9 @@
 """Output constraints of a request body: ``response_format``, the grammar extensions and
 ``logit_bias``, turned into what the engine takes (a ``(kind, text)`` grammar, integer token
 ids). Every grammar is checked here (``check_grammar``), so a bad one is a 400 naming the
-problem before anything is queued."""
+problem before anything is queued, and so is a schema or regex with a construct the grammar
+would not enforce: its message starts with the construct's path in the body
+(``response_format.json_schema.schema.properties.id.pattern: ...``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ from typing import Any
 
 from radixserve.api.errors import ApiError
 from radixserve.engine.grammar import check_grammar
+from radixserve.engine.schema_support import UnsupportedSchema
+
+# where each constraint field's grammar sits in the request body
+_FIELD_PATH = {"response_format": "response_format.json_schema.schema"}
 
 
 def response_format_grammar(fmt: dict[str, Any]) -> tuple[str, str]:
@@ -33,6 +39,11 @@ def response_format_grammar(fmt: dict[str, Any]) -> tuple[str, str]:
     return grammar_from({"response_format": spec.get("schema", {"type": "object"})})
 
 
+def unsupported_error(e: UnsupportedSchema, where: str, param: str) -> ApiError:
+    """The 400 for a construct the grammar would not enforce, at ``where`` in the body."""
+    return ApiError(400, f"{'.'.join(p for p in (where, e.path) if p)}: {e.detail}", param)
+
+
 def parse_logit_bias(bias: Any) -> dict[int, float] | None:
     """OpenAI's ``logit_bias`` (token id strings -> bias in [-100, 100]) with integer keys."""
     if bias is None:
@@ -47,8 +58,9 @@ def parse_logit_bias(bias: Any) -> dict[int, float] | None:
     return out
 
 
-def grammar_from(given: dict[str, Any]) -> tuple[str, str] | None:
-    """``(kind, text)`` from the one constraint field given (400 for several or a bad one)."""
+def grammar_from(given: dict[str, Any], prefix: str = "") -> tuple[str, str] | None:
+    """``(kind, text)`` from the one constraint field given (400 for several or a bad one;
+    ``prefix``: where the fields sit in the body, such as ``sampling_params.``)."""
     given = {k: v for k, v in given.items() if v is not None}
     if len(given) > 1:
         raise ApiError(400, f"give at most one of {', '.join(given)}", next(iter(given)))
@@ -64,6 +76,8 @@ def grammar_from(given: dict[str, Any]) -> tuple[str, str] | None:
         raise ApiError(400, f"{name} must be a string", name)
     try:
         check_grammar(kind, value)
+    except UnsupportedSchema as e:
+        raise unsupported_error(e, prefix + _FIELD_PATH.get(name, name), name) from e
     except ValueError as e:
         raise ApiError(400, f"{name}: {e}", name) from e
     return kind, value

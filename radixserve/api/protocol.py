@@ -237,4 +237,5 @@ class GenerateRequest(Body):
         return build_params(fields, {"max_tokens": 16, **defaults}, "sampling_params.")
 
     def grammar(self) -> tuple[str, str] | None:
-        return grammar_from({k: self.sampling_params.get(k) for k in GRAMMAR_FIELDS})
+        given = {k: self.sampling_params.get(k) for k in GRAMMAR_FIELDS}
+        return grammar_from(given, "sampling_params.")

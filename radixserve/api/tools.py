@@ -10,7 +10,9 @@ one block per call.
 ``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` parses whatever calls
 the model writes; ``required`` and a named function constrain the output with a JSON Schema
 built from the tools' parameter schemas, so the output is the call itself (a JSON object, or
-with ``parallel_tool_calls`` an array of them) and always parses.
+with ``parallel_tool_calls`` an array of them) and always parses. Then a parameter schema
+with a construct the grammar would not enforce (``schema_support``) is a 400 naming its path
+(``tools[0].function.parameters...``); with ``auto`` the schema only goes into the prompt.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.api.constraints import unsupported_error
 from radixserve.api.errors import ApiError
 from radixserve.engine.grammar import check_grammar
+from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -52,6 +56,8 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
             raise ApiError(400, f"{where}: parameters must be a JSON Schema object", "tools")
         try:
             check_grammar("json_schema", json.dumps(params))
+        except UnsupportedSchema:
+            pass  # matters only when the call is constrained (``ToolPlan.build``)
         except ValueError as e:
             raise ApiError(400, f"{where}: parameters are not a usable JSON Schema: {e}",
                            "tools") from e  # fmt: skip
@@ -92,6 +98,13 @@ class ToolPlan:
             raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or "
                            "{'type': 'function', 'function': {'name': ...}}",
                            "tool_choice")  # fmt: skip
+        for f in chosen:
+            i = functions.index(f)
+            try:
+                check_schema_support(f["parameters"])
+            except UnsupportedSchema as e:
+                where = f"tools[{i}].function.parameters"
+                raise unsupported_error(e, where, "tools") from e
         return cls(functions, ("json_schema", json.dumps(_calls_schema(chosen, parallel))),
                    parallel)  # fmt: skip
 

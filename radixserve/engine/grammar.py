@@ -7,7 +7,8 @@ alternative; see docs/structured-output.md).
 
 - ``check_grammar(kind, text)`` parses a grammar without a tokenizer (well under a
   millisecond): the HTTP edge calls it so an invalid schema, regex or EBNF is a 400 naming
-  the problem before anything is queued.
+  the problem before anything is queued; so is a schema or regex using a construct the
+  grammar would compile only approximately (``schema_support``).
 - ``GrammarCompiler`` compiles against the model's vocabulary on its own worker thread and
   keeps the last ``cache_size`` compiled grammars, keyed by ``(kind, text)``; ``start``
   returns a ``GrammarState`` at once. The scheduler admits a request only once its state is
@@ -44,6 +45,9 @@ from typing import Any
 
 import torch
 
+from radixserve.engine.regex_support import pattern_problem
+from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
+
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 256
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
@@ -54,7 +58,9 @@ def _message(e: Exception) -> str:
 
 
 def check_grammar(kind: str, text: str) -> None:
-    """``ValueError`` saying what is wrong with a grammar (no tokenizer needed)."""
+    """``ValueError`` saying what is wrong with a grammar (no tokenizer needed);
+    ``UnsupportedSchema`` (a ``ValueError`` with the JSON path) for a schema or regex the
+    grammar would not enforce exactly (``schema_support``)."""
     import xgrammar as xgr
 
     if kind not in GRAMMAR_KINDS:
@@ -63,7 +69,7 @@ def check_grammar(kind: str, text: str) -> None:
         raise ValueError(f"the {kind} grammar must be a string")
     try:
         if kind == "json_schema":
-            json.loads(text)
+            schema = json.loads(text)
             xgr.Grammar.from_json_schema(text)
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
@@ -73,6 +79,10 @@ def check_grammar(kind: str, text: str) -> None:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
     except Exception as e:
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {_message(e)}") from e
+    if kind == "json_schema":
+        check_schema_support(schema)
+    elif kind == "regex" and pattern_problem(text):
+        raise UnsupportedSchema("", pattern_problem(text) or "")
 
 
 @dataclass
