@@ -84,6 +84,7 @@ ACCEPTED = [
     {"type": "string", "format": "date", "minLength": 0},
     {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100},
     {"type": "array", "items": INT, "uniqueItems": True, "maxItems": 1},
+    {"type": "string", "contains": {"const": 1}, "dependencies": {"a": ["b"]}},
     {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"s": STR},
      "$ref": "#/definitions/s", "minLength": 3},
     {"definitions": {"unused": {"type": "string", "pattern": "(?=x)"}}, "type": "object",

@@ -88,8 +88,9 @@ class _Walk:
         if not isinstance(s, dict):
             return  # true, or something the grammar compiler refuses itself
         for key in _NEVER:
-            if key in s and not (key in ("dependencies", "dependentRequired",
-                                         "dependentSchemas") and not s[key]):  # fmt: skip
+            if key not in s or (key.startswith("depend") and not s[key]):
+                continue  # no dependencies listed: nothing dropped
+            if _APPLIES[key] & self.schema.types(s):  # else it cannot apply to the value
                 raise UnsupportedSchema(_join(path, key), f"{key} is not supported")
         if "if" in s and ("then" in s or "else" in s):
             raise UnsupportedSchema(_join(path, "if"), "if/then/else is not supported")
