@@ -6,10 +6,14 @@ machine's speed falls on both alike. A process loads the default model with the 
 defaults (``--dtype`` aside), builds or loads that commit's native kernels, warms up, and
 measures through the engine's own ``add_request`` / ``step`` loop:
 
-- decode, 1 stream: a 128-token prompt, 64 greedy tokens; tokens/s over the decode steps;
+- decode, 1 stream: a 128-token prompt, ``--decode-tokens`` greedy tokens; tokens/s over the
+  decode steps;
 - decode, 16 streams: 16 such requests at once; aggregate tokens/s over the decode steps;
 - prefill 2K: one 2,048-token prompt, one output token, in the engine's default chunks;
   prompt tokens/s from submission to the finished request.
+
+A process measures each metric ``--repeats`` times and reports the best (interference only
+ever slows a run down, so the best is the least disturbed).
 
 Prompts are random token ids (a fixed seed, so both commits compute the same tokens; none is
 cached). The ratio of a metric is B / A of its medians over rounds (above 1: B is faster);
@@ -36,7 +40,7 @@ from pathlib import Path
 METRICS = ("decode_1", "decode_16", "prefill_2k")
 
 
-def child(dtype: str) -> dict[str, float]:
+def child(dtype: str, decode_tokens: int, repeats: int) -> dict[str, float]:
     """One measurement of every metric with the ``radixserve`` on the path (runs in a child)."""
     import numpy as np
 
@@ -52,7 +56,7 @@ def child(dtype: str) -> dict[str, float]:
         return rng.integers(100, 40_000, n).tolist()
 
     def decode(streams: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
         for i in range(streams):
             engine.add_request(f"d{streams}-{i}-{rng.integers(1 << 30)}", prompt(128), params)
         started: set[str] = set()
@@ -72,7 +76,9 @@ def child(dtype: str) -> dict[str, float]:
         return n / (time.perf_counter() - t0)
 
     decode(4), prefill(256)  # warm-up: kernels, allocator, caches
-    return {"decode_1": decode(1), "decode_16": decode(16), "prefill_2k": prefill(2048)}
+    runs = {"decode_1": lambda: decode(1), "decode_16": lambda: decode(16),
+            "prefill_2k": lambda: prefill(2048)}  # fmt: skip
+    return {name: max(run() for _ in range(repeats)) for name, run in runs.items()}
 
 
 def extract(ref: str, root: Path) -> tuple[str, Path]:
@@ -90,10 +96,11 @@ def extract(ref: str, root: Path) -> tuple[str, Path]:
     return commit, out
 
 
-def run_child(tree: Path, dtype: str) -> dict[str, float]:
+def run_child(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, __file__, "--child", "--dtype", dtype], cwd=tree,
-                          env=env, check=True, capture_output=True, text=True)  # fmt: skip
+    cmd = [sys.executable, __file__, "--child", "--dtype", args.dtype,
+           "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -103,22 +110,25 @@ def main() -> None:
     p.add_argument("--head", default="main", help="commit B; default %(default)s")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--decode-tokens", type=int, default=64, help="per decode request")
+    p.add_argument("--repeats", type=int, default=1, help="per metric and process; the best")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.dtype)))
+        print(json.dumps(child(args.dtype, args.decode_tokens, args.repeats)))
         return
     with tempfile.TemporaryDirectory(prefix="ab-speed-") as tmp:
         trees = dict(extract(ref, Path(tmp)) for ref in (args.base, args.head))
         (a, tree_a), (b, tree_b) = trees.items()
         for tree in (tree_a, tree_b):  # build each commit's kernels before timing anything
-            run_child(tree, args.dtype)
+            run_child(tree, args)
         runs: dict[str, list[dict[str, float]]] = {a: [], b: []}
         for r in range(args.rounds):
             order = [a, b] if r % 2 == 0 else [b, a]
             for commit in order:
-                runs[commit].append(run_child(trees[commit], args.dtype))
-    result = {"base": a, "head": b, "rounds": args.rounds, "dtype": args.dtype}
+                runs[commit].append(run_child(trees[commit], args))
+    result = {"base": a, "head": b, "rounds": args.rounds, "dtype": args.dtype,
+              "decode_tokens": args.decode_tokens, "repeats": args.repeats}  # fmt: skip
     for m in METRICS:
         va, vb = [x[m] for x in runs[a]], [x[m] for x in runs[b]]
         result[m] = {
