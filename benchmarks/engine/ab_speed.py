@@ -149,6 +149,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--decode-tokens", type=int, default=128, help="per decode request")
+    p.add_argument("--metrics", nargs="+", choices=METRICS, default=list(METRICS))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -159,16 +160,16 @@ def main() -> None:
         (a, tree_a), (b, tree_b) = trees.items()
         workers = {a: Worker(tree_a, args)}  # one at a time: each builds its kernels
         workers[b] = Worker(tree_b, args)
-        runs = {(c, m): [] for c in (a, b) for m in METRICS}
+        runs = {(c, m): [] for c in (a, b) for m in args.metrics}
         for r in range(args.rounds):
-            for m in METRICS:
+            for m in args.metrics:
                 for commit in [a, b] if r % 2 == 0 else [b, a]:
                     runs[commit, m].append(workers[commit].measure(m))
         for w in workers.values():
             w.close()
     result = {"base": a, "head": b, "rounds": args.rounds, "dtype": args.dtype,
               "decode_tokens": args.decode_tokens}  # fmt: skip
-    for m in METRICS:
+    for m in args.metrics:
         result[m] = summary(runs[a, m], runs[b, m])
     print(json.dumps(result))
 
