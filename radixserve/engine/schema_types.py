@@ -114,10 +114,21 @@ class SchemaTypes:
             return {value_key(v) for v in s["enum"]}
         return None
 
+    def objects_only(self, s: Any) -> bool:
+        """Whether the grammar compiled from ``s`` produces objects only: it has type
+        ``object``, or no type and no other keyword before ``properties`` in the grammar
+        compiler's order (xgrammar compiles such a schema as an object)."""
+        if not isinstance(s, dict):
+            return False
+        if "type" in s or set(s) & {"$ref", "const", "enum", "anyOf", "oneOf", "allOf"}:
+            return self.types(s) == {"object"}
+        return bool(set(s) & {"properties", "additionalProperties", "unevaluatedProperties"})
+
     def exclusive(self, a: Any, b: Any) -> bool:
-        """Whether no value is valid against both ``a`` and ``b`` (proved, else False): no
-        common type, disjoint listed values, or two objects that confine a property one of
-        them requires to disjoint listed values (a discriminator)."""
+        """Whether no value the grammar produces for ``a`` is valid against ``b`` and the
+        other way round (proved, else False): no common type, disjoint listed values, or two
+        object schemas that confine a property one of them requires to disjoint listed values
+        (a discriminator)."""
         if not self.types(a) & self.types(b):
             return True
         va, vb = self.finite(a), self.finite(b)
@@ -126,7 +137,7 @@ class SchemaTypes:
         a, b = self.deref(a), self.deref(b)
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return False
-        if self.types(a) != {"object"} or self.types(b) != {"object"}:
+        if not (self.objects_only(a) and self.objects_only(b)):
             return False
         props_a, props_b = a.get("properties"), b.get("properties")
         if not (isinstance(props_a, dict) and isinstance(props_b, dict)):
