@@ -115,3 +115,49 @@ def test_drafts_survive_retraction_and_pages(make_engine, page_size):
     )  # fmt: skip
     assert engine.scheduler.num_retractions > 0
     assert engine.grammar_stats().drafted_tokens > 0
+
+
+def test_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
+    """A request's first draft has FIRST_DRAFT_TOKENS tokens; one kept whole doubles the
+    next, one cut short sizes the next to what was kept (at least 2 tokens), and one of which
+    fewer than 2 tokens were kept pauses drafting for DRAFT_PAUSE draws."""
+    from concurrent.futures import Future
+
+    import xgrammar as xgr
+
+    from radixserve.engine.grammar import (
+        DRAFT_PAUSE,
+        FIRST_DRAFT_TOKENS,
+        GrammarState,
+        GrammarStats,
+    )
+
+    letters = "abcdefghijklmnopqrstuvwxyz" * 2
+    vocab = sorted(set(letters)) + ["lm", "qr", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    compiled = Future()
+    compiled.set_result(xgr.GrammarCompiler(info).compile_regex(letters))
+
+    class Spell:  # the forced text one letter per token, as a tokenizer would draft it
+        def tokens(self, text: str, limit: int) -> list[int]:
+            return [vocab.index(c) for c in text][:limit]
+
+    state = GrammarState(compiled, Spell(), GrammarStats())
+    bitmask = xgr.allocate_token_bitmask(64, len(vocab))
+    state.matcher.accept_token(0)  # the model drew "a"
+    sizes, cuts = [], []
+    for cut_at in (None, None, "l", None, "q"):
+        draft = state.forced_tokens(64)
+        sizes.append(len(draft))
+        state.fill_rows(bitmask, 0, draft)
+        if cut_at is None:  # kept whole; then the model draws the next letter itself
+            state.settle(len(draft), len(draft), draft[-1] + 1)
+        else:  # the model writes "lm" where the draft had "l": the rest is dropped
+            cuts.append(draft.index(vocab.index(cut_at)))
+            state.settle(len(draft), cuts[-1], vocab.index(cut_at + chr(ord(cut_at) + 1)))
+    first = FIRST_DRAFT_TOKENS
+    assert cuts == [2, 0] and sizes == [first, 2 * first, 4 * first, 2, 4]
+    for _ in range(DRAFT_PAUSE):  # after a draft cut at its first token: paused
+        assert state.forced_tokens(64) == []
+        state.settle(0, 0, vocab.index(state.matcher.find_jump_forward_string()[0]))
+    assert len(state.forced_tokens(64)) == 2

@@ -50,6 +50,12 @@ from radixserve.engine.schema_support import UnsupportedSchema, check_schema_sup
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 256
+# Draft sizes (measured in docs/structured-output.md): a request's first draft has
+# FIRST_DRAFT_TOKENS; one kept whole doubles the next, one cut short sizes the next to what
+# was kept, and one of which fewer than MIN_DRAFT_TOKENS were kept pauses drafting for
+# DRAFT_PAUSE draws. Shorter drafts are not made: a step with a draft computes it as a chunk,
+# which costs more than the decode steps a token or two saves.
+FIRST_DRAFT_TOKENS, MIN_DRAFT_TOKENS, DRAFT_PAUSE = 2, 2, 8
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
 
 
@@ -103,6 +109,8 @@ class GrammarState:
         self._drafter, self._stats = drafter, stats
         self._matcher: Any = None
         self._tentative = 0  # draft tokens the matcher went over to fill masks
+        self._draft_limit = FIRST_DRAFT_TOKENS  # sized by how much of the last draft was kept
+        self._pause = 0  # draws left before drafting again
 
     @property
     def ready(self) -> bool:
@@ -142,15 +150,24 @@ class GrammarState:
         self._tentative = 0
         self._stats.drafted_tokens += drafted
         self._stats.forced_tokens += kept
+        if drafted and kept < drafted:
+            self._draft_limit = max(MIN_DRAFT_TOKENS, kept)
+            self._pause = DRAFT_PAUSE if kept < MIN_DRAFT_TOKENS else 0
+        elif drafted and drafted >= self._draft_limit:
+            self._draft_limit = 2 * drafted
+        elif not drafted and self._pause:
+            self._pause -= 1
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
 
     def forced_tokens(self, limit: int) -> list[int]:
         """Tokens for the text the grammar forces next (at most ``limit``; see the module
         docstring)."""
-        if limit <= 0 or self._matcher is None or self._matcher.is_terminated():
+        if limit <= 0 or self._pause or self._matcher is None or self._matcher.is_terminated():
             return []
-        return self._drafter.tokens(self._matcher.find_jump_forward_string(), limit)
+        limit = min(limit, self._draft_limit)
+        draft = self._drafter.tokens(self._matcher.find_jump_forward_string(), limit)
+        return draft if len(draft) >= MIN_DRAFT_TOKENS else []
 
     @property
     def terminated(self) -> bool:
