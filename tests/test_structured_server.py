@@ -177,9 +177,9 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {  # a local $ref
+    "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"],
+    "additionalProperties": False, "$defs": {"zone": {"enum": ["UTC", "CET"]}}}}}  # fmt: skip
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

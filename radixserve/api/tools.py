@@ -172,12 +172,33 @@ def _openai_call(call: Any) -> dict[str, Any]:
     }
 
 
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#``, ``#/...``) pointing below ``base`` instead
+    of its own root, so it keeps its meaning once placed there inside a larger schema."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebased(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
 def _calls_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """One call (or a list of calls) of ``functions``. Each function's parameters sit in the
+    root's ``$defs``, their local references rebased, so ``#/$defs/...`` in a tool's own
+    parameters still resolves inside the combined schema."""
+    defs = {f"tool{i}": _rebased(f["parameters"], f"#/$defs/tool{i}")
+            for i, f in enumerate(functions)}  # fmt: skip
     one = [
         {"type": "object", "properties": {"name": {"const": f["name"]},
-                                          "arguments": f["parameters"]},
+                                          "arguments": {"$ref": f"#/$defs/tool{i}"}},
          "required": ["name", "arguments"], "additionalProperties": False}
-        for f in functions
+        for i, f in enumerate(functions)
     ]  # fmt: skip
     call = one[0] if len(one) == 1 else {"anyOf": one}
-    return {"type": "array", "items": call, "minItems": 1} if parallel else call
+    if parallel:
+        call = {"type": "array", "items": call, "minItems": 1}
+    return {**call, "$defs": defs}
