@@ -99,53 +99,77 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     return tracker
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = ("generate", "chat", "pull", "serve", "router", "ray-serve", "bench", "simulate")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``command`` only that sub-command's parser (each
+    sub-command's module is imported to build its parser: ``serve`` starts sooner without
+    the benchmark's and the router's)."""
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("generate", help="complete one or more prompts and print the results")
-    p.add_argument("prompts", nargs="+", help="prompt text")
-    add_sampling_args(p, max_tokens=128)
-    add_engine_args(p)
-    p.set_defaults(func=cmd_generate, parser=p)
-    p = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal")
-    p.add_argument("--system", help="a system prompt")
-    add_sampling_args(p, max_tokens=512)
-    add_engine_args(p)
-    p.set_defaults(func=cmd_chat, parser=p)
-    from radixserve.model.pull import add_pull_parser
+    wanted = set(COMMANDS) if command is None else {command}
+    if "generate" in wanted:
+        p = sub.add_parser("generate", help="complete one or more prompts and print the results")
+        p.add_argument("prompts", nargs="+", help="prompt text")
+        add_sampling_args(p, max_tokens=128)
+        add_engine_args(p)
+        p.set_defaults(func=cmd_generate, parser=p)
+    if "chat" in wanted:
+        p = sub.add_parser("chat", help="an interactive multi-turn chat in the terminal")
+        p.add_argument("--system", help="a system prompt")
+        add_sampling_args(p, max_tokens=512)
+        add_engine_args(p)
+        p.set_defaults(func=cmd_chat, parser=p)
+    if "pull" in wanted:
+        from radixserve.model.pull import add_pull_parser
 
-    add_pull_parser(sub)
-    try:
-        from radixserve.server.cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
-    try:
-        from radixserve.router.cli import add_router_parser
-    except ImportError:
-        pass
-    else:
-        add_router_parser(sub)
-        from radixserve.server.ray_cli import add_ray_parser  # Ray Serve: replicas and router
+        add_pull_parser(sub)
+    _add_optional_parsers(sub, wanted)
+    if "simulate" in wanted:
+        from radixserve.sim.cli import add_sim_parser
 
-        add_ray_parser(sub)
-    try:
-        from radixserve.bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
-    from radixserve.sim.cli import add_sim_parser
-
-    add_sim_parser(sub)
+        add_sim_parser(sub)
     return parser
 
 
+def _add_optional_parsers(sub: argparse._SubParsersAction, wanted: set[str]) -> None:
+    """The sub-commands whose dependencies are extras (HTTP, Ray, plots): left out of the
+    command line when their modules cannot be imported."""
+    if "serve" in wanted:
+        try:
+            from radixserve.server.cli import add_serve_parser
+        except ImportError:
+            pass
+        else:
+            add_serve_parser(sub)
+    if wanted & {"router", "ray-serve"}:
+        try:
+            from radixserve.router.cli import add_router_parser
+        except ImportError:
+            pass
+        else:
+            if "router" in wanted:
+                add_router_parser(sub)
+            if "ray-serve" in wanted:
+                from radixserve.server.ray_cli import add_ray_parser  # Ray Serve
+
+                add_ray_parser(sub)
+    if "bench" in wanted:
+        try:
+            from radixserve.bench.cli import add_bench_parser
+        except ImportError:
+            pass
+        else:
+            add_bench_parser(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(command)
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --dp passes them on
+    args.argv = argv  # serve --dp passes them on
     return args.func(args.parser, args) or 0
 
 

@@ -108,6 +108,20 @@ def test_penalties_push_a_repeated_token_below_a_fresh_one(params):
     assert logits[0, 5] == 10.0  # the caller's logits are left alone
 
 
+def test_repetition_penalty_applies_once_to_each_seen_token_and_to_no_other():
+    from radixserve.engine.sampler import _apply_penalties
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 64) * 3
+    params = SamplingParams(temperature=0, repetition_penalty=1.3)
+    req = _request_with_history(params, [3, 3, 9, 40], [9, 50, 3])
+    expected = logits[0].clone()
+    for t in (3, 9, 40, 50):  # positive logits divided, negative ones multiplied, once
+        expected[t] = expected[t] / 1.3 if expected[t] > 0 else expected[t] * 1.3
+    _apply_penalties(logits, [req], [0])
+    assert torch.equal(logits[0], expected)
+
+
 def test_frequency_penalty_scales_with_count_presence_does_not():
     logits = torch.zeros((2, 8))
     logits[:, 3], logits[:, 4] = 2.0, 1.0

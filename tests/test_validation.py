@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import subprocess
+import sys
 
 import gguf
 import msgspec
@@ -189,6 +191,34 @@ def test_serve_flags_name_themselves_in_errors(capsys):
         with pytest.raises(SystemExit):
             main(["serve", *argv])
         assert needle in capsys.readouterr().err
+
+
+ONLY_SERVE = """
+import sys
+from radixserve.cli import main
+try:
+    main(["serve", "--port", "-1"])
+except SystemExit:
+    pass
+print(sorted(m for m in ("radixserve.bench.cli", "radixserve.sim.cli", "fastapi", "transformers")
+             if m in sys.modules))
+"""
+
+
+def test_a_command_line_builds_only_its_own_sub_command():
+    """``serve`` parses its flags without importing the benchmark's and simulator's modules
+    or the HTTP stack (those come after the engine process has started); the whole command
+    line still lists every sub-command."""
+    from radixserve.cli import COMMANDS, build_parser
+
+    out = subprocess.run(
+        [sys.executable, "-c", ONLY_SERVE], capture_output=True, text=True, timeout=60
+    )
+    assert "--port must be between 0 and 65535" in out.stderr  # the serve parser ran
+    assert out.stdout.strip() == "[]"
+    parser = build_parser()
+    choices = next(a for a in parser._actions if a.dest == "command").choices
+    assert sorted(choices) == sorted(COMMANDS)
 
 
 def test_generation_defaults_from_hf_directory(tmp_path):

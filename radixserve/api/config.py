@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve.config import parse_bytes
 
+TENANT_HEADER = "x-radixserve-tenant"  # a router's caller, trusted from the admin key only
 SAMPLING_DEFAULT_KEYS = (
     "temperature",
     "top_p",

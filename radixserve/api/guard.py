@@ -19,13 +19,12 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from radixserve.api.config import ServerConfig
+from radixserve.api.config import TENANT_HEADER, ServerConfig
 from radixserve.api.errors import ApiError
 
 OPEN_PATHS = ("/health",)
 # /kv_events leads to a stream of every tenant's prompt token ids: as sensitive as the prompts
 ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/", "/kv_events")
-TENANT_HEADER = "x-radixserve-tenant"  # a router's caller, trusted from the admin key only
 
 
 def key_tenant(key: str) -> str:

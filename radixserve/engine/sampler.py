@@ -15,6 +15,7 @@ to the first row whose token differs from it and takes that row's token as its n
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from radixserve.engine.grammar import apply_masks
@@ -30,11 +31,10 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request], first: list[int]
         if not p.needs_penalties:
             continue
         row = logits[first[i]]
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.from_numpy(r.token_ids.astype("int64")).to(logits.device)] = True
-            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalised, row))
+        if p.repetition_penalty != 1.0:  # each token seen once or more, once
+            seen = torch.from_numpy(np.unique(r.token_ids).astype(np.int64)).to(logits.device)
+            vals, penalty = row[seen], p.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
         if p.frequency_penalty or p.presence_penalty:
             out = torch.tensor(r.output_ids, dtype=torch.int64, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)

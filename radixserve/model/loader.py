@@ -133,5 +133,5 @@ def load_model(
         for k in quantized:
             weights[k] = weights[k].dequantize(torch_dtype)
     llama = build_model(config, weights, device, torch_dtype)
-    tokenizer = Tokenizer.from_model_path(path, config.eos_token_ids)
+    tokenizer = Tokenizer.deferred(path, config.eos_token_ids)
     return LoadedModel(model=llama, tokenizer=tokenizer, path=path, name=config.name)

@@ -4,12 +4,22 @@ A thin wrapper over a transformers fast tokenizer (transformers builds one from 
 and merges stored in a GGUF file, and takes the chat template from it too). Chat prompts are
 rendered to text by the template and then encoded without adding special tokens again, since
 the template writes them itself.
+
+Building a tokenizer from GGUF metadata takes seconds, so the result is kept on disk and later
+loads read it back as transformers' generic fast tokenizer: everything it does is in the saved
+``tokenizer.json`` and ``tokenizer_config.json``, and the generic class skips importing
+transformers' table of model-specific classes and rebuilding the vocabulary in Python.
+
+``deferred`` gives a GGUF file's tokenizer that is built on first use: the engine process needs
+only the stop ids, which the file itself names, until a request asks for a grammar.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,37 +27,45 @@ from radixserve.utils import cache_dir
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
-        self.hf = hf_tokenizer
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        eos_token_ids: list[int],
+        build: Callable[[], Any] | None = None,
+    ):
+        """``hf_tokenizer`` None: ``build`` makes it on first use (see ``deferred``)."""
+        self._hf, self._build, self._lock = hf_tokenizer, build, threading.Lock()
+        hf_eos = hf_tokenizer.eos_token_id if hf_tokenizer is not None else None
         self.eos_token_ids = list(
-            dict.fromkeys(
-                [
-                    *eos_token_ids,
-                    *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []),
-                ]
-            )
+            dict.fromkeys([*eos_token_ids, *([hf_eos] if hf_eos is not None else [])])
         )
-        self.vocab_size = len(hf_tokenizer)
 
     @classmethod
     def from_model_path(cls, path: Path, eos_token_ids: list[int]) -> Tokenizer:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging
+        return cls(_load_hf(path), eos_token_ids)
 
-        logging.set_verbosity_error()
+    @classmethod
+    def deferred(cls, path: Path, eos_token_ids: list[int]) -> Tokenizer:
+        """A GGUF file's tokenizer, built on first use. ``eos_token_ids`` are the file's own
+        stop ids (``tokenizer.ggml.eos_token_id`` and its end-of-turn id): the tokenizer built
+        from the file takes its end-of-sequence token from the same field, so they are
+        complete without building it. An HF directory's tokenizer is built at once."""
         if path.is_dir():
-            return cls(AutoTokenizer.from_pretrained(str(path)), eos_token_ids)
-        # Building a tokenizer from GGUF metadata takes seconds; keep the result on disk.
-        cached = _tokenizer_cache_dir(path)
-        if cached is not None and (cached / "tokenizer.json").is_file():
-            return cls(AutoTokenizer.from_pretrained(str(cached)), eos_token_ids)
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        if cached is not None:
-            try:
-                hf.save_pretrained(str(cached))
-            except OSError:
-                pass  # an unwritable cache only costs time
-        return cls(hf, eos_token_ids)
+            return cls.from_model_path(path, eos_token_ids)
+        return cls(None, eos_token_ids, build=lambda: _load_hf(path))
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (built now if it was deferred)."""
+        if self._hf is None:
+            with self._lock:
+                if self._hf is None:
+                    self._hf = self._build()
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
@@ -84,6 +102,31 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+
+def _load_hf(path: Path) -> Any:
+    """The transformers tokenizer of a GGUF file or an HF directory."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    cached = _tokenizer_cache_dir(path)
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if cached is not None:
+        try:
+            hf.save_pretrained(str(cached))
+        except OSError:
+            pass  # an unwritable cache only costs time
+    return hf
 
 
 def _tokenizer_cache_dir(gguf_path: Path) -> Path | None:

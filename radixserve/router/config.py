@@ -26,8 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.api.config import ServerConfig
-from radixserve.api.guard import TENANT_HEADER
+from radixserve.api.config import TENANT_HEADER, ServerConfig
 from radixserve.cli_options import flag
 from radixserve.config import parse_bytes
 

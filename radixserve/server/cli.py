@@ -16,11 +16,18 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
 from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from radixserve.model.generation_defaults import GenerationDefaults
+    from radixserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger("radixserve")
 
@@ -225,12 +232,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 async def serve(
     config: EngineConfig, server_config: ServerConfig, sock: socket.socket, log_level: str
 ) -> int:
-    import uvicorn
-
-    from radixserve.model.generation_defaults import generation_defaults
     from radixserve.model.loader import ModelNotFoundError, resolve_model_path
-    from radixserve.model.tokenizer import Tokenizer
-    from radixserve.server.app import create_app
     from radixserve.server.engine_client import EngineClient, EngineDeadError
 
     try:
@@ -247,15 +249,19 @@ async def serve(
         on_give_up=gave_up.set,
     )
     try:
+        # the engine process starts first; this side imports its HTTP stack and builds its
+        # tokenizer while the engine loads the model
         start = asyncio.create_task(client.start())
-        tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, model_path, [])
+        await asyncio.sleep(0)  # start() spawns the engine before the imports below begin
+        tokenizer, sampling = await asyncio.to_thread(_http_side, model_path)
         info = await start
     except EngineDeadError as e:
         print(f"radixserve serve: error: {e}", file=sys.stderr)
         await client.close()
         return 1
+    from radixserve.server.app import create_app
+
     server_config.served_model_name = server_config.served_model_name or info.model_name
-    sampling = generation_defaults(model_path)
     sampling.values.update(server_config.default_sampling)
     if server_config.default_sampling:
         sampling.source += " and --default-sampling"
@@ -274,6 +280,8 @@ async def serve(
         where = f"; KV transfer endpoint {d.endpoint}" if d.endpoint else ""
         log.info("disaggregation mode %s%s", d.mode, where)
     log.info("default sampling: %s", sampling.describe())
+    import uvicorn
+
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -297,6 +305,17 @@ async def serve(
         print(f"radixserve serve: error: {client.dead}", file=sys.stderr)
         return 1
     return 0
+
+
+def _http_side(model_path: Path) -> tuple[Tokenizer, GenerationDefaults]:
+    """The HTTP process's own start-up: its modules, the tokenizer, the sampling defaults."""
+    import uvicorn  # noqa: F401  (imported here, off the path to the engine's start)
+
+    import radixserve.server.app  # noqa: F401
+    from radixserve.model.generation_defaults import generation_defaults
+    from radixserve.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_model_path(model_path, []), generation_defaults(model_path)
 
 
 async def _exit_when(event: asyncio.Event, server) -> None:
