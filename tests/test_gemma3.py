@@ -229,3 +229,30 @@ def test_real_gemma3_270m_matches_transformers():
     for pos in range(n - 3, n):
         logits = run.step(decode=[(ids[pos], pos, torch.arange(pos + 1))])
         assert_close(logits[0], ref[pos], 0.1)
+
+
+def test_bfloat16_logits_are_not_rounded_to_bfloat16(tmp_path):
+    """A bfloat16 model's logits come from a float32 final norm and LM head: rounded to
+    bfloat16 (steps of 0.125 between 16 and 32) they would tie the best candidates, which
+    greedy decoding then breaks by token id. Their values lie near the float32 model's."""
+    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.loader import build_model
+    from radixserve.model.quant import QuantizedWeight
+
+    hf = make_hf(tmp_path / "hf", "Gemma3TextConfig", seed=5,
+                 **{**GEMMA, "query_pre_attn_scalar": 32})  # fmt: skip
+    write_llama_gguf(hf, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    logits = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = build_model(*load_gguf(tmp_path / "tiny.gguf", dtype, progress=False),
+                            dtype=dtype)  # fmt: skip
+        assert isinstance(model.lm_head, QuantizedWeight)
+        logits[dtype] = Runner(model).step(
+            prefill=[(torch.tensor(PROMPT), 0, torch.arange(len(PROMPT)), True)],
+            all_logits=True,
+        )
+    ours = logits[torch.bfloat16]
+    assert ours.dtype == torch.float32
+    rounded = (ours == ours.bfloat16().float()).float().mean().item()
+    assert rounded < 0.2, f"{rounded:.0%} of the logits are bfloat16 values"
+    assert_close(ours, logits[torch.float32], 0.5)

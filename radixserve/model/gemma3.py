@@ -57,8 +57,7 @@ class Gemma3Model(LlamaModel):
         ropes = (self._rope(batch.positions), self._rope(batch.positions, self.local_rope))
         for i in range(len(self.layers)):
             h = self._layer(i, h, ropes, batch, pool)
-        last = self._rms_norm(h[batch.logits_indices], self.norm)
-        return linear(last, self.lm_head).float()
+        return self._logits(h[batch.logits_indices])
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super()._embed(input_ids) * self.embed_scale

@@ -178,8 +178,18 @@ class LlamaModel:
         rope = self._rope(batch.positions)
         for i in range(len(self.layers)):
             h = self._layer(i, h, rope, batch, pool)
-        last = self._rms_norm(h[batch.logits_indices], self.norm)
-        return linear(last, self.lm_head).float()
+        return self._logits(h[batch.logits_indices])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final hidden rows ``h``. The final norm and a quantized LM
+        head run in float32 whatever the model dtype: logits rounded to bfloat16 (steps of
+        0.125 between 16 and 32) tie the best candidates, and greedy decoding then picks by
+        token id. A dense LM head multiplies in the model's dtype (a float32 copy would
+        double its memory)."""
+        x = self._rms_norm(h.float(), self.norm)
+        if isinstance(self.lm_head, QuantizedWeight):
+            return self.lm_head.matmul(x)
+        return F.linear(x.to(self.dtype), self.lm_head).float()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):
