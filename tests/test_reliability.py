@@ -84,7 +84,7 @@ def raw_gen(sampling: str) -> str:
 
 
 SURROGATE_CHAT = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
-ISSUE_CASES = [
+BAD_INPUTS = [
     # (path, body: a dict or raw JSON text, the parameter the 400 must name)
     (CHAT_PATH, {**CHAT_BODY, "temperature": 1, "top_k": HUGE}, "top_k"),
     (CMPL, {"prompt": "hi", "temperature": 1, "top_k": HUGE}, "top_k"),
@@ -105,8 +105,8 @@ ISSUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,body,param", ISSUE_CASES)
-def test_issue_cases_fail_alone_with_a_short_400(url, path, body, param):
+@pytest.mark.parametrize("path,body,param", BAD_INPUTS)
+def test_each_bad_input_fails_alone_with_a_short_400(url, path, body, param):
     error = assert_error(post(url, path, body), 400, "")
     assert param in (error["param"] or "") or param in error["message"]
     assert_healthy(url)

@@ -7,8 +7,8 @@ at a time, short ones 4 at a time: a workload unlike the two compared), then run
 ``radixserve bench`` workloads against it (shared system prompts; few-shot prompts) and
 simulate the same workloads. A trace carries what a request generates, so the simulated
 requests generate as many tokens as the real ones did; everything else (cache hits, queueing,
-step times) is the simulator's prediction. The issue's bar: hit rate within 2 percentage
-points and TTFT p50 within 20% of the real run. This shared machine's speed drifts by 10-40%
+step times) is the simulator's prediction. The bar: hit rate within 2 percentage
+points and TTFT p50 within 20% of the real run. A shared machine's speed drifts by 10-40%
 from one minute to the next, so the whole cycle (calibration, then both workloads, each
 simulated with that calibration) runs three times and the medians over the rounds are
 compared; every round's hit rates must match.

@@ -8,8 +8,8 @@
 - What users see: the usage split in chat responses, per-tier counters in ``/metrics``, the
   tiers in ``/cache``.
 
-Each starts two server processes (about 20-45 s per test on 2 cores); both run in CI, as the
-issue asks. ``test_tiered_engine.py`` covers the same paths one layer down.
+Each starts two server processes (about 20-45 s per test on 2 cores); both run in CI.
+``test_tiered_engine.py`` covers the same paths one layer down.
 
 Turns are sent as token ids to ``/generate`` (the random tiny model's text need not
 re-tokenize to the same ids, which would end a text chat's match inside the answer).

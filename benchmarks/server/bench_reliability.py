@@ -3,7 +3,7 @@
 1. ``/health`` latency (max and p99 of back-to-back probes) while a 10 MB prompt is being
    refused (413 by its Content-Length) and while a 4 MB prompt, just under the default
    body limit, is tokenized (on the worker thread) and refused as longer than the context.
-2. Every case of the issue sent once: each must be a 400, and the engine must not restart.
+2. Every bad-input case sent once: each must be a 400, and the engine must not restart.
 3. ``kill -9`` of the engine process while two requests run: seconds until the clients get
    their error, and until ``/health`` answers 200 again (the engine restarted).
 
