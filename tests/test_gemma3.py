@@ -229,3 +229,73 @@ def test_real_gemma3_270m_matches_transformers():
     for pos in range(n - 3, n):
         logits = run.step(decode=[(ids[pos], pos, torch.arange(pos + 1))])
         assert_close(logits[0], ref[pos], 0.1)
+
+
+def test_bfloat16_logits_are_not_rounded_to_bfloat16(tmp_path):
+    """A bfloat16 model's logits come from a float32 final norm and LM head: rounded to
+    bfloat16 (steps of 0.125 between 16 and 32) they would tie the best candidates, which
+    greedy decoding then breaks by token id. Their values lie near the float32 model's."""
+    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.loader import build_model
+    from radixserve.model.quant import QuantizedWeight
+
+    hf = make_hf(tmp_path / "hf", "Gemma3TextConfig", seed=5,
+                 **{**GEMMA, "query_pre_attn_scalar": 32})  # fmt: skip
+    write_llama_gguf(hf, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    logits = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = build_model(*load_gguf(tmp_path / "tiny.gguf", dtype, progress=False),
+                            dtype=dtype)  # fmt: skip
+        assert isinstance(model.lm_head, QuantizedWeight)
+        logits[dtype] = Runner(model).step(
+            prefill=[(torch.tensor(PROMPT), 0, torch.arange(len(PROMPT)), True)],
+            all_logits=True,
+        )
+    ours = logits[torch.bfloat16]
+    assert ours.dtype == torch.float32
+    rounded = (ours == ours.bfloat16().float()).float().mean().item()
+    assert rounded < 0.2, f"{rounded:.0%} of the logits are bfloat16 values"
+    assert_close(ours, logits[torch.float32], 0.5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_native_decoder_equals_the_op_by_op_path(arch, tmp_path, monkeypatch):
+    """Decode steps of two sequences run in one native call (q/k norms; Gemma's output norms,
+    GeGLU, scaled embeddings, local layers with their own RoPE reading the window only) and
+    equal the PyTorch path's, from the Q8_0 file and dense; well past the 5-token window."""
+    from radixserve.model import native
+    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.loader import build_model
+
+    if native.paged_ops() is None:
+        pytest.skip("the native kernels did not build on this machine")
+    if arch == "gemma3":
+        hf = make_hf(tmp_path / "hf", "Gemma3TextConfig", seed=6,
+                     **{**GEMMA, "query_pre_attn_scalar": 32})  # fmt: skip
+    else:
+        hf = make_hf(tmp_path / "hf", "Qwen3Config", seed=6, **QWEN3)
+    write_llama_gguf(hf, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    prompts = [PROMPT[:4], PROMPT[7:16]]
+    slots = [torch.arange(0, 30), torch.randperm(200)[100:130]]
+    for quantization in ("auto", "none"):
+        model = build_model(*load_gguf(tmp_path / "tiny.gguf", progress=False,
+                                       quantization=quantization))  # fmt: skip
+        runs = []
+        for native_on in (True, False):
+            run = Runner(model)
+            with monkeypatch.context() as patch:
+                if not native_on:
+                    patch.setattr(native, "paged_ops", lambda: None)
+                run.step(prefill=[(torch.tensor(p), 0, s[: len(p)], False)
+                                  for p, s in zip(prompts, slots, strict=True)])  # fmt: skip
+                steps = []
+                for k in range(12):
+                    decode = [(PROMPT[(len(p) + k) % len(PROMPT)], len(p) + k, s[: len(p) + k + 1])
+                              for p, s in zip(prompts, slots, strict=True)]  # fmt: skip
+                    steps.append(run.step(decode=decode))
+            runs.append(torch.stack(steps))
+            if native_on:  # it did run natively
+                assert model._native is not None and model._native[1] is not None
+                model._native = None
+        fast, slow = runs
+        assert (fast - slow).abs().max() < 1e-3 * slow.abs().max(), quantization

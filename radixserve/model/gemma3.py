@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,8 @@ NORMS = ("input_norm", "post_norm", "pre_ffn_norm", "post_ffn_norm", "q_norm", "
 
 
 class Gemma3Model(LlamaModel):
+    mlp_norm = "pre_ffn_norm"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -49,19 +53,23 @@ class Gemma3Model(LlamaModel):
                 layer[key] = (layer[key].float() + 1).to(dtype)
         self.norm = (self.norm.float() + 1).to(dtype)
         self.local_rope = self._rope_tables(rope_inv_freq(config, None, local=True))
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype)
+        self.embed_scale = config.hidden_size**0.5  # applied in float32, as llama.cpp does
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool) -> torch.Tensor:
-        h = self._embed(batch.input_ids)
-        ropes = (self._rope(batch.positions), self._rope(batch.positions, self.local_rope))
-        for i in range(len(self.layers)):
-            h = self._layer(i, h, ropes, batch, pool)
-        last = self._rms_norm(h[batch.logits_indices], self.norm)
-        return linear(last, self.lm_head).float()
+    def _layer_ropes(self, positions: torch.Tensor) -> tuple[RopeAt, RopeAt]:
+        return self._rope(positions), self._rope(positions, self.local_rope)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super()._embed(input_ids) * self.embed_scale
+        return (super()._embed(input_ids).float() * self.embed_scale).to(self.dtype)
+
+    def native_extras(self) -> dict[str, Any]:
+        keys = ("post_norm", "post_ffn_norm")
+        return super().native_extras() | {
+            "out_norms": [layer[k] for layer in self.layers for k in keys],
+            "local_cos": self.local_rope[0].float().contiguous(),
+            "local_sin": self.local_rope[1].float().contiguous(),
+            "embed_scale": self.embed_scale,
+            "gelu": True,
+        }
 
     def _mlp_input(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

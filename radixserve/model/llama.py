@@ -79,6 +79,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
+    mlp_norm = "post_norm"  # the layer's norm before its MLP
+
     def __init__(
         self,
         config: ModelConfig,
@@ -151,6 +153,13 @@ class LlamaModel:
         """The RoPE tables as the native decoder wants them (same values as ours)."""
         return self.rope_cos.float(), self.rope_sin.float()
 
+    def native_extras(self) -> dict[str, Any]:
+        """The native decoder's arguments beyond a Llama layer's (``native_decode.py``)."""
+        extras: dict[str, Any] = {"windows": [w or 0 for w in self.windows]}
+        if self.config.qk_norm:
+            extras["qk_norms"] = [layer[k] for layer in self.layers for k in ("q_norm", "k_norm")]
+        return extras
+
     def kv_shape(self) -> KVShape:
         c = self.config
         return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
@@ -175,11 +184,25 @@ class LlamaModel:
             if decoder is not None:
                 return decoder.forward(batch, pool)
         h = self._embed(batch.input_ids)
-        rope = self._rope(batch.positions)
+        rope = self._layer_ropes(batch.positions)
         for i in range(len(self.layers)):
             h = self._layer(i, h, rope, batch, pool)
-        last = self._rms_norm(h[batch.logits_indices], self.norm)
-        return linear(last, self.lm_head).float()
+        return self._logits(h[batch.logits_indices])
+
+    def _layer_ropes(self, positions: torch.Tensor) -> Any:
+        """The RoPE of a batch's rows as ``_layer`` takes it (Gemma 3: one per kind of layer)."""
+        return self._rope(positions)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the final hidden rows ``h``. The final norm and a quantized LM
+        head run in float32 whatever the model dtype: logits rounded to bfloat16 (steps of
+        0.125 between 16 and 32) tie the best candidates, and greedy decoding then picks by
+        token id. A dense LM head multiplies in the model's dtype (a float32 copy would
+        double its memory)."""
+        x = self._rms_norm(h.float(), self.norm)
+        if isinstance(self.lm_head, QuantizedWeight):
+            return self.lm_head.matmul(x)
+        return F.linear(x.to(self.dtype), self.lm_head).float()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):

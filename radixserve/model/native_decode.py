@@ -2,11 +2,12 @@
 
 A step of decode tokens only (no prompt chunk) on CPU goes here when the native kernels are
 built and the model fits them: weights block-quantized (any ``quant.py`` format, stacks
-included) or dense float32, head
-dim a multiple of 16, inputs of every matrix a multiple of 32. Anything else (CUDA, bf16
-dense weights, no compiler) returns None from ``for_model`` and the step runs op by op in
-``llama.py``, which computes the same function. The native stack keeps float32 activations
-whatever the model dtype; the KV pool keeps its own dtype.
+included) or dense float32, head dim a multiple of 16 up to 256, inputs of every matrix a
+multiple of 32. Llama-family layers and Qwen3's and Gemma 3's (their parts beyond a Llama
+layer come from the model's ``native_extras``: q/k norms, output norms, GeGLU, windows).
+Anything else (CUDA, bf16 dense weights, no compiler) returns None from ``for_model`` and the
+step runs op by op in ``llama.py``, which computes the same function. The native stack keeps
+float32 activations whatever the model dtype; the KV pool keeps its own dtype.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class NativeDecoder:
             n, k = w.shape
             return ops.QWeight(0, n, k, w.float().contiguous(), None, None)
 
-        norms = [_f32(layer[key]) for layer in layers for key in ("input_norm", "post_norm")]
+        norms = [_f32(layer[key]) for layer in layers for key in ("input_norm", model.mlp_norm)]
         norms.append(_f32(model.norm))
+        extras = {k: [_f32(t) for t in v] if k.endswith("norms") else v
+                  for k, v in model.native_extras().items()}  # fmt: skip
         biases = [None if layer["qkv_bias"] is None else _f32(layer["qkv_bias"])
                   for layer in layers]  # fmt: skip
         cos, sin = (_f32(t) for t in model.rope_tables_float32())
@@ -48,7 +51,8 @@ class NativeDecoder:
             c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
             [view(layer["qkv"]) for layer in layers], [view(layer["o"]) for layer in layers],
             [view(layer["gate_up"]) for layer in layers], [view(layer["down"]) for layer in layers],
-            norms, biases, view(model.embed), view(model.lm_head), cos, sin,
+            norms, biases, view(model.embed), view(model.lm_head), cos, sin, model.scale,
+            **extras,
         )  # fmt: skip
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -65,9 +69,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def supported(model: LlamaModel) -> bool:
     c = model.config
-    if model.device.type != "cpu" or c.head_dim % 16 or c.hidden_size % 32:
-        return False
-    if c.qk_norm or c.sliding_layers:  # layers the native stack does not compute
+    if model.device.type != "cpu" or c.head_dim % 16 or c.head_dim > 256 or c.hidden_size % 32:
         return False
     matrices = [model.embed, model.lm_head]
     for layer in model.layers:

@@ -199,7 +199,10 @@ class Decoder {
   Decoder(int64_t heads, int64_t kv_heads, int64_t dim, double eps, std::vector<QWeight> qkv,
           std::vector<QWeight> o, std::vector<QWeight> gate_up, std::vector<QWeight> down,
           std::vector<torch::Tensor> norms, std::vector<std::optional<torch::Tensor>> qkv_bias,
-          QWeight embed, QWeight lm_head, torch::Tensor cos, torch::Tensor sin)
+          QWeight embed, QWeight lm_head, torch::Tensor cos, torch::Tensor sin, double scale,
+          std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> out_norms,
+          std::vector<int64_t> windows, std::optional<torch::Tensor> local_cos,
+          std::optional<torch::Tensor> local_sin, double embed_scale, bool gelu)
       : keep_{qkv, o, gate_up, down, {embed, lm_head}}, tensors_(norms), cos_(cos), sin_(sin) {
     const int64_t L = static_cast<int64_t>(qkv.size());
     w_.layers = L;
@@ -207,6 +210,9 @@ class Decoder {
     w_.kv_heads = kv_heads;
     w_.dim = dim;
     w_.eps = static_cast<float>(eps);
+    w_.scale = static_cast<float>(scale);
+    w_.embed_scale = static_cast<float>(embed_scale);
+    w_.gelu = gelu;
     w_.hidden = embed.view.k;
     w_.inter = down.at(0).view.k;
     w_.embed = embed.view;
@@ -250,6 +256,7 @@ class Decoder {
     w_.max_pos = cos.size(0);
     w_.cos = cos.data_ptr<float>();
     w_.sin = sin.data_ptr<float>();
+    extras(L, dim, qk_norms, out_norms, windows, local_cos, local_sin);
   }
 
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
@@ -293,6 +300,42 @@ class Decoder {
   }
 
  private:
+  // Qwen3's and Gemma 3's parts, each empty (or none) where the model has none
+  void extras(int64_t L, int64_t dim, const std::vector<torch::Tensor>& qk_norms,
+              const std::vector<torch::Tensor>& out_norms, std::vector<int64_t> windows,
+              const std::optional<torch::Tensor>& local_cos,
+              const std::optional<torch::Tensor>& local_sin) {
+    TORCH_CHECK(qk_norms.empty() || (int64_t)qk_norms.size() == 2 * L, "q and k norms: two per layer, or none");
+    TORCH_CHECK(out_norms.empty() || (int64_t)out_norms.size() == 2 * L, "output norms: two per layer, or none");
+    for (const auto& n : qk_norms) {
+      TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.is_contiguous() && n.numel() == dim,
+                  "q and k norm weights: contiguous float32 [head_dim]");
+      tensors_.push_back(n);
+      w_.qk_norms.push_back(n.data_ptr<float>());
+    }
+    for (const auto& n : out_norms) {
+      TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.is_contiguous() && n.numel() == w_.hidden,
+                  "output norm weights: contiguous float32 [hidden]");
+      tensors_.push_back(n);
+      w_.out_norms.push_back(n.data_ptr<float>());
+    }
+    if (windows.empty()) windows.assign(L, 0);
+    TORCH_CHECK((int64_t)windows.size() == L, "windows: one per layer");
+    for (int64_t win : windows) TORCH_CHECK(win >= 0, "windows: 0 (all keys) or positive");
+    w_.windows = windows;
+    TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "local RoPE tables: both or neither");
+    if (local_cos.has_value()) {
+      TORCH_CHECK(local_cos->sizes() == cos_.sizes() && local_sin->sizes() == cos_.sizes() &&
+                      local_cos->scalar_type() == torch::kFloat32 && local_sin->scalar_type() == torch::kFloat32 &&
+                      local_cos->is_contiguous() && local_sin->is_contiguous(),
+                  "local RoPE tables: contiguous float32, shaped as the global ones");
+      tensors_.push_back(*local_cos);
+      tensors_.push_back(*local_sin);
+      w_.local_cos = local_cos->data_ptr<float>();
+      w_.local_sin = local_sin->data_ptr<float>();
+    }
+  }
+
   std::vector<std::vector<QWeight>> keep_;
   std::vector<torch::Tensor> tensors_;
   torch::Tensor cos_, sin_;
@@ -413,7 +456,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, std::vector<rs::QWeight>, std::vector<rs::QWeight>,
                     std::vector<rs::QWeight>, std::vector<rs::QWeight>, std::vector<torch::Tensor>,
                     std::vector<std::optional<torch::Tensor>>, rs::QWeight, rs::QWeight, torch::Tensor,
-                    torch::Tensor>())
+                    torch::Tensor, double, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<int64_t>, std::optional<torch::Tensor>, std::optional<torch::Tensor>,
+                    double, bool>(),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("dim"), py::arg("eps"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("norms"), py::arg("qkv_bias"),
+           py::arg("embed"), py::arg("lm_head"), py::arg("cos"), py::arg("sin"), py::arg("scale"),
+           py::arg("qk_norms") = std::vector<torch::Tensor>{},
+           py::arg("out_norms") = std::vector<torch::Tensor>{},
+           py::arg("windows") = std::vector<int64_t>{}, py::arg("local_cos") = py::none(),
+           py::arg("local_sin") = py::none(), py::arg("embed_scale") = 1.0, py::arg("gelu") = false)
       .def("forward", &rs::Decoder::forward, nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
   m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());

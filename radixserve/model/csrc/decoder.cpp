@@ -4,7 +4,12 @@
 // (about 20 small ops per layer); here each layer is: RMSNorm -> QKV matmul (+bias) -> RoPE
 // -> K/V written to the pool -> attention over each sequence's slots -> output matmul added
 // to the residual -> RMSNorm -> gate/up matmul -> SiLU(gate) * up -> down matmul added to the
-// residual; then the final norm and the LM head. The arithmetic matches llama.py's forward:
+// residual; then the final norm and the LM head. Qwen3 and Gemma 3 add to it (each where its
+// weights are given): q and k RMS-normed per head before RoPE; the embeddings scaled; the
+// outputs of attention and of the MLP RMS-normed before the residual add; GELU-tanh for SiLU;
+// layers attending over a window of the last W keys only (a decode token at context index
+// i sees i - W < j <= i), with their own RoPE tables. The arithmetic matches llama.py's and
+// gemma3.py's forward:
 // float32 activations, rotate-half RoPE from float32 tables, softmax in float32; batches of 8
 // sequences or more round the matmuls' inputs to int8 per block (gemm_int8_lanes), as
 // llama.cpp does for every matmul, unless RADIXSERVE_INT8_LANES=0. Weights are
@@ -129,18 +134,22 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
                float* attn) {
   const int64_t G = w.heads / w.kv_heads, D = w.dim, B = batch.size, S = batch.slots;
   const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float scale = w.scale;
+  const int64_t window = w.windows[l];
   const T* kp = static_cast<const T*>(batch.k_pool);
   const T* vp = static_cast<const T*>(batch.v_pool);
   at::parallel_for(0, B * w.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // a plain local: no TLS lookup in the loops below
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / w.kv_heads, h = task % w.kv_heads, n = batch.lens[b];
+      const int64_t b = task / w.kv_heads, h = task % w.kv_heads;
+      // a windowed layer reads the last `window` slots of the context only
+      const int64_t start = window > 0 ? std::max<int64_t>(0, batch.lens[b] - window) : 0;
+      const int64_t n = batch.lens[b] - start;
       scores.resize(G * n);
       const float* q = qkv + b * qkv_n + h * G * D;
       const T* kbase = kp + (l * w.kv_heads + h) * S * D;
       const T* vbase = vp + (l * w.kv_heads + h) * S * D;
-      const int64_t* sl = batch.ctx + b * batch.ctx_stride;
+      const int64_t* sl = batch.ctx + b * batch.ctx_stride + start;
       float* o = attn + b * w.heads * D + h * G * D;
       switch (D) {  // head_dim is a multiple of 16 up to 256 (checked by the bindings)
         case 64: attend<8>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
@@ -153,39 +162,69 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
   });
 }
 
+// q, k of one row after the QKV matmul: bias, per-head norms, RoPE; then K and V to the pool
+template <typename T>
+void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64_t b, float* row,
+             T* kp, T* vp) {
+  const int64_t D = w.dim, q_size = w.heads * D, kv_size = w.kv_heads * D;
+  if (const float* bias = w.qkv_bias[l])
+    for (int64_t i = 0; i < q_size + 2 * kv_size; ++i) row[i] += bias[i];
+  if (!w.qk_norms.empty()) {  // in place: each head's sum of squares is taken first
+    rms_norm_rows(row, w.qk_norms[2 * l], w.heads, D, w.eps, row);
+    rms_norm_rows(row + q_size, w.qk_norms[2 * l + 1], w.kv_heads, D, w.eps, row + q_size);
+  }
+  const bool local = w.windows[l] > 0 && w.local_cos != nullptr;
+  const float* cos = (local ? w.local_cos : w.cos) + batch.positions[b] * D;
+  const float* sin = (local ? w.local_sin : w.sin) + batch.positions[b] * D;
+  rope_row(row, w.heads + w.kv_heads, D, cos, sin);  // q, then k
+  for (int64_t h = 0; h < w.kv_heads; ++h) {
+    const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
+    for (int64_t i = 0; i < D; ++i) {
+      kp[off + i] = from_float<T>(row[q_size + h * D + i]);
+      vp[off + i] = from_float<T>(row[q_size + kv_size + h * D + i]);
+    }
+  }
+}
+
+// h += x @ W^T, or (Gemma) h += RMSNorm(x @ W^T) * norm, through the scratch row buffer y
+void add_output(const float* x, int64_t B, const WeightView& wv, const float* norm, float eps,
+                float* h, float* y, int64_t H, bool int8) {
+  if (norm == nullptr) {
+    qgemm(x, B, wv, h, true, int8);
+    return;
+  }
+  qgemm(x, B, wv, y, false, int8);
+  add_rms_norm_rows(y, norm, B, H, eps, h);
+}
+
 template <typename T>
 void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s, bool int8) {
   const int64_t B = batch.size, D = w.dim, H = w.hidden, I = w.inter;
-  const int64_t q_size = w.heads * D, kv_size = w.kv_heads * D, qkv_n = q_size + 2 * kv_size;
+  const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
+  const bool sandwich = !w.out_norms.empty();
   T* kp = static_cast<T*>(batch.k_pool);
   T* vp = static_cast<T*>(batch.v_pool);
   for (int64_t l = 0; l < w.layers; ++l) {
     rms_norm_rows(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
     qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false, int8);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        float* row = s.qkv.data() + b * qkv_n;
-        if (const float* bias = w.qkv_bias[l])
-          for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
-        const int64_t pos = batch.positions[b];
-        rope_row(row, w.heads + w.kv_heads, D, w.cos + pos * D, w.sin + pos * D);  // q, then k
-        for (int64_t h = 0; h < w.kv_heads; ++h) {
-          const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
-          for (int64_t i = 0; i < D; ++i) {
-            kp[off + i] = from_float<T>(row[q_size + h * D + i]);
-            vp[off + i] = from_float<T>(row[q_size + kv_size + h * D + i]);
-          }
-        }
-      }
+      for (int64_t b = b0; b < b1; ++b) qkv_row<T>(w, l, batch, b, s.qkv.data() + b * qkv_n, kp, vp);
     });
     attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
-    qgemm(s.attn.data(), B, w.o[l], s.h.data(), true, int8);
+    add_output(s.attn.data(), B, w.o[l], sandwich ? w.out_norms[2 * l] : nullptr, w.eps,
+               s.h.data(), s.x.data(), H, int8);
     rms_norm_rows(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
     qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false, int8);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      silu_mul_rows(s.gu.data() + b0 * 2 * I, b1 - b0, I, s.act.data() + b0 * I);
+      const float* gu = s.gu.data() + b0 * 2 * I;
+      float* act = s.act.data() + b0 * I;
+      if (w.gelu)
+        gelu_tanh_mul_rows(gu, b1 - b0, I, act);
+      else
+        silu_mul_rows(gu, b1 - b0, I, act);
     });
-    qgemm(s.act.data(), B, w.down[l], s.h.data(), true, int8);
+    add_output(s.act.data(), B, w.down[l], sandwich ? w.out_norms[2 * l + 1] : nullptr, w.eps,
+               s.h.data(), s.x.data(), H, int8);
   }
 }
 
@@ -201,6 +240,8 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
   s.gu.resize(B * 2 * w.inter);
   s.act.resize(B * w.inter);
   for (int64_t b = 0; b < B; ++b) dequant_rows(w.embed, batch.ids[b], 1, s.h.data() + b * H);
+  if (w.embed_scale != 1.f)
+    for (float& v : s.h) v *= w.embed_scale;
   const bool int8 = use_int8_lanes(-1);  // batches of 8+ sequences: int8 activations
   switch (batch.kv_type) {
     case KVType::F32: layers<float>(w, batch, s, int8); break;

@@ -125,20 +125,36 @@ void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, fl
                    float* out);
 void rope_row(float* v, int64_t heads, int64_t dim, const float* cos, const float* sin);
 void silu_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out);
+// GELU (tanh approximation)(gate) * up, laid out as silu_mul_rows's (Gemma's GeGLU).
+void gelu_tanh_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out);
+// out += RMSNorm(x) * w, row by row (Gemma's norm of a sublayer's output before the residual).
+void add_rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                       float* out);
 // The index of the largest of n values, the first one on ties; a NaN counts as the largest
 // (the first NaN wins): torch.argmax's answer, for greedy sampling.
 int64_t argmax_row(const float* x, int64_t n);
 
-// The layer stack of a Llama-family model for a batch of decode tokens (decoder.cpp).
+// The layer stack of a Llama-family model for a batch of decode tokens (decoder.cpp), with
+// Qwen3's and Gemma 3's additions (empty or default for Llama).
 struct DecoderWeights {
   int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, dim = 0, inter = 0, max_pos = 0;
   float eps = 1e-5f;
+  float scale = 0.f;        // of the attention scores
+  float embed_scale = 1.f;  // of the embeddings (Gemma: sqrt(hidden))
+  bool gelu = false;        // the MLP: GELU-tanh(gate) * up, else SiLU(gate) * up
   std::vector<WeightView> qkv, o, gate_up, down;  // per layer
-  std::vector<const float*> norms;                // input, post per layer; then the final
+  std::vector<const float*> norms;                // before attention, before the MLP per layer;
+                                                  // then the final
   std::vector<const float*> qkv_bias;             // per layer, nullptr where none
+  std::vector<const float*> qk_norms;             // q's, k's [dim] per layer; empty: none
+  std::vector<const float*> out_norms;            // of attention's, the MLP's output per
+                                                  // layer (Gemma); empty: none
+  std::vector<int64_t> windows;                   // keys a layer sees per layer, 0: all
   WeightView embed, lm_head;
   const float* cos = nullptr;  // [max_pos, dim]
   const float* sin = nullptr;
+  const float* local_cos = nullptr;  // the windowed layers' tables (their own RoPE base)
+  const float* local_sin = nullptr;
 };
 
 enum class KVType : int { F32, BF16, F16 };

@@ -45,6 +45,36 @@ void silu_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out
   }
 }
 
+void gelu_tanh_mul_rows(const float* gate_up, int64_t rows, int64_t inter, float* out) {
+  // 0.5 (1 + tanh(u)) = sigmoid(2u): the sigmoid of silu_mul_rows at 2u
+  const v8 c1 = splat8(2.f * 0.7978845608028654f), c3 = splat8(0.044715f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    float* a = out + r * inter;
+    for (int64_t i = 0; i < inter; i += 8) {
+      const v8 gv = load8(g + i);
+      const v8 u = c1 * (gv + c3 * gv * gv * gv);
+      const v8 e = exp8(u < splat8(0.f) ? u : -u);  // exp of -|u| never overflows
+      const v8 rcp = splat8(1.f) / (splat8(1.f) + e);
+      const v8 sig = u < splat8(0.f) ? e * rcp : rcp;
+      store8(a + i, gv * sig * load8(g + inter + i));
+    }
+  }
+}
+
+void add_rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                       float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* o = out + r * dim;
+    v8 ss = {};
+    for (int64_t i = 0; i < dim; i += 8) ss += load8(xr + i) * load8(xr + i);
+    const v8 inv = splat8(1.f / std::sqrt(hsum8(ss) / dim + eps));
+    for (int64_t i = 0; i < dim; i += 8)
+      store8(o + i, load8(o + i) + load8(xr + i) * inv * load8(w + i));
+  }
+}
+
 int64_t argmax_row(const float* x, int64_t n) {
   // the maximum first (NaN: none of the comparisons holds, so it is noted apart), then the
   // first position holding it
