@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import httpx
 import jsonschema
@@ -124,6 +125,19 @@ def test_logit_bias_forces_a_token(client, server):
     assert done.choices[0].text == r.json()["text"]
 
 
+def post_with_prompt(server: str, path: str, extra: dict, **openai: Any) -> httpx.Response:
+    """POST ``extra`` to ``path`` with a short prompt in the form that endpoint takes (and
+    ``openai``'s fields on the OpenAI endpoints)."""
+    body = {"model": "tiny", **openai, **extra}
+    if path == "/v1/chat/completions":
+        body["messages"] = CHAT
+    elif path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body = {"text": "hi", **extra}
+    return httpx.post(server + path, json=body, headers=AUTH, timeout=30)
+
+
 @pytest.mark.parametrize(
     "path, extra, words",
     [
@@ -148,14 +162,7 @@ def test_logit_bias_forces_a_token(client, server):
     ],
 )
 def test_bad_grammars_and_biases_are_a_400_naming_the_problem(server, path, extra, words):
-    body = {"model": "tiny", **extra}
-    if path == "/v1/chat/completions":
-        body["messages"] = CHAT
-    elif path == "/v1/completions":
-        body["prompt"] = "hi"
-    else:
-        body = {"text": "hi", **extra}
-    r = httpx.post(server + path, json=body, headers=AUTH, timeout=30)
+    r = post_with_prompt(server, path, extra)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     assert_nothing_held(server)
@@ -286,14 +293,7 @@ NOT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
 def test_constructs_the_grammar_would_not_enforce_are_a_400_naming_path_and_keyword(
     server, path, extra, message
 ):
-    body = {"model": "tiny", "max_tokens": 4, **extra}
-    if path == "/v1/chat/completions":
-        body["messages"] = CHAT
-    elif path == "/v1/completions":
-        body["prompt"] = "hi"
-    else:
-        body = {"text": "hi", **extra}
-    r = httpx.post(server + path, json=body, headers=AUTH, timeout=30)
+    r = post_with_prompt(server, path, extra, max_tokens=4)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["message"] == message and error["type"] == "invalid_request_error", error
