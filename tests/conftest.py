@@ -81,6 +81,17 @@ def real_loaded():
     return load_model(None, dtype="float32", progress=False)
 
 
+@pytest.fixture(scope="module")
+def ops():
+    """The native kernels' module (the test is skipped where they did not build)."""
+    from radixserve.model import native
+
+    ops = native.paged_ops()
+    if ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    return ops
+
+
 @pytest.fixture(params=["native", "pytorch"])
 def kernels(request, monkeypatch):
     """Run a test with the native CPU kernels (when they build) and with PyTorch only."""

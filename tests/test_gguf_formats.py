@@ -26,14 +26,6 @@ BLOCK_TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 70)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = native.paged_ops()
-    if ops is None:
-        pytest.skip("the native kernels did not build on this machine")
-    return ops
-
-
 def dequantized(raw: np.ndarray, qtype: str) -> torch.Tensor:
     w = gguf.quants.dequantize(raw, Q[qtype]).reshape(raw.shape[0], -1)
     return torch.from_numpy(w.astype(np.float32))

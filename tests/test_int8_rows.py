@@ -22,20 +22,11 @@ import torch
 from gguf_writer import random_blocks
 from test_quantization import gguf_model, run_steps, tiny_q4_gguf  # noqa: F401 (a fixture)
 
-from radixserve.model import native
 from radixserve.model.quant import QuantizedWeight, from_gguf_blocks, quantize
 
 Q = gguf.GGMLQuantizationType
 FILE_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"]
 ROWS = (8, 9, 16, 17, 33)  # one lane group, a part of one, two, two and a part, four and one
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = native.paged_ops()
-    if ops is None:
-        pytest.skip("the native kernels did not build on this machine")
-    return ops
 
 
 def file_weight(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:

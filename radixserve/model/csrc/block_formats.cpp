@@ -28,27 +28,10 @@
 namespace rs {
 namespace {
 
-inline float f16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
 inline uint32_t u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
   return v;
-}
-
-// Q4_K / Q5_K: scale and min of sub-block j from the 12 packed bytes
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
 }
 
 // Q3_K: the signed 6-bit scale of group g (of 16 inputs)
@@ -64,7 +47,7 @@ void dequant_block_ref(WFormat f, const uint8_t* b, float* out) {
     case WFormat::Q5_0:
     case WFormat::Q5_1: {
       const bool q51 = f == WFormat::Q5_1;
-      const float d = f16(b), m = q51 ? f16(b + 2) : -16.f * d;
+      const float d = half_at(b), m = q51 ? half_at(b + 2) : -16.f * d;
       const uint32_t qh = u32(b + (q51 ? 4 : 2));
       const uint8_t* qs = b + (q51 ? 8 : 6);
       for (int i = 0; i < 16; ++i) {
@@ -76,7 +59,7 @@ void dequant_block_ref(WFormat f, const uint8_t* b, float* out) {
     case WFormat::Q4_K:
     case WFormat::Q5_K: {
       const bool q5 = f == WFormat::Q5_K;
-      const float d = f16(b), dmin = f16(b + 2);
+      const float d = half_at(b), dmin = half_at(b + 2);
       const uint8_t* qh = b + 16;
       const uint8_t* qs = b + (q5 ? 48 : 16);
       for (int j = 0; j < 8; ++j) {
@@ -93,7 +76,7 @@ void dequant_block_ref(WFormat f, const uint8_t* b, float* out) {
     case WFormat::Q6_K: {
       const uint8_t *ql = b, *qh = b + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = f16(b + 208);
+      const float d = half_at(b + 208);
       for (int e = 0; e < 256; ++e) {
         const int h = e >> 7, r = e & 127;
         const int lo = (ql[64 * h + (r & 63)] >> (4 * (r >> 6))) & 0xF;
@@ -104,7 +87,7 @@ void dequant_block_ref(WFormat f, const uint8_t* b, float* out) {
     }
     case WFormat::Q2_K: {
       const uint8_t *sc = b, *qs = b + 16;
-      const float d = f16(b + 80), dmin = f16(b + 82);
+      const float d = half_at(b + 80), dmin = half_at(b + 82);
       for (int e = 0; e < 256; ++e) {
         const int h = e >> 7, r = e & 127;
         const int q = (qs[32 * h + (r & 31)] >> (2 * (r >> 5))) & 3;
@@ -115,7 +98,7 @@ void dequant_block_ref(WFormat f, const uint8_t* b, float* out) {
     }
     case WFormat::Q3_K: {
       const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
-      const float d = f16(b + 108);
+      const float d = half_at(b + 108);
       for (int e = 0; e < 256; ++e) {
         const int h = e >> 7, r = e & 127;
         const int low = (qs[32 * h + (r & 31)] >> (2 * (r >> 5))) & 3;
@@ -186,19 +169,19 @@ struct Unpack {
     if constexpr (F == WFormat::Q5_0) {
       const uint8_t* p = row + b * 22;
       unpack_q5<false>(p + 6, u32(p + 2), w0, w1);
-      s = f16(p);
+      s = half_at(p);
       mn = 0.f;
     } else if constexpr (F == WFormat::Q5_1) {
       const uint8_t* p = row + b * 24;
       unpack_q5<true>(p + 8, u32(p + 4), w0, w1);
-      s = f16(p);
-      mn = f16(p + 2);
+      s = half_at(p);
+      mn = half_at(p + 2);
     } else if constexpr (F == WFormat::Q4_K || F == WFormat::Q5_K) {
       constexpr int64_t bytes = F == WFormat::Q4_K ? 144 : 176;
       const uint8_t* p = row + (b / 8) * bytes;
       const int j = static_cast<int>(b % 8);
       if (j == 0) {
-        const float d = f16(p), dmin = f16(p + 2);
+        const float d = half_at(p), dmin = half_at(p + 2);
         for (int i = 0; i < 8; ++i) {
           int sc, m;
           scale_min_k4(p + 4, i, sc, m);
@@ -230,7 +213,7 @@ struct Unpack {
       const __m256i off = _mm256_set1_epi16(32);
       w0 = _mm256_mullo_epi16(_mm256_sub_epi16(w0, off), _mm256_set1_epi16(sc[0]));
       w1 = _mm256_mullo_epi16(_mm256_sub_epi16(w1, off), _mm256_set1_epi16(sc[1]));
-      s = f16(p + 208);
+      s = half_at(p + 208);
       mn = 0.f;
     }
   }

@@ -129,23 +129,6 @@ inline __m256i bits_to_16s(uint32_t bits) {
 }
 #endif
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-// Q4_K / Q5_K: scale and min of sub-block j from the 12 packed bytes
-inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 inline void set_block(float* s, float* c, int64_t b, float scale, float min) {
   s[2 * b] = s[2 * b + 1] = scale;
   c[2 * b] = c[2 * b + 1] = min;
@@ -218,7 +201,7 @@ int unpack_row(const WeightView& w, int64_t row, uint8_t* q, float* s, float* c)
         const uint8_t* qs = blk + (q5 ? 48 : 16);
         for (int j = 0; j < 8; ++j) {
           int sc, m;
-          scale_min(blk + 4, j, sc, m);
+          scale_min_k4(blk + 4, j, sc, m);
           uint8_t* out = q + 256 * sb + 32 * j;
 #ifdef RS_AVX2
           const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);

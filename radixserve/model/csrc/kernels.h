@@ -65,6 +65,24 @@ inline void for_rows(const WeightView& w, int64_t begin, int64_t end, Fn&& fn) {
   }
 }
 
+// The IEEE half at p (unaligned), as a float.
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Q4_K / Q5_K: scale and min of sub-block j from the block's 12 packed scale bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
 // GGUF block formats (block_formats.cpp): inputs and bytes of one block, 0 for others.
 int64_t block_inputs(WFormat f);
 int64_t block_bytes(WFormat f);
