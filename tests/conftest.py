@@ -92,6 +92,23 @@ def ops():
     return ops
 
 
+@pytest.fixture
+def float_activations():
+    """Keep x in float in every native matmul (no rounding to int8 for 8+ rows), for tests
+    that compare the kernels with the dequantized model at float precision. Ask for it before
+    ``kernels``, whose PyTorch run needs no switch."""
+    from radixserve.model import native
+
+    ops = native.paged_ops()
+    if ops is None:
+        yield
+        return
+    before = ops.use_int8_lanes()
+    ops.use_int8_lanes(0)
+    yield
+    ops.use_int8_lanes(int(before))
+
+
 @pytest.fixture(params=["native", "pytorch"])
 def kernels(request, monkeypatch):
     """Run a test with the native CPU kernels (when they build) and with PyTorch only."""

@@ -2,7 +2,8 @@
 
 Each format's native dequantization (the vector code and its plain C++ twin) must give what
 the ``gguf`` package gives on random blocks, and the native matmul (integer dot products for
-few rows, float lanes for many, dequantize + BLAS beyond) must equal ``x @ dequantize(W).T``.
+few rows, float lanes for many, dequantize + BLAS beyond) must equal ``x @ dequantize(W).T``
+(x kept in float: ``test_int8_rows.py`` checks x rounded to int8).
 A model file mixing the formats as a Q4_K_M file does must compute, kept quantized, what the
 same file computes dequantized.
 """
@@ -17,13 +18,14 @@ from conftest import save_tiny_hf_model
 from gguf_writer import random_blocks, write_llama_gguf
 from test_quantization import gguf_model, run_steps
 
-from radixserve.model import native
+from radixserve.cache import KVPool
+from radixserve.model import build_forward_batch, native
 from radixserve.model.quant import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
 
 Q = gguf.GGMLQuantizationType
 BLOCK_TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-# rows of x: the integer kernel in groups of 4, the float lanes (8+), dequantize + BLAS (65+)
-ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 70)
+# rows of x: the integer kernel in groups of 4, the float lanes (8+), dequantize + BLAS (129+)
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 17, 70, 140)
 
 
 def dequantized(raw: np.ndarray, qtype: str) -> torch.Tensor:
@@ -76,7 +78,7 @@ def test_block_formats_dequantize_as_gguf_does(qtype, ops):
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
-def test_block_format_matmul_equals_dequantized_matmul(qtype, ops):
+def test_block_format_matmul_equals_dequantized_matmul(qtype, ops, float_activations):
     n, k = 45, 768  # N not a multiple of the 3- or 12-row tiles; K three K-quant blocks
     weight, raw = block_weight(qtype, n, k, seed=1)
     dense = dequantized(raw, qtype)
@@ -96,7 +98,7 @@ def test_block_format_matmul_equals_dequantized_matmul(qtype, ops):
         base = torch.randn(m, n, generator=gen)
         out = ops.qgemm(x, weight.native_view(), base.clone())
         assert close(out - base, ref, 1e-5), m
-        assert close(weight.matmul(x), ref, 1e-5), m  # the Python entry, BLAS beyond 64 rows
+        assert close(weight.matmul(x), ref, 1e-5), m  # the Python entry (x kept in float)
 
 
 def test_stacked_weights_of_mixed_formats(ops):
@@ -151,7 +153,29 @@ def tiny_mixed_gguf(tmp_path_factory):
     return path / "mixed.gguf"
 
 
-def test_mixed_quantized_model_equals_its_dequantized_self(tiny_mixed_gguf, ops):
+def test_a_prompt_chunk_beside_decodes_runs_on_the_blocks(tiny_mixed_gguf, ops, monkeypatch):
+    """A step of 110 prompt rows and 10 decode rows on a file mixing formats as Q4_K_M does
+    multiplies every matrix on its blocks (dequantizing the model would cost a step more
+    than its matmuls) and computes what the dequantized file computes, up to x's rounding."""
+    quantized, dense = gguf_model(tiny_mixed_gguf, "auto"), gguf_model(tiny_mixed_gguf, "none")
+    def refuse(self, *args):
+        pytest.fail(f"dequantized a {self.fmt} matrix")
+
+    monkeypatch.setattr(QuantizedWeight, "dequantize", refuse)
+    decode = [(7 * i + 3, 4, torch.arange(5 * i, 5 * i + 5)) for i in range(10)]
+    prompt = (torch.arange(110) * 37 % 1000 + 5, 0, torch.arange(50, 160), True)
+    logits = []
+    for model in (quantized, dense):
+        pool = KVPool(model.kv_shape(), 200)
+        pool.k.zero_(), pool.v.zero_()  # the decode rows' contexts: the same in both pools
+        batch = build_forward_batch(decode, [prompt], model.device, pool.pad_slot)
+        logits.append(model.forward(batch, pool))
+    ours, ref = logits
+    assert ours.shape == (11, ref.shape[1])
+    assert (ours - ref).abs().max() < 0.06 * ref.abs().max()  # int8 x: ~3% on this model
+
+
+def test_mixed_quantized_model_equals_its_dequantized_self(tiny_mixed_gguf, ops, float_activations):
     quantized, dense = gguf_model(tiny_mixed_gguf, "auto"), gguf_model(tiny_mixed_gguf, "none")
     layer = quantized.layers[0]
     assert layer["qkv"].fmt == "stack"  # Q5_0, Q5_0, Q8_0

@@ -1,11 +1,12 @@
 """The batched integer matmul: x rounded to int8 per block of 32, W's codes as bytes.
 
-With ``int8=True`` (what the native decoder asks for on batches of 8 sequences or more),
-``qgemm`` must compute exactly ``round_int8(x) @ dequantize(W).T`` up to float summation
-order, for every format it takes (the file's blocks checked against the ``gguf`` package's
-dequantization), stacks mixing formats included; fewer rows, and formats it does not take,
-keep their own paths. The older CPUs' builds (AVX2 without VNNI, plain C++) are checked by a
-slow test that builds them on this machine.
+With ``int8=True`` (what the native decoder asks for on batches of 8 sequences or more, and
+``QuantizedWeight.matmul`` on prompt chunks of 8 rows or more), ``qgemm`` must compute exactly
+``round_int8(x) @ dequantize(W).T`` up to float summation order, for every format it takes
+(the file's blocks checked against the ``gguf`` package's dequantization), stacks mixing
+formats included; fewer rows, and formats it does not take, keep their own paths. A step's
+rows up to a few hundred never dequantize a matrix. The older CPUs' builds (AVX2 without
+VNNI, plain C++) are checked by a slow test that builds them on this machine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import torch
 from gguf_writer import random_blocks
 from test_quantization import gguf_model, run_steps, tiny_q4_gguf  # noqa: F401 (a fixture)
 
-from radixserve.model.quant import QuantizedWeight, from_gguf_blocks, quantize
+from radixserve.model.quant import (
+    INT8_M,
+    INT8_M_BLOCKS,
+    SMALL_M_BLOCKS,
+    QuantizedWeight,
+    from_gguf_blocks,
+    quantize,
+)
 
 Q = gguf.GGMLQuantizationType
 FILE_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"]
@@ -75,6 +83,7 @@ def q8_0_takes_int8() -> bool:
 
 def check_int8(ops, weight: QuantizedWeight, dense: torch.Tensor, takes_int8: bool = True) -> None:
     view = weight.native_view()
+    assert view.int8_lanes == takes_int8
     if not takes_int8:  # the path without int8, exactly (test_gguf_formats checks that one)
         x = outlier_rows(ROWS[0], dense.shape[1])
         assert torch.equal(ops.qgemm(x, view, int8=True), ops.qgemm(x, view))
@@ -95,6 +104,39 @@ def check_int8(ops, weight: QuantizedWeight, dense: torch.Tensor, takes_int8: bo
 def test_int8_rows_compute_rounded_x_times_the_weights(qtype, ops):
     weight, dense = file_weight(qtype, 45, 768)  # 45: tiles of 4 rows and a part
     check_int8(ops, weight, dense, qtype != "Q8_0" or q8_0_takes_int8())
+
+
+@pytest.mark.parametrize("qtype, int8_rows", [("Q4_K", INT8_M_BLOCKS), ("Q4_1", INT8_M)])
+def test_matmul_rounds_prompt_rows_to_int8_without_dequantizing(qtype, int8_rows, ops,
+                                                               monkeypatch):  # fmt: skip
+    """Up to its row limit, ``matmul`` (the op-by-op path of prompt chunks) multiplies on the
+    blocks with x rounded to int8, in x's dtype, never dequantizing W; beyond it, BLAS on the
+    dequantized matrix; with the switch off, float lanes up to their own limit."""
+    weight, dense = file_weight(qtype, 24, 256)
+    view = weight.native_view()
+    dequantized = []
+    real = QuantizedWeight.dequantize
+    monkeypatch.setattr(QuantizedWeight, "dequantize",
+                        lambda self, *a: dequantized.append(self) or real(self, *a))  # fmt: skip
+    for m in (8, 40, int8_rows):
+        x = outlier_rows(m, 256)
+        assert torch.equal(weight.matmul(x), ops.qgemm(x, view, int8=True)), m
+        y = weight.matmul(x.bfloat16())
+        assert y.dtype == torch.bfloat16
+        assert close(y.float(), ops.qgemm(x.bfloat16().float(), view, int8=True), 1e-2), m
+    assert not dequantized
+    x = outlier_rows(int8_rows + 1, 256)
+    assert close(weight.matmul(x), x @ dense.T, 1e-5) and dequantized == [weight]
+    try:
+        ops.use_int8_lanes(0)
+        x = outlier_rows(40, 256)
+        assert torch.equal(weight.matmul(x), ops.qgemm(x, view))
+        if qtype == "Q4_K":
+            x = outlier_rows(SMALL_M_BLOCKS, 256)
+            assert torch.equal(weight.matmul(x), ops.qgemm(x, view))
+    finally:
+        ops.use_int8_lanes(1)
+    assert dequantized == [weight]
 
 
 def test_int8_rows_of_quantized_dense_weights(ops):
@@ -122,9 +164,9 @@ def test_formats_without_byte_codes_keep_the_float_path(qtype, ops):
     assert close(y, x @ dense.T, 1e-5)
 
 
-def test_decoder_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F811
-    """Nine sequences decode in one batch: int8 moves the logits a little, the switch
-    restores the float path."""
+def test_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F811
+    """Nine prompts prefill in one step and decode in one batch: int8 moves the logits a
+    little, the switch restores the float path."""
     assert ops.use_int8_lanes()  # the default (RADIXSERVE_INT8_LANES unset)
     model = gguf_model(tiny_q4_gguf, "auto")
     int8, tokens = run_steps(model, sequences=9)
@@ -135,12 +177,12 @@ def test_decoder_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # 
         ops.use_int8_lanes(1)
     dense, _ = run_steps(gguf_model(tiny_q4_gguf, "none"), sequences=9)
     assert (floats - dense).abs().max() < 1e-3 * dense.abs().max()
-    assert int8[:9].equal(floats[:9])  # the prefill step is not a decoder batch
-    # the first decode step (later ones may follow another greedy token): this tiny random
-    # model amplifies int8 rounding to ~3% of its logits, as it does int8 weights
-    first = slice(9, 18)
-    err = (int8[first] - dense[first]).abs().max() / dense[first].abs().max()
-    assert 1e-4 < err < 0.06
+    # the prefill step (its 46 prompt rows) and the first decode step (later ones may follow
+    # another greedy token): this tiny random model amplifies int8 rounding to ~3% of its
+    # logits, as it does int8 weights
+    for rows in (slice(0, 9), slice(9, 18)):
+        err = (int8[rows] - dense[rows]).abs().max() / dense[rows].abs().max()
+        assert 1e-4 < err < 0.06
 
 
 CHILD = """

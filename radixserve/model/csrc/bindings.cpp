@@ -443,12 +443,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>>())
       .def_static("stack", &rs::QWeight::stack, "the rows of several weights, one after another")
-      .def_property_readonly("shape", [](const rs::QWeight& w) { return std::make_pair(w.view.n, w.view.k); });
+      .def_property_readonly("shape", [](const rs::QWeight& w) { return std::make_pair(w.view.n, w.view.k); })
+      .def_property_readonly("int8_lanes", [](const rs::QWeight& w) { return rs::int8_lanes_ok(w.view); },
+                             "whether qgemm(int8=True) rounds x to int8 for this weight (8+ rows)");
   m.def("dequantize_reference", &rs::dequantize_reference_op, "a GGUF block format's plain C++ dequantization",
         nogil());
   m.def("qgemm", &rs::qgemm_op, "x @ W^T (added into out, when given)", py::arg("x"), py::arg("w"),
         py::arg("out") = py::none(), py::arg("int8") = false, nogil());
-  m.def("use_int8_lanes", &rs::use_int8_lanes, "whether the decoder's batches of 8+ rows round x to int8 (set: 0 off, 1 on, -1 ask)",
+  m.def("use_int8_lanes", &rs::use_int8_lanes, "whether batches of 8+ rows round x to int8 (set: 0 off, 1 on, -1 ask)",
         py::arg("set") = -1);
   m.def("dequantize", &rs::dequantize_op, "W (or some of its rows) as float32", py::arg("w"),
         py::arg("rows") = py::none(), nogil());
