@@ -158,6 +158,7 @@ def test_a_prompt_chunk_beside_decodes_runs_on_the_blocks(tiny_mixed_gguf, ops, 
     multiplies every matrix on its blocks (dequantizing the model would cost a step more
     than its matmuls) and computes what the dequantized file computes, up to x's rounding."""
     quantized, dense = gguf_model(tiny_mixed_gguf, "auto"), gguf_model(tiny_mixed_gguf, "none")
+
     def refuse(self, *args):
         pytest.fail(f"dequantized a {self.fmt} matrix")
 
