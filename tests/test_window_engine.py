@@ -1,0 +1,88 @@
+"""Sliding-window layers kept apart, end to end on a tiny random Gemma 3 (5 local layers of 7).
+
+Multi-turn conversations (each turn's prompt is the last prompt, its answer and new tokens),
+each with a branch off its middle per turn, run on two engines over the same weights: one keeping every layer's KV in one pool, one with
+the window layers' KV in a pool of a quarter of the slots, so that window KV is tombstoned
+all the time. Greedy outputs must be the same token for token, through the native decoder and
+through PyTorch only, at page sizes 1 and 16; the split engine must really have dropped
+window KV and still reused prefixes, and pass ``check_integrity`` after every turn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import save_tiny_hf_model
+
+from radixserve import SamplingParams
+
+WINDOW = 24
+GEMMA = dict(
+    num_hidden_layers=7,  # local 0-4, global 5, local 6
+    head_dim=32,
+    query_pre_attn_scalar=32,
+    sliding_window=WINDOW,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+    },
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_loaded(tmp_path_factory, default_tokenizer):
+    from radixserve.model import load_model
+
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    save_tiny_hf_model(path, "Gemma3TextConfig", seed=3, **GEMMA)
+    default_tokenizer.hf.save_pretrained(path)
+    return load_model(str(path), dtype="float32", progress=False)
+
+
+def conversations(engine, turns: int = 5, convs: int = 4) -> list[list[int]]:
+    """Each conversation's outputs and its branch's, turn by turn (interleaved)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 40000, 30).tolist() for _ in range(convs)]
+    outputs: list[list[int]] = []
+    for turn in range(turns):
+        for c in range(convs):
+            engine.add_request(f"{c}-{turn}", prompts[c], GREEDY)
+            # and a branch off the middle of the conversation: its match ends where the
+            # window KV before it may be gone
+            middle = prompts[c][: len(prompts[c]) * 2 // 3]
+            engine.add_request(f"{c}-{turn}-branch", middle + [7 + turn], GREEDY)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.check_integrity()
+        for c in range(convs):
+            answer = done[f"{c}-{turn}"]
+            outputs += [answer, done[f"{c}-{turn}-branch"]]
+            prompts[c] = prompts[c] + answer + rng.integers(100, 40000, 14).tolist()
+    return outputs
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tombstoned_window_kv_gives_the_same_output(make_engine, gemma_loaded, page_size, kernels):
+    whole = make_engine(gemma_loaded, max_total_tokens=1024, page_size=page_size,
+                        window_kv_share=0)  # fmt: skip
+    split = make_engine(gemma_loaded, max_total_tokens=1024, page_size=page_size,
+                        window_kv_share=0.25)  # fmt: skip
+    assert not whole.pool.windowed and split.pool.windowed
+    assert split.pool.wk.shape[0] == 6 and split.pool.k.shape[0] == 1
+    assert conversations(split) == conversations(whole)
+    keeper = split.cache.windows
+    assert keeper.tombstoned_tokens > 0  # window KV was dropped ...
+    stats = split.cache.stats
+    assert stats.hit_tokens > 0.3 * stats.lookup_tokens  # ... and prefixes still reused
+    assert split.pool.nbytes() < 0.5 * whole.pool.nbytes()
+
+
+def test_rag_segments_are_refused_with_the_window_pool(make_engine, gemma_loaded):
+    engine = make_engine(gemma_loaded, max_total_tokens=256)
+    with pytest.raises(ValueError, match="window_kv_share 0"):
+        engine.add_request("r", list(range(100, 140)), GREEDY, segments=((0, 20),))
