@@ -43,7 +43,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.segment_select import RecomputeSelector
 from radixserve.engine.segments import SegmentBlender
 from radixserve.engine.spec import RequestSpec
-from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.engine.stats import EngineInfo, EngineStats, WindowStats
 from radixserve.model import LoadedModel, load_model, native
 from radixserve.utils import default_kv_cache_bytes
 
@@ -233,6 +233,19 @@ class Engine:
             grammar=self.grammar_stats(),
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
+            window=self._window_stats(),
+        )
+
+    def _window_stats(self) -> WindowStats | None:
+        if not self.allocator.windowed:
+            return None
+        keeper = self.cache.windows
+        capacity = self.allocator.window_slots
+        return WindowStats(
+            capacity_tokens=capacity,
+            used_tokens=capacity - self.allocator.window_free_size(),
+            cached_tokens=keeper.window_size if keeper else 0,
+            tombstoned_tokens=keeper.tombstoned_tokens if keeper else 0,
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:
