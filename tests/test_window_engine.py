@@ -82,6 +82,25 @@ def test_tombstoned_window_kv_gives_the_same_output(make_engine, gemma_loaded, p
     assert split.pool.nbytes() < 0.5 * whole.pool.nbytes()
 
 
+@pytest.mark.parametrize("write_policy, share", [("write_back", 1.0), ("write_through", 0.5)])
+def test_the_host_tier_keeps_tombstones_and_windows_apart(make_engine, gemma_loaded,
+                                                          write_policy, share):  # fmt: skip
+    """With a host tier under a small device pool, nodes go to the host with or without
+    their window KV and come back as they went (a match never resumes where a copy without
+    it would be read, on the device or after a partial load): the output is still
+    every-layer's. (With write_back and a small window pool, a node is usually a tombstone by
+    the time it is evicted, and its copy without window KV is rarely of use.)"""
+    tiers = dict(max_total_tokens=256, page_size=16, host_kv_memory=64 << 20,
+                 write_policy=write_policy)  # fmt: skip
+    whole = make_engine(gemma_loaded, window_kv_share=0, **tiers)
+    split = make_engine(gemma_loaded, window_kv_share=share, **tiers)
+    assert split.pool.windowed and not whole.pool.windowed
+    assert conversations(split) == conversations(whole)
+    stats = split.stats()
+    assert stats.window.tombstoned_tokens > 0 and stats.cache.host_hit_tokens > 0
+    assert stats.cache.hit_tokens > 0.5 * whole.stats().cache.hit_tokens
+
+
 def test_rag_segments_are_refused_with_the_window_pool(make_engine, gemma_loaded):
     engine = make_engine(gemma_loaded, max_total_tokens=256)
     with pytest.raises(ValueError, match="window_kv_share 0"):

@@ -275,6 +275,7 @@ class RadixCache(PrefixCache):
         mid.depth, mid.created = parent.depth + n, child.created
         mid.policy_state = child.policy_state
         mid.window, mid.window_lock = child.window, child.window_lock
+        mid.host_window = child.host_window
         if self.events is not None:
             self._hasher.split(mid, child, n)
         parent.children[self._child_key(mid.key)] = mid
@@ -381,11 +382,16 @@ class RadixCache(PrefixCache):
 
     def _usable_path(self, path: list[TreeNode], last: TreeNode) -> tuple[list[TreeNode], TreeNode]:
         """``path`` cut back to the longest prefix whose window KV allows resuming there
-        (``WindowKeeper.usable``), splitting the node it ends in; and its last node."""
-        matched = sum(len(n.key) for n in path)
-        u = self.windows.usable(path, matched)
-        if u == matched:
-            return path, last
+        (``WindowKeeper.usable``), splitting the node it ends in; and its last node. The
+        device part must end at such a point too (a load of the host part may not happen):
+        where it does not, the path ends within the device part."""
+        device = 0
+        while device < len(path) and path[device].value is not None:
+            device += 1
+        on_device = sum(len(n.key) for n in path[:device])
+        if device < len(path) and self.windows.usable(path[:device], on_device) < on_device:
+            path, last = path[:device], (path[device - 1] if device else path[0].parent)
+        u = self.windows.usable(path, sum(len(n.key) for n in path))
         pos = 0
         for k, node in enumerate(path):
             end = pos + len(node.key)
@@ -580,17 +586,19 @@ class RadixCache(PrefixCache):
             self._event(BlockRemoved, node, MEDIUM_HOST)
             return
         node.host_value = slots
+        node.host_window = node.window
         self._host_size += len(node.key)
         self._event(BlockStored, node, MEDIUM_HOST)
 
-    def set_device(self, node: TreeNode, slots: torch.Tensor) -> None:
-        """An off-device node gets device slots (its KV is there, or about to be)."""
+    def set_device(self, node: TreeNode, slots: torch.Tensor, window: bool = True) -> None:
+        """An off-device node gets device slots (its KV is there, or about to be);
+        ``window`` False: without the window layers' KV (loaded from a tombstone's copy)."""
         node.value = slots
         self._host_leaves.discard(node)
         self._evictable_leaves.discard(node.parent)  # it has a device child now
         self._evictable_size += len(node.key)  # off-device nodes are never locked
         if self.windows is not None:
-            self.windows.on_cached(node)
+            self.windows.on_cached(node, window)
         if self._is_leaf(node):
             self._mark_leaf(node)
         self._event(BlockStored, node, MEDIUM_DEVICE)
@@ -676,7 +684,20 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ lower tiers
     def load_back(self, match: MatchResult) -> MatchResult:
-        return self.controller.load_back(match) if self.controller is not None else match
+        if self.controller is None:
+            return match
+        loaded = self.controller.load_back(match)
+        if self.windows is None or loaded is match:
+            return loaded
+        # a partial load may end where the window before it is not whole: resume earlier
+        path, node = [], loaded.handle
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path, last = self._usable_path(path[::-1], loaded.handle)
+        if len(path) and path[-1] is loaded.handle:
+            return loaded
+        return self._match_result(path, last)
 
     def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Any:
         if self.controller is None:

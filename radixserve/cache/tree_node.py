@@ -35,6 +35,7 @@ class TreeNode:
         "policy_state",
         "window",
         "window_lock",
+        "host_window",
     )
 
     def __init__(
@@ -65,6 +66,7 @@ class TreeNode:
         # requests need that KV (the node lies in the window before their resume point)
         self.window = True
         self.window_lock = 0
+        self.host_window = True  # whether the host copy has the window layers' KV
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"

@@ -22,7 +22,10 @@ global layers' KV of its tokens, and its window layers' KV unless it is a *tombs
   first. Each call frees at least an eighth of the window pool, so its scan of the tree is
   paid for by many allocations;
 - **revival**: inserting tokens over a tombstone whose KV the caller has just computed again
-  moves the caller's window pages to the node (``WindowedAllocator.move_windows``).
+  moves the caller's window pages to the node (``WindowedAllocator.move_windows``);
+- **the host tier** copies a node with whatever it has (``TreeNode.host_window``: whether the
+  copy has window KV); a host-only node counts as a tombstone in ``usable`` unless its copy
+  has window KV, and a node loaded back from a copy without it is a tombstone again.
 
 Counted in O(1): ``window_size`` (tokens of device nodes with window KV) and its part under a
 window lock; the rest can be tombstoned. ``check`` verifies every field against the nodes and
@@ -59,10 +62,15 @@ class WindowKeeper:
         return self.window_size - self.locked_size
 
     # ------------------------------------------------------------------ node events
-    def on_cached(self, node: TreeNode) -> None:
-        """A node got device slots with window KV (a new leaf, or a host node recomputed)."""
-        node.window = True
-        self.window_size += len(node.key)
+    def on_cached(self, node: TreeNode, window: bool = True) -> None:
+        """A node got device slots: with window KV (a new leaf, a host node recomputed, or
+        loaded from a host copy that has it), or without (``window`` False: a host copy of a
+        tombstone; the fresh slots' window pages go back)."""
+        node.window = window
+        if window:
+            self.window_size += len(node.key)
+        else:
+            self.allocator.drop_windows(node.value)
 
     def on_leave_device(self, node: TreeNode) -> None:
         """A node's device slots (and their window pages) are about to be freed."""
@@ -87,7 +95,7 @@ class WindowKeeper:
         root down, the last maybe matched in part) that can be resumed from."""
         spans, pos = [], 0
         for node in path:
-            if node.value is None or not node.window:
+            if not (node.window if node.value is not None else node.host_window):
                 spans.append((pos, min(pos + len(node.key), matched)))
             pos += len(node.key)
         u = matched

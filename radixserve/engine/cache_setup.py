@@ -21,6 +21,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+import torch
+
 from radixserve.cache import (
     KVEventQueue,
     KVPool,
@@ -61,12 +63,15 @@ def build_pool(config: EngineConfig, shape: KVShape, num_slots: int,
 
 def window_layers_apart(config: EngineConfig, shape: KVShape) -> bool:
     """Whether the sliding-window layers' KV goes to a pool of its own. Not with the prefix
-    cache off (nothing would be dropped), nor with lower tiers or disaggregation, which move
-    every layer's KV of a slot (those keep one pool, at the memory cost of all layers)."""
+    cache off (nothing would be dropped), nor with a storage tier, disaggregation or a GPU's
+    host tier, which move every layer's KV of a slot whole (those keep one pool, at the
+    memory cost of all layers)."""
     if not shape.window_layers or not config.cache.window_kv_share:
         return False
+    gpu = torch.device(config.device).type != "cpu"
     others = [name for name, on in (
-        ("the host/storage tiers", is_tiered(config)),
+        ("the storage tier", config.tiers.kv_storage is not None),
+        ("the host tier on a GPU", gpu and is_tiered(config)),
         ("disaggregation", config.disagg.disaggregation_mode != "off"),
     ) if on]  # fmt: skip
     if others or not config.cache.enable_prefix_caching:
