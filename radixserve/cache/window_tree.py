@@ -34,7 +34,8 @@ the allocator.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,14 +43,21 @@ from radixserve.cache.tree_check import walk
 from radixserve.cache.tree_node import TreeNode
 
 if TYPE_CHECKING:
-    from radixserve.cache.radix_cache import RadixCache
     from radixserve.cache.window_pages import WindowedAllocator
+
+
+class Tree(Protocol):
+    """What the keeper needs of the radix tree that owns it."""
+
+    def roots(self) -> Iterable[TreeNode]: ...
+
+    def split(self, node: TreeNode, n: int) -> TreeNode: ...
 
 EVICT_SHARE = 8  # a tombstoning call frees at least 1/EVICT_SHARE of the window pool
 
 
 class WindowKeeper:
-    def __init__(self, tree: RadixCache, allocator: WindowedAllocator):
+    def __init__(self, tree: Tree, allocator: WindowedAllocator):
         self.tree = tree
         self.allocator = allocator
         self.window = allocator.window  # keys a local layer reads, its own token included
