@@ -101,9 +101,10 @@ def test_the_host_tier_keeps_tombstones_and_windows_apart(make_engine, gemma_loa
     assert stats.cache.hit_tokens > 0.5 * whole.stats().cache.hit_tokens
 
 
-def test_rag_segments_are_refused_with_the_window_pool(make_engine, gemma_loaded):
-    engine = make_engine(gemma_loaded, max_total_tokens=256)
-    with pytest.raises(ValueError, match="window_kv_share 0"):
+@pytest.mark.parametrize("share", [0, 0.2])
+def test_rag_segments_are_refused_for_sliding_window_models(make_engine, gemma_loaded, share):
+    engine = make_engine(gemma_loaded, max_total_tokens=256, window_kv_share=share)
+    with pytest.raises(ValueError, match="sliding-window layers"):
         engine.add_request("r", list(range(100, 140)), GREEDY, segments=((0, 20),))
 
 

@@ -131,10 +131,10 @@ class Engine:
     def add(self, spec: RequestSpec) -> Request:
         """Validate and queue a request (``ValueError`` naming what is wrong); a constrained
         one starts compiling its grammar and is admitted once it is ready."""
-        if spec.segments and self.pool.windowed:
+        if spec.segments and self.model.config.sliding_layers:
             raise ValueError(
-                "RAG segments are not available for this model: its sliding-window layers keep "
-                "their KV apart (serve it with window_kv_share 0 to use segments)"
+                "RAG segments are not available for models with sliding-window layers (Gemma 3):"
+                " reusing a segment moves every layer's keys with the global layers' RoPE"
             )
         req = self.core.add(spec)
         if spec.grammar is not None:
