@@ -1,12 +1,13 @@
 """The batched integer matmul: x rounded to int8 per block of 32, W's codes as bytes.
 
 With ``int8=True`` (what the native decoder asks for on batches of 8 sequences or more, and
-``QuantizedWeight.matmul`` on prompt chunks of 8 rows or more), ``qgemm`` must compute exactly
-``round_int8(x) @ dequantize(W).T`` up to float summation order, for every format it takes
-(the file's blocks checked against the ``gguf`` package's dequantization), stacks mixing
-formats included; fewer rows, and formats it does not take, keep their own paths. A step's
-rows up to a few hundred never dequantize a matrix. The older CPUs' builds (AVX2 without
-VNNI, plain C++) are checked by a slow test that builds them on this machine.
+``QuantizedWeight.matmul`` for 8 rows or more of a weight in GGUF block formats, prompt
+chunks included), ``qgemm`` must compute exactly ``round_int8(x) @ dequantize(W).T`` up to
+float summation order, for every format it takes (the file's blocks checked against the
+``gguf`` package's dequantization), stacks mixing formats included; fewer rows, and formats
+it does not take, keep their own paths. A step's rows up to a few hundred never dequantize
+such a matrix. The older CPUs' builds (AVX2 without VNNI, plain C++) are checked by a slow
+test that builds them on this machine.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from gguf_writer import random_blocks
 from test_quantization import gguf_model, run_steps, tiny_q4_gguf  # noqa: F401 (a fixture)
 
 from radixserve.model.quant import (
-    INT8_M,
     INT8_M_BLOCKS,
     SMALL_M_BLOCKS,
     QuantizedWeight,
@@ -106,12 +106,13 @@ def test_int8_rows_compute_rounded_x_times_the_weights(qtype, ops):
     check_int8(ops, weight, dense, qtype != "Q8_0" or q8_0_takes_int8())
 
 
-@pytest.mark.parametrize("qtype, int8_rows", [("Q4_K", INT8_M_BLOCKS), ("Q4_1", INT8_M)])
-def test_matmul_rounds_prompt_rows_to_int8_without_dequantizing(qtype, int8_rows, ops,
-                                                               monkeypatch):  # fmt: skip
-    """Up to its row limit, ``matmul`` (the op-by-op path of prompt chunks) multiplies on the
-    blocks with x rounded to int8, in x's dtype, never dequantizing W; beyond it, BLAS on the
-    dequantized matrix; with the switch off, float lanes up to their own limit."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_matmul_rounds_prompt_rows_to_int8_without_dequantizing(qtype, ops, monkeypatch):
+    """Up to its row limit, ``matmul`` (the op-by-op path of prompt chunks) multiplies a block
+    format's weight on its blocks with x rounded to int8, in x's dtype, never dequantizing W;
+    beyond it, BLAS on the dequantized matrix; with the switch off, float lanes up to their
+    own limit."""
+    int8_rows = INT8_M_BLOCKS
     weight, dense = file_weight(qtype, 24, 256)
     view = weight.native_view()
     dequantized = []
@@ -131,12 +132,17 @@ def test_matmul_rounds_prompt_rows_to_int8_without_dequantizing(qtype, int8_rows
         ops.use_int8_lanes(0)
         x = outlier_rows(40, 256)
         assert torch.equal(weight.matmul(x), ops.qgemm(x, view))
-        if qtype == "Q4_K":
-            x = outlier_rows(SMALL_M_BLOCKS, 256)
-            assert torch.equal(weight.matmul(x), ops.qgemm(x, view))
+        x = outlier_rows(SMALL_M_BLOCKS, 256)
+        assert torch.equal(weight.matmul(x), ops.qgemm(x, view))
     finally:
         ops.use_int8_lanes(1)
     assert dequantized == [weight]
+
+
+def test_q4_1_prompt_rows_keep_x_in_float(ops):
+    weight, _ = file_weight("Q4_1", 24, 256)
+    x = outlier_rows(40, 256)
+    assert torch.equal(weight.matmul(x), ops.qgemm(x, weight.native_view()))
 
 
 def test_int8_rows_of_quantized_dense_weights(ops):
@@ -164,9 +170,9 @@ def test_formats_without_byte_codes_keep_the_float_path(qtype, ops):
     assert close(y, x @ dense.T, 1e-5)
 
 
-def test_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F811
-    """Nine prompts prefill in one step and decode in one batch: int8 moves the logits a
-    little, the switch restores the float path."""
+def test_decoder_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F811
+    """Nine sequences decode in one batch: int8 moves the logits a little, the switch
+    restores the float path."""
     assert ops.use_int8_lanes()  # the default (RADIXSERVE_INT8_LANES unset)
     model = gguf_model(tiny_q4_gguf, "auto")
     int8, tokens = run_steps(model, sequences=9)
@@ -177,12 +183,12 @@ def test_batches_round_to_int8_unless_turned_off(tiny_q4_gguf, ops):  # noqa: F8
         ops.use_int8_lanes(1)
     dense, _ = run_steps(gguf_model(tiny_q4_gguf, "none"), sequences=9)
     assert (floats - dense).abs().max() < 1e-3 * dense.abs().max()
-    # the prefill step (its 46 prompt rows) and the first decode step (later ones may follow
-    # another greedy token): this tiny random model amplifies int8 rounding to ~3% of its
-    # logits, as it does int8 weights
-    for rows in (slice(0, 9), slice(9, 18)):
-        err = (int8[rows] - dense[rows]).abs().max() / dense[rows].abs().max()
-        assert 1e-4 < err < 0.06
+    assert int8[:9].equal(floats[:9])  # Q4_1 prompt rows keep float (quant.py)
+    # the first decode step (later ones may follow another greedy token): this tiny random
+    # model amplifies int8 rounding to ~3% of its logits, as it does int8 weights
+    first = slice(9, 18)
+    err = (int8[first] - dense[first]).abs().max() / dense[first].abs().max()
+    assert 1e-4 < err < 0.06
 
 
 CHILD = """

@@ -126,7 +126,7 @@ def test_mixed_step_of_decodes_and_chunks(tiny_pair, kernels):
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
-def test_gguf_tensor_types_match_transformers(qtype, tmp_path, float_activations):
+def test_gguf_tensor_types_match_transformers(qtype, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf = save_tiny_hf_model(tmp_path / "hf", seed=2)
@@ -159,13 +159,12 @@ def real_reference(default_gguf):
     ).eval()
 
 
-def test_real_default_model_matches_transformers(real_loaded, real_reference, float_activations):
+def test_real_default_model_matches_transformers(real_loaded, real_reference):
     """The file's Q4_1/Q8_0 blocks kept quantized (``--quantization auto``) against
-    transformers' float32 dequantization of the same file, x kept in float. Matmuls of up to
-    64 rows (decode steps, and this short prompt's chunks) round activations to int16 per
-    block of 32 for the integer kernels: ~1e-5 of a block's largest value, more for its small
-    entries next to an outlier, so logits (about +-30) move by up to ~0.02; the greedy choice
-    must not."""
+    transformers' float32 dequantization of the same file. Matmuls of up to 64 rows (decode
+    steps, and this short prompt's chunks) round activations to int16 per block of 32 for
+    the integer kernels: ~1e-5 of a block's largest value, more for its small entries next
+    to an outlier, so logits (about +-30) move by up to ~0.02; the greedy choice must not."""
     tok = real_loaded.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Name three primary colors."}])
     ref = reference_logits(real_reference, ids + [504, 3418])

@@ -16,10 +16,11 @@ A ``QuantizedWeight`` is a matrix ``[N, K]`` in one of these formats (``fmt``):
   pieces come in different formats (Q4_K_M files mix Q5_0 and Q8_0 in one layer's Q/K/V) or
   in file bytes that are not copied to be joined.
 
-``matmul`` computes ``x @ W^T``: on CPU with the native kernels, up to a few hundred rows
-(decode batches, prompt chunks) run on the quantized blocks directly, 8 rows or more with x
-rounded to int8 per block (as llama.cpp computes every matmul; ``RADIXSERVE_INT8_LANES=0``
-keeps x in float), and larger ones dequantize once into a matrix for BLAS;
+``matmul`` computes ``x @ W^T``: on CPU with the native kernels, small row counts run on the
+quantized blocks directly (a weight holding GGUF block formats: up to a few hundred rows,
+prompt chunks included, 8 rows or more with x rounded to int8 per block, as llama.cpp
+computes every matmul; ``RADIXSERVE_INT8_LANES=0`` keeps x in float) and larger ones
+dequantize once into a matrix for BLAS;
 elsewhere (no kernels, CUDA) it dequantizes with PyTorch ops (or the ``gguf`` package, for
 its block formats). Every path computes the same function as the dequantized model, up to
 float summation order and x's rounding to int8: the quantized model *is* the file's model,
@@ -52,16 +53,15 @@ FORMAT_CODES = {"q8_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q2_k": 5, "q3_k": 6
 # GGUF block formats kept as the file's bytes: (inputs, bytes) of one block
 GGUF_BLOCKS = {"q5_0": (32, 22), "q5_1": (32, 24), "q2_k": (256, 84), "q3_k": (256, 110),
                "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}  # fmt: skip
-# Up to this many rows of x the native kernels beat dequantizing the matrix for BLAS. On the
-# float path: Q8_0 / Q4_1 64 rows (float32), 16 where bfloat16 matmuls are native; the GGUF
-# block formats, several times dearer to dequantize per weight, 128 either way. Rounding x to
-# int8 (a weight ``int8_lanes`` takes, the switch on) halves the kernels' time per row: Q8_0 /
-# Q4_1 then win up to 128 rows, the block formats up to 384 (Qwen2.5-0.5B Q4_K_M and
-# SmolLM2-135M Q4_1, a step's matrices, 2 threads).
+# Up to this many rows of x the native kernels beat dequantizing the matrix for BLAS: Q8_0 /
+# Q4_1 64 rows (float32), 16 where bfloat16 matmuls are native (dequantizing them is cheap:
+# SmolLM2-135M's step ~40 ms, 2 threads). The GGUF block formats cost ~4x more per weight to
+# dequantize (Qwen2.5-0.5B Q4_K_M: ~0.5 s a step's matrices), so the kernels win up to 128
+# rows on the float path and 384 with x rounded to int8 (half the time per row; a weight
+# ``int8_lanes`` takes, the switch on), which such weights then use from 8 rows on.
 SMALL_M = {torch.float32: 64}
 SMALL_M_OTHER = 16
 SMALL_M_BLOCKS = 128
-INT8_M = 128
 INT8_M_BLOCKS = 384
 
 
@@ -157,18 +157,19 @@ class QuantizedWeight:
         """``x @ W^T`` (``+ residual``) for ``x`` ``[M, K]``, in ``x``'s dtype."""
         ops = self.native_ops()
         if ops is not None:
-            int8 = ops.use_int8_lanes() and self.native_view().int8_lanes
-            if x.shape[0] <= self._native_rows(x.dtype, int8):
+            blocks = self.fmt in GGUF_BLOCKS or any(p.fmt in GGUF_BLOCKS for p in self.parts)
+            int8 = blocks and ops.use_int8_lanes() and self.native_view().int8_lanes
+            if x.shape[0] <= self._native_rows(x.dtype, blocks, int8):
                 y = ops.qgemm(x.float().contiguous(), self.native_view(), int8=int8).to(x.dtype)
                 return y if residual is None else residual + y
         return _dense_matmul(x, self.dequantize(x.dtype), residual)
 
-    def _native_rows(self, dtype: torch.dtype, int8: bool) -> int:
+    @staticmethod
+    def _native_rows(dtype: torch.dtype, blocks: bool, int8: bool) -> int:
         """The most rows of x that ``matmul`` multiplies on the blocks directly."""
-        blocks = self.fmt in GGUF_BLOCKS or any(p.fmt in GGUF_BLOCKS for p in self.parts)
-        if int8:
-            return INT8_M_BLOCKS if blocks else INT8_M
-        return SMALL_M_BLOCKS if blocks else SMALL_M.get(dtype, SMALL_M_OTHER)
+        if blocks:
+            return INT8_M_BLOCKS if int8 else SMALL_M_BLOCKS
+        return SMALL_M.get(dtype, SMALL_M_OTHER)
 
     def native_ops(self) -> Any | None:
         return native.paged_ops() if self.device.type == "cpu" else None
