@@ -15,6 +15,23 @@ from typing import Any
 
 ALL_TYPES = frozenset({"null", "boolean", "object", "array", "string", "integer", "number"})
 _LEGACY = re.compile(r"draft-0[3-7]")
+# the types of value each assertion or applicator keyword can apply to
+APPLIES = {
+    **dict.fromkeys(("minLength", "maxLength", "pattern"), frozenset({"string"})),
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                     "multipleOf"), frozenset({"integer", "number"})),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "unevaluatedItems",
+                     "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+                     "maxContains"), frozenset({"array"})),
+    **dict.fromkeys(("properties", "required", "patternProperties", "additionalProperties",
+                     "unevaluatedProperties", "propertyNames", "minProperties",
+                     "maxProperties", "dependencies", "dependentRequired",
+                     "dependentSchemas"), frozenset({"object"})),
+    **dict.fromkeys(("type", "enum", "const", "allOf", "anyOf", "oneOf", "not",
+                     "$ref", "$dynamicRef", "$recursiveRef"), ALL_TYPES),
+}  # fmt: skip
+# the keywords that constrain a value (every other keyword is an annotation or unknown)
+ASSERTIONS = frozenset(APPLIES) | {"format", "if", "then", "else"}
 
 
 def expand(kind: Any) -> frozenset[str]:
