@@ -8,7 +8,9 @@ alternative; see docs/structured-output.md).
 - ``check_grammar(kind, text)`` parses a grammar without a tokenizer (well under a
   millisecond): the HTTP edge calls it so an invalid schema, regex or EBNF is a 400 naming
   the problem before anything is queued; so is a schema or regex using a construct the
-  grammar would compile only approximately (``schema_support``).
+  grammar would compile only approximately (``schema_support``). A JSON Schema is compiled
+  as ``rewrite_schema`` rewrites it (an equivalent the grammar enforces exactly in more
+  cases), and that is what the check judges.
 - ``GrammarCompiler`` compiles against the model's vocabulary on its own worker thread and
   keeps the last ``cache_size`` compiled grammars, keyed by ``(kind, text)``; ``start``
   returns a ``GrammarState`` at once. The scheduler admits a request only once its state is
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from radixserve.engine.regex_support import pattern_problem
+from radixserve.engine.schema_rewrite import rewrite_schema
 from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
@@ -77,6 +80,7 @@ def check_grammar(kind: str, text: str) -> None:
         if kind == "json_schema":
             schema = json.loads(text)
             xgr.Grammar.from_json_schema(text)
+            xgr.Grammar.from_json_schema(exact_schema_text(text))  # what the engine compiles
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "ebnf":
@@ -89,6 +93,12 @@ def check_grammar(kind: str, text: str) -> None:
         check_schema_support(schema)
     elif kind == "regex" and pattern_problem(text):
         raise UnsupportedSchema("", pattern_problem(text) or "")
+
+
+def exact_schema_text(text: str) -> str:
+    """The JSON Schema text the engine compiles for ``text``: ``rewrite_schema``'s equivalent
+    (``schema_rewrite``), which the support check judges."""
+    return json.dumps(rewrite_schema(json.loads(text)))
 
 
 @dataclass
@@ -227,7 +237,7 @@ class GrammarCompiler:
         c = self._compiler
         if kind in ("json_object", "json_schema"):
             # compact JSON: no run of free whitespace for a model to wander in
-            schema = '{"type": "object"}' if kind == "json_object" else text
+            schema = '{"type": "object"}' if kind == "json_object" else exact_schema_text(text)
             compiled = c.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         elif kind == "regex":
             compiled = c.compile_regex(text)
