@@ -68,6 +68,19 @@ REWRITTEN = [
     ({"$defs": {"m": {"type": "string", "enum": ["GET", "PUT", "POST"]}}, "type": "array",
       "items": {"$ref": "#/$defs/m"}, "uniqueItems": True, "maxItems": 2},
      [["GET"], ["POST", "GET"]], [["GET", "GET"], ["GET", "PUT", "POST"], ["get"]]),
+    ({"type": "object", "properties": {"path": STR, "secret": STR, "configMap": STR},
+      "required": ["path"], "additionalProperties": False,
+      "oneOf": [{"required": ["secret"]}, {"required": ["configMap"]}]},
+     [{"path": "p", "secret": "s"}, {"path": "p", "configMap": "c"}],
+     [{"path": "p"}, {"path": "p", "secret": "s", "configMap": "c"}, "x"]),
+    ({"additionalProperties": False, "properties": {"a": STR, "b": STR, "x": INT},
+      "oneOf": [{"required": ["a"]}, {"required": ["b"]}, {"required": ["a", "x"]}]},
+     [{"a": "s"}, {"b": "s"}, {"b": "s", "x": 1}],
+     [{"a": "s", "x": 1}, {"a": "s", "b": "t"}, 5, {}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "allOf": [
+        {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        {"anyOf": [{"properties": {"a": {"minimum": 0}}}, {"properties": {"b": {"maximum": 0}}}]}]},
+     [{"a": 1}, {"b": -1}, {"a": -1, "b": -1}], [{}, {"a": -1, "b": 1}, {"a": "1"}]),
 ]  # fmt: skip
 
 # (schema, path of the refused keyword, words of the message): not exact, still refused

@@ -85,6 +85,11 @@ ACCEPTED = [
          "additionalProperties": False},
         {"properties": {"op": {"const": "remove"}}, "required": ["op"],
          "additionalProperties": False}]}},
+    {"oneOf": [  # each requires a key the other closes out
+        {"type": "object", "properties": {"name": STR}, "required": ["name"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"path": STR}, "required": ["path"],
+         "additionalProperties": False}]},
     {"type": "object", "anyOf": [{"type": "object", "properties": {"a": INT}}]},
     {"anyOf": [STR, {"type": "null"}], "minimum": 3, "title": "t", "default": None},
     {"type": ["string", "null"], "enum": ["a", None]},

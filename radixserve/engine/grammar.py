@@ -10,7 +10,7 @@ alternative; see docs/structured-output.md).
   the problem before anything is queued; so is a schema or regex using a construct the
   grammar would compile only approximately (``schema_support``). A JSON Schema is compiled
   as ``rewrite_schema`` rewrites it (an equivalent the grammar enforces exactly in more
-  cases), and that is what the check judges.
+  cases; ``compiled_schema``), and that is what the check judges.
 - ``GrammarCompiler`` compiles against the model's vocabulary on its own worker thread and
   keeps the last ``cache_size`` compiled grammars, keyed by ``(kind, text)``; ``start``
   returns a ``GrammarState`` at once. The scheduler admits a request only once its state is
@@ -80,7 +80,6 @@ def check_grammar(kind: str, text: str) -> None:
         if kind == "json_schema":
             schema = json.loads(text)
             xgr.Grammar.from_json_schema(text)
-            xgr.Grammar.from_json_schema(exact_schema_text(text))  # what the engine compiles
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "ebnf":
@@ -90,15 +89,32 @@ def check_grammar(kind: str, text: str) -> None:
     except Exception as e:
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {_message(e)}") from e
     if kind == "json_schema":
-        check_schema_support(schema)
+        check_schema_support(schema, rewritten=compiled_schema(schema)[1])
     elif kind == "regex" and pattern_problem(text):
         raise UnsupportedSchema("", pattern_problem(text) or "")
 
 
+def compiled_schema(schema: Any) -> tuple[Any, bool]:
+    """The JSON Schema the engine compiles for ``schema``, and whether it is the rewrite:
+    ``rewrite_schema``'s equivalent (``schema_rewrite``), or ``schema`` itself where xgrammar
+    cannot compile the rewrite (a construct it rejects, such as an array of ``items``, that
+    the original held only where it was compiled as any value). The support check judges
+    the one compiled."""
+    import xgrammar as xgr
+
+    rewritten = rewrite_schema(schema)
+    if rewritten is schema:
+        return schema, False
+    try:
+        xgr.Grammar.from_json_schema(json.dumps(rewritten))
+    except Exception:
+        return schema, False
+    return rewritten, True
+
+
 def exact_schema_text(text: str) -> str:
-    """The JSON Schema text the engine compiles for ``text``: ``rewrite_schema``'s equivalent
-    (``schema_rewrite``), which the support check judges."""
-    return json.dumps(rewrite_schema(json.loads(text)))
+    """``compiled_schema`` of a schema's text, as text."""
+    return json.dumps(compiled_schema(json.loads(text))[0])
 
 
 @dataclass

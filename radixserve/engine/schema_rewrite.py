@@ -10,19 +10,24 @@ is not, that part stays as it was, and the check refuses it as before:
 - ``allOf``: its schemas and the keywords beside it merged into one schema;
 - ``$ref`` with keywords beside it (drafts 2019-09 on, where both apply): the target inlined
   (a local reference, not back into itself) and merged with them;
-- keywords beside ``anyOf`` or ``oneOf``: merged into each branch (``anyOf(b1..bn)`` and ``K``
-  is ``anyOf(b1 and K, ..., bn and K)``, and so for ``oneOf``), dropping a branch no value
-  then meets;
+- keywords beside ``anyOf`` or ``oneOf`` (another combinator among them, if the product
+  has at most ``COMBINED_LIMIT`` branches): merged into each branch (``anyOf(b1..bn)`` and
+  ``K`` is ``anyOf(b1 and K, ..., bn and K)``, and so for ``oneOf``), dropping a branch no
+  value then meets;
+- ``oneOf`` over closed objects (``additionalProperties: false``) that differ only in what
+  they require, each requiring one key more than another: ``anyOf`` with those keys
+  removed from the branches that do not require them (no value then meets two);
 - ``uniqueItems`` on an array whose items take a few listed values (``enum``, ``const``,
   boolean, null): the ``enum`` of every ordered selection of distinct values it allows
   (at most ``UNIQUE_LIMIT`` arrays).
 
 Nothing is rewritten in a schema with ``unevaluatedProperties``/``unevaluatedItems`` (they
-depend on what sibling schemas evaluated) or an ``$id``/``$anchor`` below its root (a
-reference there resolves elsewhere), and a node is not restructured where a ``$ref`` points
-inside what would move. ``SchemaRewrite(schema).locate(node, key)`` names, for a node of the
-rewritten schema, the dotted path in the original where ``key`` came from, so a refusal
-points at what the user wrote.
+depend on what sibling schemas evaluated), an ``$id``/``$anchor`` below its root (a reference
+there resolves elsewhere) or a local ``$ref`` it cannot resolve, and a node is not
+restructured where a ``$ref`` points inside what would move.
+``SchemaRewrite(schema).locate(node, key)`` names, for a node of the rewritten schema, the
+dotted path in the original where ``key`` came from, so a refusal points at what the user
+wrote.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ import math
 from collections.abc import Callable
 from functools import reduce
 from typing import Any
+from urllib.parse import unquote
 
 from radixserve.engine.schema_merge import NotExact, assertions, merge_flat
 from radixserve.engine.schema_types import ASSERTIONS, SchemaTypes, expand, type_of, value_key
 
 UNIQUE_LIMIT = 100
+COMBINED_LIMIT = 16  # branches of a combinator merged with another
 _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "not",
         "unevaluatedProperties", "propertyNames", "contains", "if", "then", "else")  # fmt: skip
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
@@ -80,6 +87,41 @@ def _each(s: dict, loc: Loc, fn: Callable[[Any, Loc], Any]) -> dict:
     return out
 
 
+def _one_of_closed(branches: list) -> list[tuple[dict, dict]] | None:
+    """``anyOf`` branches for a ``oneOf`` of closed objects that differ only in what they
+    require (None where that is not the case): branch i can hold alone only without the key
+    each other branch j requires beyond it, so that key leaves branch i's properties (closed
+    out); a branch another one implies cannot hold alone and goes. Each branch gets
+    ``type: object``: a value of another type meets every branch, so ``oneOf`` refuses it."""
+    shapes = set()
+    for b in branches:
+        if not (isinstance(b, dict) and b.get("additionalProperties") is False):
+            return None
+        required, props = b.get("required", []), b.get("properties", {})
+        if "patternProperties" in b or not isinstance(props, dict):
+            return None
+        if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+            return None
+        rest = {k: v for k, v in assertions(b).items() if k != "required"}
+        if "type" in rest and "object" not in expand(rest["type"]):
+            return None
+        shapes.add(value_key(rest))
+    if len(shapes) != 1 or len(branches) < 2:
+        return None
+    out = []
+    for i, b in enumerate(branches):
+        mine = set(b.get("required", []))
+        extra = [set(o.get("required", [])) - mine for j, o in enumerate(branches) if j != i]
+        if not all(extra):
+            continue  # another branch holds wherever this one does
+        gone = set().union(*(e for e in extra if len(e) == 1))
+        if any(not e & gone for e in extra):
+            return None  # "one of these keys absent": not one schema
+        props = {k: v for k, v in b.get("properties", {}).items() if k not in gone}
+        out.append((b, {**b, "type": "object", "properties": props}))
+    return out
+
+
 class SchemaRewrite:
     """The rewrite of one schema document (``result``), and where its parts came from."""
 
@@ -113,11 +155,12 @@ class SchemaRewrite:
                 loc and any(isinstance(s.get(k), str) for k in _ANCHORS)
             ):
                 self.frozen = True
-            if "$ref" in s:
+            ref = s.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
                 try:
-                    self.targets.append(self._pointer(s["$ref"]))
+                    self.targets.append(self._pointer(ref))
                 except NotExact:
-                    pass  # not local: the support check refuses it
+                    self.frozen = True  # cannot tell what it points at: nothing may move
             _each(s, loc, self._index)
         return s
 
@@ -153,6 +196,13 @@ class SchemaRewrite:
             if out is False:
                 raise NotExact("no value meets it")
             s = self._attach(out, s)
+        one_of = s.get("oneOf") if isinstance(s, dict) else None
+        if isinstance(one_of, list) and len(assertions(s)) == 1:
+            kept = _one_of_closed(one_of)
+            if kept:
+                self._movable(loc, ["oneOf"])
+                branches = [self._note(new, old) for old, new in kept]
+                s = self._attach(self._note({"anyOf": branches}, s), s)
         return self._unique(s, loc)
 
     def _flat(self, s: Any) -> Any:
@@ -191,8 +241,12 @@ class SchemaRewrite:
         if x is False or y is False or _trivial(x) or _trivial(y):
             return self.merge(x, y)
         cx, cy = (next((k for k in ("anyOf", "oneOf") if k in s), None) for s in (x, y))
-        if cx and cy:
-            raise NotExact("a combinator in both schemas")
+        if cx and cy:  # comb(a1..an) and K is comb(a1 and K, ...), K a combinator too
+            if not (isinstance(x[cx], list) and isinstance(y[cy], list)):
+                raise NotExact("a combinator that is not a list")
+            if len(x[cx]) * len(y[cy]) > COMBINED_LIMIT:
+                raise NotExact("a combinator in both schemas, with too many branches")
+            cy = None
         if cx or cy:
             flat, node, comb = (y, x, cx) if cx else (x, y, cy)
             if not isinstance(node[comb], list):
@@ -224,7 +278,7 @@ class SchemaRewrite:
         loc: list[str | int] = []
         node = self.root
         for part in ref[2:].split("/") if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
             if isinstance(node, list) and part.isdigit() and int(part) < len(node):
                 loc.append(int(part))
             elif isinstance(node, dict) and part in node:

@@ -68,10 +68,13 @@ class UnsupportedSchema(ValueError):
         self.path, self.detail = path, detail
 
 
-def check_schema_support(schema: Any) -> None:
+def check_schema_support(schema: Any, rewritten: bool = True) -> None:
     """Raise ``UnsupportedSchema`` for the first construct the grammar would not enforce in
-    ``rewrite_schema(schema)`` (what the grammar compiler compiles), named by its path in
-    ``schema``."""
+    ``rewrite_schema(schema)`` (in ``schema`` itself when not ``rewritten``), named by its
+    path in ``schema``."""
+    if not rewritten:
+        _Walk(schema, lambda node, key: None).node(schema, "")
+        return
     rewrite = SchemaRewrite(schema)
     _Walk(rewrite.result, rewrite.locate).node(rewrite.result, "")
 
