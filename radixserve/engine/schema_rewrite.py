@@ -44,6 +44,7 @@ from radixserve.engine.schema_types import ASSERTIONS, SchemaTypes, expand, type
 
 UNIQUE_LIMIT = 100
 COMBINED_LIMIT = 16  # branches of a combinator merged with another
+MERGE_BUDGET = 20_000  # merges per document, past which the rest stays as it is
 _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "not",
         "unevaluatedProperties", "propertyNames", "contains", "if", "then", "else")  # fmt: skip
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
@@ -133,6 +134,8 @@ class SchemaRewrite:
         self.done: dict[Loc, Any] = {}
         self.busy: set[Loc] = set()
         self.targets: list[Loc] = []  # where the document's $refs point
+        self.merging: set[Loc] = set()  # the $refs whose targets are being merged
+        self.budget = MERGE_BUDGET
         self.frozen = False
         self._index(root, ())
         self.result = root if self.frozen else self.visit(root, ())
@@ -237,6 +240,19 @@ class SchemaRewrite:
             return y if _trivial(x) else x
         if not (isinstance(x, dict) and isinstance(y, dict)):
             raise NotExact("a schema that is not an object")
+        self.budget -= 1
+        if self.budget < 0:
+            raise NotExact("too much to merge")
+        refs = {self._pointer(s["$ref"]) for s in (x, y) if "$ref" in s}
+        if refs & self.merging:
+            raise NotExact("a reference back into itself")
+        self.merging |= refs
+        try:
+            return self._merge(x, y)
+        finally:
+            self.merging -= refs
+
+    def _merge(self, x: dict, y: dict) -> Any:
         x, y = self._flat(x), self._flat(y)
         if x is False or y is False or _trivial(x) or _trivial(y):
             return self.merge(x, y)
