@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.engine.grammar import check_grammar, exact_schema_text
-from radixserve.engine.schema_rewrite import UNIQUE_LIMIT, rewrite_schema
+from radixserve.engine.schema_forms import UNIQUE_LIMIT
+from radixserve.engine.schema_rewrite import rewrite_schema
 from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
 
 INT = {"type": "integer"}

@@ -14,12 +14,8 @@ is not, that part stays as it was, and the check refuses it as before:
   has at most ``COMBINED_LIMIT`` branches): merged into each branch (``anyOf(b1..bn)`` and
   ``K`` is ``anyOf(b1 and K, ..., bn and K)``, and so for ``oneOf``), dropping a branch no
   value then meets;
-- ``oneOf`` over closed objects (``additionalProperties: false``) that differ only in what
-  they require, each requiring one key more than another: ``anyOf`` with those keys
-  removed from the branches that do not require them (no value then meets two);
-- ``uniqueItems`` on an array whose items take a few listed values (``enum``, ``const``,
-  boolean, null): the ``enum`` of every ordered selection of distinct values it allows
-  (at most ``UNIQUE_LIMIT`` arrays).
+- a ``oneOf`` of closed objects that differ only in what they require, and ``uniqueItems``
+  over a few listed values: the exclusive ``anyOf`` and the ``enum`` of ``schema_forms``.
 
 Nothing is rewritten in a schema with ``unevaluatedProperties``/``unevaluatedItems`` (they
 depend on what sibling schemas evaluated), an ``$id``/``$anchor`` below its root (a reference
@@ -32,17 +28,15 @@ wrote.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Callable
 from functools import reduce
 from typing import Any
 from urllib.parse import unquote
 
+from radixserve.engine.schema_forms import one_of_closed, unique_arrays
 from radixserve.engine.schema_merge import NotExact, assertions, merge_flat
-from radixserve.engine.schema_types import ASSERTIONS, SchemaTypes, expand, type_of, value_key
+from radixserve.engine.schema_types import ASSERTIONS, SchemaTypes
 
-UNIQUE_LIMIT = 100
 COMBINED_LIMIT = 16  # branches of a combinator merged with another
 MERGE_BUDGET = 20_000  # merges per document, past which the rest stays as it is
 _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "not",
@@ -85,41 +79,6 @@ def _each(s: dict, loc: Loc, fn: Callable[[Any, Loc], Any]) -> dict:
             out[k] = [fn(x, (*loc, k, i)) for i, x in enumerate(v)]
         elif k in _MAP and isinstance(v, dict):
             out[k] = {n: fn(x, (*loc, k, n)) for n, x in v.items()}
-    return out
-
-
-def _one_of_closed(branches: list) -> list[tuple[dict, dict]] | None:
-    """``anyOf`` branches for a ``oneOf`` of closed objects that differ only in what they
-    require (None where that is not the case): branch i can hold alone only without the key
-    each other branch j requires beyond it, so that key leaves branch i's properties (closed
-    out); a branch another one implies cannot hold alone and goes. Each branch gets
-    ``type: object``: a value of another type meets every branch, so ``oneOf`` refuses it."""
-    shapes = set()
-    for b in branches:
-        if not (isinstance(b, dict) and b.get("additionalProperties") is False):
-            return None
-        required, props = b.get("required", []), b.get("properties", {})
-        if "patternProperties" in b or not isinstance(props, dict):
-            return None
-        if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
-            return None
-        rest = {k: v for k, v in assertions(b).items() if k != "required"}
-        if "type" in rest and "object" not in expand(rest["type"]):
-            return None
-        shapes.add(value_key(rest))
-    if len(shapes) != 1 or len(branches) < 2:
-        return None
-    out = []
-    for i, b in enumerate(branches):
-        mine = set(b.get("required", []))
-        extra = [set(o.get("required", [])) - mine for j, o in enumerate(branches) if j != i]
-        if not all(extra):
-            continue  # another branch holds wherever this one does
-        gone = set().union(*(e for e in extra if len(e) == 1))
-        if any(not e & gone for e in extra):
-            return None  # "one of these keys absent": not one schema
-        props = {k: v for k, v in b.get("properties", {}).items() if k not in gone}
-        out.append((b, {**b, "type": "object", "properties": props}))
     return out
 
 
@@ -201,7 +160,7 @@ class SchemaRewrite:
             s = self._attach(out, s)
         one_of = s.get("oneOf") if isinstance(s, dict) else None
         if isinstance(one_of, list) and len(assertions(s)) == 1:
-            kept = _one_of_closed(one_of)
+            kept = one_of_closed(one_of)
             if kept:
                 self._movable(loc, ["oneOf"])
                 branches = [self._note(new, old) for old, new in kept]
@@ -314,42 +273,15 @@ class SchemaRewrite:
         """An array of distinct items from a few listed values, as the enum of them all."""
         if not (isinstance(s, dict) and s.get("uniqueItems") is True):
             return s
-        if "type" not in s or expand(s["type"]) != {"array"}:
+        try:
+            items = self._flat(s["items"]) if isinstance(s.get("items"), dict) else None
+        except NotExact:
             return s
-        if set(assertions(s)) - {"type", "uniqueItems", "items", "minItems", "maxItems"}:
-            return s
-        values = self._listed(s.get("items", True))
-        low, high = s.get("minItems", 0), s.get("maxItems", len(values or []))
-        if values is None or not all(type(v) is int for v in (low, high)):
-            return s
-        high = min(high, len(values))
-        if not 0 < sum(math.perm(len(values), k) for k in range(low, high + 1)) <= UNIQUE_LIMIT:
+        arrays = unique_arrays(s, items)
+        if arrays is None:
             return s
         self._movable(loc, ["items"])
-        arrays = [list(p) for k in range(low, high + 1) for p in itertools.permutations(values, k)]
-        out = self._note({"enum": arrays}, s)
-        return self._attach(out, s)
-
-    def _listed(self, items: Any) -> list | None:
-        """The distinct values ``items`` allows, where it lists them (else None)."""
-        try:
-            flat = self._flat(items) if isinstance(items, dict) else None
-        except NotExact:
-            return None
-        if not isinstance(flat, dict):
-            return None
-        keys = set(assertions(flat))
-        kinds = expand(flat["type"]) if "type" in flat else None
-        if keys == {"type"} and kinds and kinds <= {"null", "boolean"}:
-            values = [v for v in (None, False, True) if type_of(v) in kinds]
-        elif keys in ({"enum"}, {"const"}, {"type", "enum"}, {"type", "const"}):
-            values = flat["enum"] if "enum" in flat else [flat["const"]]
-            if not isinstance(values, list):
-                return None
-            values = [v for v in values if kinds is None or type_of(v) in kinds]
-        else:
-            return None
-        return list({value_key(v): v for v in values}.values())
+        return self._attach(self._note({"enum": arrays}, s), s)
 
     def _part(self, s: dict, keys: list[str]) -> dict:
         return self._note({k: s[k] for k in keys}, s)
