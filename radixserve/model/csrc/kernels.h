@@ -189,6 +189,14 @@ struct DecodeBatch {
   void* v_pool = nullptr;
   int64_t slots = 0;
   KVType kv_type = KVType::F32;
+  // Window layers kept apart (KVPool with a window map): their KV lives in these pools, at
+  // the window slots w_out_slots / w_ctx (the same shapes as out_slots / ctx), and k_pool
+  // holds the other layers only. w_k_pool null: every layer is in k_pool.
+  void* w_k_pool = nullptr;  // [window layers, kv_heads, w_slots, dim]
+  void* w_v_pool = nullptr;
+  int64_t w_slots = 0;
+  const int64_t* w_out_slots = nullptr;
+  const int64_t* w_ctx = nullptr;
 };
 
 // Scratch buffers of one decoder; one step at a time per scratch.
