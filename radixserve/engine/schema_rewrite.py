@@ -38,7 +38,7 @@ from radixserve.engine.schema_merge import NotExact, assertions, merge_flat
 from radixserve.engine.schema_types import ASSERTIONS, SchemaTypes
 
 COMBINED_LIMIT = 16  # branches of a combinator merged with another
-MERGE_BUDGET = 20_000  # merges per document, past which the rest stays as it is
+MERGE_BUDGET = 1_000  # merges per document (real schemas need a dozen), then no more
 _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "not",
         "unevaluatedProperties", "propertyNames", "contains", "if", "then", "else")  # fmt: skip
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
@@ -83,9 +83,10 @@ def _each(s: dict, loc: Loc, fn: Callable[[Any, Loc], Any]) -> dict:
 
 
 class SchemaRewrite:
-    """The rewrite of one schema document (``result``), and where its parts came from."""
+    """The rewrite of one schema document (``result``; the document itself when not
+    ``enabled``), and where its parts came from."""
 
-    def __init__(self, root: Any):
+    def __init__(self, root: Any, enabled: bool = True):
         self.root, self.types = root, SchemaTypes(root)
         self.paths: dict[int, str] = {}  # original node -> its dotted path
         self.origins: dict[int, dict[str, str | None]] = {}  # new node -> key -> path
@@ -97,7 +98,7 @@ class SchemaRewrite:
         self.budget = MERGE_BUDGET
         self.frozen = False
         self._index(root, ())
-        self.result = root if self.frozen else self.visit(root, ())
+        self.result = root if self.frozen or not enabled else self.visit(root, ())
 
     def locate(self, node: Any, key: str = "") -> str | None:
         """The original dotted path of ``key`` in ``node`` (of ``node`` itself without a

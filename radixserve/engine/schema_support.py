@@ -68,14 +68,11 @@ class UnsupportedSchema(ValueError):
         self.path, self.detail = path, detail
 
 
-def check_schema_support(schema: Any, rewritten: bool = True) -> None:
+def check_schema_support(schema: Any, rewrite: SchemaRewrite | None = None) -> None:
     """Raise ``UnsupportedSchema`` for the first construct the grammar would not enforce in
-    ``rewrite_schema(schema)`` (in ``schema`` itself when not ``rewritten``), named by its
-    path in ``schema``."""
-    if not rewritten:
-        _Walk(schema, lambda node, key: None).node(schema, "")
-        return
-    rewrite = SchemaRewrite(schema)
+    ``rewrite.result`` (default ``SchemaRewrite(schema)``: the rewrite of ``schema``), named
+    by its path in ``schema``."""
+    rewrite = SchemaRewrite(schema) if rewrite is None else rewrite
     _Walk(rewrite.result, rewrite.locate).node(rewrite.result, "")
 
 
