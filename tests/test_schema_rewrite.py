@@ -176,7 +176,7 @@ def test_a_rewritten_schema_accepts_exactly_what_the_original_accepts(schema, va
 
 
 @pytest.mark.parametrize("schema", [s for s, _, _ in REWRITTEN])
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(instance=JSON)
 def test_rewritten_and_original_agree_on_random_values(schema, instance):
     _agree(schema, rewrite_schema(schema), instance)

@@ -289,9 +289,9 @@ class SchemaRewrite:
 
     def _attach(self, out: Any, s: dict) -> Any:
         """``out`` with the annotations of ``s`` (its ``$defs``, title, ...) beside it."""
-        if not isinstance(out, dict):
+        if not isinstance(out, dict) and out is not True:
             return out
-        kept = {k: v for k, v in out.items() if k in ASSERTIONS}
+        kept = {k: v for k, v in out.items() if k in ASSERTIONS} if out is not True else {}
         return self._note({**kept, **{k: v for k, v in s.items() if k not in ASSERTIONS}},
                           out, s)  # fmt: skip
 
