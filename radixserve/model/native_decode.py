@@ -59,7 +59,7 @@ class NativeDecoder:
         """float32 logits ``[num_decode, vocab]`` of a step of decode tokens only."""
         return self.decoder.forward(
             batch.input_ids, batch.positions, batch.out_slots,
-            batch.decode_context, batch.decode_lens, pool.k, pool.v,
+            batch.decode_context, batch.decode_lens, pool.k, pool.v, batch.decode_sequences,
         )  # fmt: skip
 
 

@@ -260,8 +260,11 @@ class Decoder {
   }
 
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
-                        torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool) {
+                        torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool,
+                        int64_t sequences) {
     const int64_t B = ids.numel();
+    TORCH_CHECK(sequences == -1 || (sequences >= 1 && sequences <= B),
+                "sequences: -1 (one per row) or from 1 to the number of rows");
     for (const auto* t : {&ids, &positions, &out_slots, &lens})
       TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == B && t->device().is_cpu(),
                   "ids, positions, out_slots, lens: contiguous int64 [batch] on CPU");
@@ -284,6 +287,7 @@ class Decoder {
     batch.v_pool = v_pool.data_ptr();
     batch.slots = k_pool.size(2);
     batch.kv_type = kv_type(k_pool);
+    batch.sequences = sequences == -1 ? B : sequences;
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(batch.ids[b] >= 0 && batch.ids[b] < w_.embed.n, "token id out of range");
       TORCH_CHECK(batch.positions[b] >= 0 && batch.positions[b] < w_.max_pos, "position out of range");
@@ -466,7 +470,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("out_norms") = std::vector<torch::Tensor>{},
            py::arg("windows") = std::vector<int64_t>{}, py::arg("local_cos") = py::none(),
            py::arg("local_sin") = py::none(), py::arg("embed_scale") = 1.0, py::arg("gelu") = false)
-      .def("forward", &rs::Decoder::forward, nogil());
+      .def("forward", &rs::Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("out_slots"),
+           py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"), py::arg("sequences") = -1,
+           nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
   m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());
   m.def("silu_mul", &rs::silu_mul_op, "SiLU(gate) * up of rows laid out [gate | up]", nogil());

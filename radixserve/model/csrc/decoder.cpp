@@ -11,8 +11,12 @@
 // i sees i - W < j <= i), with their own RoPE tables. The arithmetic matches llama.py's and
 // gemma3.py's forward:
 // float32 activations, rotate-half RoPE from float32 tables, softmax in float32; batches of 8
-// sequences or more round the matmuls' inputs to int8 per block (gemm_int8_lanes), as
-// llama.cpp does for every matmul, unless RADIXSERVE_INT8_LANES=0. Weights are
+// sequences or more (DecodeBatch::sequences, not rows) round the matmuls' inputs to int8 per
+// block (gemm_int8_lanes), as llama.cpp does for every matmul, unless
+// RADIXSERVE_INT8_LANES=0. A sequence may bring several rows (a grammar draft being verified:
+// a row per token, each with its own position, slot and context up to that slot): a layer
+// writes every row's K/V to the pool before any row attends, so a row sees the rows before
+// it. Weights are
 // QWeights (block-quantized or dense float); the pool keeps its dtype (float32, bfloat16,
 // float16), laid out [layers, kv_heads, slots, head_dim].
 //
@@ -242,7 +246,7 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
   for (int64_t b = 0; b < B; ++b) dequant_rows(w.embed, batch.ids[b], 1, s.h.data() + b * H);
   if (w.embed_scale != 1.f)
     for (float& v : s.h) v *= w.embed_scale;
-  const bool int8 = use_int8_lanes(-1);  // batches of 8+ sequences: int8 activations
+  const bool int8 = batch.sequences >= 8 && use_int8_lanes(-1);  // int8 activations
   switch (batch.kv_type) {
     case KVType::F32: layers<float>(w, batch, s, int8); break;
     case KVType::BF16: layers<c10::BFloat16>(w, batch, s, int8); break;

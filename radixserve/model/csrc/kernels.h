@@ -189,6 +189,10 @@ struct DecodeBatch {
   void* v_pool = nullptr;
   int64_t slots = 0;
   KVType kv_type = KVType::F32;
+  // the sequences the rows belong to (a sequence verifying a draft has a row per token):
+  // the matmuls round x to int8 from 8 sequences on, as the same sequences decoded one
+  // token each would, so a row's logits do not depend on how many draft rows share the step
+  int64_t sequences = 0;
 };
 
 // Scratch buffers of one decoder; one step at a time per scratch.
