@@ -86,7 +86,11 @@ class ModelExecutor:
                 torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
                 r.num_computed,
                 r.kv.slots[: r.num_computed + n],
-                r.num_computed + n == r.num_tokens and not r.spec.prefill_only,
+                # a chunk that ends the sequence gives logits at its last token (and at the
+                # token before each draft token, were a draft computed as a chunk)
+                1 + r.num_draft
+                if r.num_computed + n == r.num_tokens and not r.spec.prefill_only
+                else 0,
             )
             for r, n in prefills
         ]

@@ -47,9 +47,10 @@ def build_forward_batch(
     ``decode``: per row ``(token_id, position, context_slots)``, the context including the
     slot of the new token; one row per sequence, unless ``decode_sequences`` says the rows
     belong to fewer (a sequence verifying a draft has a row per token, each with its context
-    up to its own slot: every row's K/V is written before any row attends). ``prefill``: per chunk ``(token_ids, prefix_len, context_slots,
-    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``;
-    ``wants_logits`` is how many of the chunk's last tokens get a logits row (a bool: one).
+    up to its own slot: every row's K/V is written before any row attends).
+    ``prefill``: per chunk ``(token_ids, prefix_len, context_slots, wants_logits)`` with
+    ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``; ``wants_logits`` is
+    how many of the chunk's last tokens get a logits row (a bool: one).
     Padding reads ``pad_slot``.
     """
     ids, pos, out = [], [], []
