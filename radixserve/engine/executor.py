@@ -23,7 +23,7 @@ from radixserve.engine.request import Request
 from radixserve.engine.sampler import sample
 from radixserve.engine.scheduler import Step
 from radixserve.engine.segments import SegmentBlender
-from radixserve.model import build_forward_batch
+from radixserve.model import build_forward_batch, native_decode
 
 log = logging.getLogger("radixserve")
 
@@ -74,6 +74,16 @@ class ModelExecutor:
         return done, logits
 
     def _forward(self, decodes: list[Request], prefills: list[tuple[Request, int]]):
+        """The step's logits. Where the model runs decode rows in one native call, a step
+        with prompt chunks too runs its decode rows apart, natively: a row's logits then do
+        not depend on whether a chunk shares its step (in bfloat16 the op-by-op path rounds
+        them otherwise), so a draft verified beside a prompt chunk still gives what decoding
+        its tokens one step each gives."""
+        if decodes and prefills and native_decode.for_model(self.model) is not None:
+            return torch.cat([self._pack(decodes, []), self._pack([], prefills)])
+        return self._pack(decodes, prefills)
+
+    def _pack(self, decodes: list[Request], prefills: list[tuple[Request, int]]):
         """Logits rows: each decode's (``1 + num_draft`` of a request with a draft: the row
         after the token before the draft and after each draft token), then the prefills'."""
         decode = [
