@@ -66,6 +66,13 @@ ENGINE_FLAGS = {
         help="evict nodes whose reuse rate (hits per request admitted since they were cached) "
         "is below this, before any other (0.1-0.3 is the usual range); default: off",
     ),
+    "window_kv_share": dict(
+        type=float,
+        default=0.2,
+        help="models with sliding-window layers (Gemma 3): their KV is kept for this share of "
+        "the cached tokens only, the rest dropped where no request can read it (0: keep every "
+        "layer's KV for every cached token); default %(default)s",
+    ),
     "max_running_requests": dict(
         type=int, default=64, help="most requests decoding at once; default %(default)s"
     ),

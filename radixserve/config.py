@@ -57,6 +57,10 @@ class CacheConfig:
     eviction_policy: str = "lru"
     # evict nodes reused less than this often (hits per admitted request) before all others
     cache_threshold: float | None = None
+    # models with sliding-window layers: their KV in a pool of its own with slots for this
+    # share of the main pool's, dropped where no request can read it (cache/window_tree.py);
+    # 0: every layer's KV for every cached token, in one pool
+    window_kv_share: float = 0.2
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 1)
@@ -69,6 +73,9 @@ class CacheConfig:
                 raise ValueError("give max_total_tokens or kv_cache_memory, not both")
         if self.kv_cache_memory is not None:
             check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        r = self.window_kv_share
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r <= 1:
+            raise ValueError(f"window_kv_share must be in [0, 1], got {r!r}")
 
 
 @dataclass(frozen=True)

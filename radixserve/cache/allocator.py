@@ -24,6 +24,8 @@ class OutOfSlotsError(RuntimeError):
 
 
 class PagedAllocator:
+    windowed = False  # pages of sliding-window layers beside each page (``window_pages.py``)
+
     def __init__(self, num_slots: int, page_size: int = 1):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -95,12 +97,16 @@ class PagedAllocator:
         out[needs_page] = pages * self.page_size
         return out
 
+    def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """The pages of ``indices`` given in runs (each page once, in order)."""
+        if self.page_size == 1:
+            return indices
+        return torch.unique_consecutive(indices // self.page_size)
+
     def free(self, indices: torch.Tensor) -> None:
         if indices.numel() == 0:
             return
-        pages = (
-            indices if self.page_size == 1 else torch.unique_consecutive(indices // self.page_size)
-        )
+        pages = self.pages_of(indices)
         k = pages.numel()
         if bool(self._is_free[pages].any()) or (k > 1 and torch.unique(pages).numel() != k):
             raise RuntimeError("double free: a page is already free or listed twice")

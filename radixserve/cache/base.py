@@ -162,6 +162,14 @@ class PrefixCache(ABC):
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` if that many are evictable; return tokens freed."""
 
+    def evict_windows(self, num_tokens: int) -> int:
+        """Drop the window layers' KV of at least ``num_tokens`` cached tokens where no
+        request needs it (models with window layers kept apart; ``window_tree.py``)."""
+        return 0
+
+    def window_evictable_size(self) -> int:
+        return 0
+
     @abstractmethod
     def evictable_size(self) -> int: ...
 

@@ -131,8 +131,7 @@ class HostKVPool:
         if self._stream is not None:  # the slots may be the target of a load still running
             torch.cuda.current_stream(pool.device).wait_stream(self._stream)
         dev_slots = device_slots.to(pool.device, non_blocking=True)
-        kv = torch.stack([pool.k.index_select(2, dev_slots), pool.v.index_select(2, dev_slots)],
-                         dim=1)  # fmt: skip  # [layers, 2, heads, n * ps, dim]
+        kv = self._gather(dev_slots)  # [layers, 2, heads, n * ps, dim]
         layers, _, heads, _, dim = kv.shape
         kv = kv.view(layers, 2, heads, n, ps, dim).permute(3, 0, 1, 2, 4, 5)
         self.data[pages] = kv.to("cpu")  # a synchronous copy on CUDA
@@ -141,18 +140,49 @@ class HostKVPool:
 
     def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy the KV of ``host_slots`` into ``device_slots`` (same length, whole pages)."""
-        pool, ps = self.device_pool, self.page_size
+        ps = self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
         if self._stream is None:  # one scatter over every layer
             kv = self.data[pages].permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, ps, dim]
             kv = kv.reshape(*kv.shape[:3], n * ps, kv.shape[-1])
-            pool.k.index_copy_(2, device_slots, kv[:, 0])
-            pool.v.index_copy_(2, device_slots, kv[:, 1])
+            self._scatter(kv, device_slots)
         else:
             self._restore_async(pages, device_slots, n, ps)
         self.stats.pages_to_device += n
         self.stats.bytes_to_device += n * self.page_nbytes
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V of ``slots``, in the model's layer order: one gather per
+        pool (the window layers' pool, when apart, through the window map)."""
+        pool = self.device_pool
+        kv = torch.stack([pool.k.index_select(2, slots), pool.v.index_select(2, slots)], dim=1)
+        if not pool.windowed:
+            return kv
+        window_slots = pool.window_map[slots.cpu()].to(slots.device)
+        wkv = torch.stack([pool.wk.index_select(2, window_slots),
+                           pool.wv.index_select(2, window_slots)], dim=1)  # fmt: skip
+        main, window = self._layer_groups()
+        out = kv.new_empty((len(pool.groups), *kv.shape[1:]))
+        out[main], out[window] = kv, wkv
+        return out
+
+    def _scatter(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``kv`` [layers, 2, heads, n, dim] into the pool at ``slots`` (the window
+        layers at their window slots, which freshly allocated slots all have)."""
+        pool = self.device_pool
+        main, window = self._layer_groups() if pool.windowed else (slice(None), None)
+        pool.k.index_copy_(2, slots, kv[main, 0])
+        pool.v.index_copy_(2, slots, kv[main, 1])
+        if window is not None:
+            window_slots = pool.window_map[slots.cpu()].to(slots.device)
+            pool.wk.index_copy_(2, window_slots, kv[window, 0])
+            pool.wv.index_copy_(2, window_slots, kv[window, 1])
+
+    def _layer_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's layer indices in the main pool and in the window pool."""
+        in_window = torch.tensor([w for w, _ in self.device_pool.groups])
+        return (~in_window).nonzero().view(-1), in_window.nonzero().view(-1)
 
     def _restore_layer(
         self, kv: torch.Tensor, device_slots: torch.Tensor, layer: int, n: int, ps: int

@@ -1,8 +1,14 @@
 """The KV pool: preallocated K and V tensors for every layer, indexed by token slot.
 
-``k[layer]`` and ``v[layer]`` have shape ``[num_slots, num_kv_heads, head_dim]``. The pool only
-stores; which slots are free, cached or held is the business of the allocator, the radix tree
-and the requests. Size it by a token count or by a memory budget (``slots_for_memory``).
+``k[layer]`` and ``v[layer]`` have shape ``[num_kv_heads, num_slots + 1, head_dim]``. The pool
+only stores; which slots are free, cached or held is the business of the allocator, the radix
+tree and the requests. Size it by a token count or by a memory budget (``slots_for_memory``).
+
+A model with sliding-window layers may keep their KV apart (``window_map`` given): ``k`` and
+``v`` then hold the global layers only, ``wk`` and ``wv`` the window layers, in a pool of
+their own addressed through ``window_map`` (main slot -> window slot, kept by the
+``WindowedAllocator``, ``window_pages.py``). ``layer_kv``, ``slots_for``, ``write`` and
+``gather`` take a model layer index and a main slot, whichever group the layer is in.
 """
 
 from __future__ import annotations
@@ -18,16 +24,26 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    window_layers: tuple[int, ...] = ()  # layers with a sliding window
+
+    def layer_bytes(self) -> int:
+        """K and V of one token in one layer."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.head_dim * elem
 
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * self.layer_bytes()
 
-    def slots_for_memory(self, num_bytes: int, page_size: int = 1) -> int:
-        """How many slots (whole pages) a budget of ``num_bytes`` holds."""
+    def slots_for_memory(self, num_bytes: int, page_size: int = 1, window_share: float = 0) -> int:
+        """How many slots (whole pages) a budget of ``num_bytes`` holds; with
+        ``window_share``, the window layers' KV is kept for that share of the slots only."""
         if num_bytes <= 0:
             raise ValueError(f"KV cache memory budget must be positive, got {num_bytes} bytes")
-        slots = num_bytes // self.bytes_per_token()
+        per_token = self.bytes_per_token()
+        if window_share:
+            local = len(self.window_layers)
+            per_token = (self.num_layers - local + window_share * local) * self.layer_bytes()
+        slots = int(num_bytes // per_token)
         return slots // page_size * page_size
 
 
@@ -39,7 +55,14 @@ class KVPool:
     valid until the next ``gather`` call (attention uses each one at once).
     """
 
-    def __init__(self, shape: KVShape, num_slots: int, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        shape: KVShape,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+        window_map: torch.Tensor | None = None,
+        window_slots: int = 0,
+    ):
         if num_slots <= 0:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         self.shape = shape
@@ -49,13 +72,43 @@ class KVPool:
         # masks out. Every other slot is written before it is read, so it starts uninitialised
         # (zeroing gigabytes would take seconds at start-up).
         self.pad_slot = num_slots
-        size = (shape.num_layers, shape.num_kv_heads, num_slots + 1, shape.head_dim)
-        self.k = torch.empty(size, dtype=shape.dtype, device=self.device)
-        self.v = torch.empty(size, dtype=shape.dtype, device=self.device)
-        self.k[:, :, self.pad_slot].zero_()
-        self.v[:, :, self.pad_slot].zero_()
+        window = set(shape.window_layers) if window_map is not None else set()
+        # model layer -> (its group's storage is the window pool, index in the group)
+        self.groups = [(i in window, sum(1 for j in range(i) if (j in window) == (i in window)))
+                       for i in range(shape.num_layers)]  # fmt: skip
+        self.k, self.v = self._storage(shape.num_layers - len(window), num_slots)
+        self.window_map = window_map  # on the CPU: the allocator updates it in place
+        self.window_slots = 0
+        if window:
+            self.window_slots = window_slots  # also the window pool's pad slot
+            self.wk, self.wv = self._storage(len(window), self.window_slots)
         self._scratch = torch.empty(0, dtype=shape.dtype, device=self.device)
         self._layer_events: list | None = None  # CUDA: a load from the host tier in flight
+
+    def _storage(self, layers: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = self.shape
+        size = (layers, shape.num_kv_heads, slots + 1, shape.head_dim)
+        k = torch.empty(size, dtype=shape.dtype, device=self.device)
+        v = torch.empty(size, dtype=shape.dtype, device=self.device)
+        k[:, :, slots].zero_()
+        v[:, :, slots].zero_()
+        return k, v
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the window layers' KV lives in a pool of its own."""
+        return self.window_slots > 0
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The storage ``[num_kv_heads, slots + 1, head_dim]`` holding ``layer``'s K and V."""
+        in_window, i = self.groups[layer]
+        return (self.wk[i], self.wv[i]) if in_window else (self.k[i], self.v[i])
+
+    def slots_for(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Where ``layer``'s KV of these main slots lives in ``layer_kv(layer)``."""
+        if not self.groups[layer][0]:
+            return slots
+        return self.window_map[slots.cpu()].to(slots.device, non_blocking=True)
 
     def wait_for_layers(self, events: list) -> None:
         """Make the next forward pass wait, layer by layer, for a copy into the pool (one
@@ -69,8 +122,10 @@ class KVPool:
             torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
             if layer == len(self._layer_events) - 1:
                 self._layer_events = None
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+        kl, vl = self.layer_kv(layer)
+        slots = self.slots_for(layer, slots)
+        kl.index_copy_(1, slots, k.transpose(0, 1))
+        vl.index_copy_(1, slots, v.transpose(0, 1))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` (1-D) as ``[num_kv_heads, n, head_dim]`` scratch views."""
@@ -81,9 +136,15 @@ class KVPool:
                                         dtype=self.shape.dtype, device=self.device)  # fmt: skip
         k = self._scratch[: need // 2].view(heads, n, dim)
         v = self._scratch[need // 2 : need].view(heads, n, dim)
-        torch.index_select(self.k[layer], 1, slots, out=k)
-        torch.index_select(self.v[layer], 1, slots, out=v)
+        kl, vl = self.layer_kv(layer)
+        slots = self.slots_for(layer, slots)
+        torch.index_select(kl, 1, slots, out=k)
+        torch.index_select(vl, 1, slots, out=v)
         return k, v
 
     def nbytes(self) -> int:
-        return self.num_slots * self.shape.bytes_per_token()
+        layer = self.shape.layer_bytes()
+        window = len(self.shape.window_layers) if self.windowed else 0
+        return (
+            self.num_slots * (self.shape.num_layers - window) + self.window_slots * window
+        ) * layer

@@ -64,6 +64,7 @@ from radixserve.cache.storage import ClearResult
 from radixserve.cache.tree_check import TreeState, check_host_tier, check_tree, tree_summary, walk
 from radixserve.cache.tree_events import TreeEvents
 from radixserve.cache.tree_node import TreeNode
+from radixserve.cache.window_tree import WindowKeeper
 
 __all__ = ["LowerTiers", "RadixCache", "TreeNode"]
 
@@ -127,6 +128,8 @@ class RadixCache(PrefixCache):
         self._host_size = 0  # tokens with a host copy
         self._pinned: set[TreeNode] = set()  # host nodes a load in progress reads (pinned)
         self._flushing = False  # reset: nodes leave the device without a copy
+        # sliding-window layers kept apart: their KV is dropped where no request can read it
+        self.windows = WindowKeeper(self, allocator) if allocator.windowed else None
         if event_queue is not None:
             self.events = event_queue  # an empty tree: nothing to snapshot
 
@@ -271,6 +274,8 @@ class RadixCache(PrefixCache):
         mid.hit_count = child.hit_count
         mid.depth, mid.created = parent.depth + n, child.created
         mid.policy_state = child.policy_state
+        mid.window, mid.window_lock = child.window, child.window_lock
+        mid.host_window = child.host_window
         if self.events is not None:
             self._hasher.split(mid, child, n)
         parent.children[self._child_key(mid.key)] = mid
@@ -288,6 +293,8 @@ class RadixCache(PrefixCache):
         self._clock += 1
         leaf.last_access = self._clock
         self._mark_leaf(leaf)
+        if self.windows is not None:
+            self.windows.on_cached(leaf)
         if self.events is not None:
             self.emit_event(self._hasher.hash_node(leaf))
         if self.controller is not None:
@@ -305,6 +312,8 @@ class RadixCache(PrefixCache):
             self._delete_host_subtree(child)  # nothing to hang below: drop them
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        if self.windows is not None:
+            self.windows.on_leave_device(leaf)
         self.allocator.free(leaf.value)
         del parent.children[self._child_key(leaf.key)]
         self._evictable_leaves.discard(leaf)
@@ -324,6 +333,8 @@ class RadixCache(PrefixCache):
     def _drop_device(self, node: TreeNode) -> int:
         """A device leaf with a host copy leaves the device and stays in the tree."""
         size = len(node.key)
+        if self.windows is not None:
+            self.windows.on_leave_device(node)
         self.allocator.free(node.value)
         node.value = None
         self._evictable_leaves.discard(node)
@@ -361,11 +372,36 @@ class RadixCache(PrefixCache):
                 node = child
                 if n < edge_len:
                     break
+            if self.windows is not None:
+                path, node = self._usable_path(path, node)
             self._touch(node)
         result = self._match_result(path, node)
         if record_stats:
             self.record_hit(result.handle, len(key), result.device_len)
         return result
+
+    def _usable_path(self, path: list[TreeNode], last: TreeNode) -> tuple[list[TreeNode], TreeNode]:
+        """``path`` cut back to the longest prefix whose window KV allows resuming there
+        (``WindowKeeper.usable``), splitting the node it ends in; and its last node. The
+        device part must end at such a point too (a load of the host part may not happen):
+        where it does not, the path ends within the device part."""
+        device = 0
+        while device < len(path) and path[device].value is not None:
+            device += 1
+        on_device = sum(len(n.key) for n in path[:device])
+        if device < len(path) and self.windows.usable(path[:device], on_device) < on_device:
+            path, last = path[:device], (path[device - 1] if device else path[0].parent)
+        u = self.windows.usable(path, sum(len(n.key) for n in path))
+        pos = 0
+        for k, node in enumerate(path):
+            end = pos + len(node.key)
+            if end > u:
+                if pos < u:  # ``u`` falls inside this node: split it there
+                    upper = self._split(node, u - pos)
+                    return [*path[:k], upper], upper
+                return path[:k], (path[k - 1] if k else node.parent)
+            pos = end
+        return path, last
 
     @staticmethod
     def _match_result(path: list[TreeNode], last: TreeNode | None) -> MatchResult:
@@ -394,7 +430,7 @@ class RadixCache(PrefixCache):
         if node is None:
             return PrefixPeek(0)
         end = len(key) - len(key) % self.page_size
-        matched, path = 0, [node.id]
+        matched, path, nodes = 0, [node.id], []
         while matched < end:
             child = node.children.get(self._child_key(key[matched:]))
             if child is None:
@@ -404,9 +440,16 @@ class RadixCache(PrefixCache):
                 break
             matched += n
             path.append(child.id)
+            nodes.append(child)
             if n < len(child.key):
                 break
             node = child
+        if self.windows is not None and matched:
+            usable = self.windows.usable(nodes, matched)
+            if usable < matched:  # the nodes that start before it
+                starts = np.cumsum([0] + [len(n.key) for n in nodes])[:-1]
+                path = path[: 1 + int((starts < usable).sum())]
+                matched = usable
         return PrefixPeek(matched, tuple(path))
 
     def insert(
@@ -434,6 +477,8 @@ class RadixCache(PrefixCache):
                 self.set_device(child, indices[pos : pos + n].to(torch.int64, copy=True))
                 if taken_from is None:
                     taken_from = pos
+            elif self.windows is not None:  # a tombstone takes the window KV just computed
+                self.windows.revive(child, indices[pos : pos + n].to(torch.int64))
             pos += n
             node = child
         self._touch(node)
@@ -461,6 +506,8 @@ class RadixCache(PrefixCache):
             self.controller.on_hit(node)
 
     def inc_lock_ref(self, node: TreeNode | None) -> None:
+        if self.windows is not None:
+            self.windows.lock(node)
         while node is not None and node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
@@ -472,6 +519,8 @@ class RadixCache(PrefixCache):
     def dec_lock_ref(self, node: TreeNode | None) -> None:
         if node is not None and node.parent is not None and node.lock_ref <= 0:
             raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
+        if self.windows is not None:
+            self.windows.unlock(node)
         while node is not None and node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -492,6 +541,12 @@ class RadixCache(PrefixCache):
                 break
             freed += self._remove_leaf(leaf)
         return freed
+
+    def evict_windows(self, num_tokens: int) -> int:
+        return self.windows.evict(num_tokens) if self.windows is not None else 0
+
+    def window_evictable_size(self) -> int:
+        return self.windows.evictable_size() if self.windows is not None else 0
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -531,15 +586,19 @@ class RadixCache(PrefixCache):
             self._event(BlockRemoved, node, MEDIUM_HOST)
             return
         node.host_value = slots
+        node.host_window = node.window
         self._host_size += len(node.key)
         self._event(BlockStored, node, MEDIUM_HOST)
 
-    def set_device(self, node: TreeNode, slots: torch.Tensor) -> None:
-        """An off-device node gets device slots (its KV is there, or about to be)."""
+    def set_device(self, node: TreeNode, slots: torch.Tensor, window: bool = True) -> None:
+        """An off-device node gets device slots (its KV is there, or about to be);
+        ``window`` False: without the window layers' KV (loaded from a tombstone's copy)."""
         node.value = slots
         self._host_leaves.discard(node)
         self._evictable_leaves.discard(node.parent)  # it has a device child now
         self._evictable_size += len(node.key)  # off-device nodes are never locked
+        if self.windows is not None:
+            self.windows.on_cached(node, window)
         if self._is_leaf(node):
             self._mark_leaf(node)
         self._event(BlockStored, node, MEDIUM_DEVICE)
@@ -625,7 +684,20 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ lower tiers
     def load_back(self, match: MatchResult) -> MatchResult:
-        return self.controller.load_back(match) if self.controller is not None else match
+        if self.controller is None:
+            return match
+        loaded = self.controller.load_back(match)
+        if self.windows is None or loaded is match:
+            return loaded
+        # a partial load may end where the window before it is not whole: resume earlier
+        path, node = [], loaded.handle
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path, last = self._usable_path(path[::-1], loaded.handle)
+        if len(path) and path[-1] is loaded.handle:
+            return loaded
+        return self._match_result(path, last)
 
     def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Any:
         if self.controller is None:
@@ -674,5 +746,7 @@ class RadixCache(PrefixCache):
     def check_integrity(self, held_indices: torch.Tensor | None = None) -> None:
         state = self.integrity_state()
         self.allocator.check(check_tree(self, state), held_indices)
+        if self.windows is not None:
+            self.windows.check(held_indices)
         if self.controller is not None:
             self.controller.check(check_host_tier(self, state))

@@ -125,6 +125,8 @@ class TierController:
         slots = allocator.alloc(n)
         if slots is None:
             self.tree.evict(n - allocator.free_size())
+            if allocator.windowed:
+                self.tree.evict_windows(n - allocator.window_free_size())
             slots = allocator.alloc(n)
         return slots
 
@@ -136,6 +138,9 @@ class TierController:
             return match
         with self.tree.pinned(match):
             room = self.tree.allocator.free_size() + self.tree.evictable_size()
+            if self.tree.allocator.windowed:  # the window pool must make room too
+                room = min(room, self.tree.allocator.window_free_size()
+                           + self.tree.window_evictable_size())  # fmt: skip
             n = min(match.host_len, room - room % self.page_size)
             slots = self._alloc_device(n) if n >= max(self.load_back_min_tokens, 1) else None
         if slots is None:
@@ -150,7 +155,7 @@ class TierController:
             raise
         offset = 0
         for node in nodes:
-            self.tree.set_device(node, slots[offset : offset + len(node.key)])
+            self.tree.set_device(node, slots[offset : offset + len(node.key)], node.host_window)
             offset += len(node.key)
         self.tiers.loads += 1
         self.tiers.partial_loads += n < match.host_len

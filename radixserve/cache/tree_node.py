@@ -1,7 +1,9 @@
 """TreeNode: one edge of the radix tree and where its tokens' KV lives.
 
 A node's KV is on the device (``value``: device slot indices), on the host (``host_value``:
-host slot indices), or on both; a tree without lower tiers only ever has ``value``. The
+host slot indices), or on both; a tree without lower tiers only ever has ``value``. For a
+model whose sliding-window layers keep their KV apart, ``window`` says whether those layers'
+KV is still there on the device (``window_tree.py``). The
 fields the tree keeps for eviction, events and statistics sit beside them.
 Nothing here moves KV: the tier controller does, and the tree records the result.
 """
@@ -31,6 +33,9 @@ class TreeNode:
         "depth",
         "created",
         "policy_state",
+        "window",
+        "window_lock",
+        "host_window",
     )
 
     def __init__(
@@ -56,6 +61,12 @@ class TreeNode:
         self.depth = 0  # tokens from the root to the end of this edge
         self.created = 0  # the cache's admission count when this node was cached
         self.policy_state: Any = None  # the eviction policy's own (eviction.py)
+        # models with window layers kept apart (window_tree.py): whether the node's device
+        # slots still have their window layers' KV (False: a tombstone), and how many
+        # requests need that KV (the node lies in the window before their resume point)
+        self.window = True
+        self.window_lock = 0
+        self.host_window = True  # whether the host copy has the window layers' KV
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"

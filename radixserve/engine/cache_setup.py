@@ -1,4 +1,9 @@
-"""Building the engine's prefix cache from its config: none, one tier, or the hierarchy.
+"""Building the engine's KV pool and prefix cache from its config: none, one tier, or the
+hierarchy.
+
+- a model with sliding-window layers keeps their KV in a pool of its own, sized by
+  ``window_kv_share`` (``window_pages.py``, ``window_tree.py``), unless a feature that moves
+  every layer's KV of a slot is on;
 
 - ``enable_prefix_caching=False``: ``NullCache`` (the A/B baseline);
 - by default: ``RadixCache`` over the device pool;
@@ -16,6 +21,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+import torch
+
 from radixserve.cache import (
     KVEventQueue,
     KVPool,
@@ -26,12 +33,52 @@ from radixserve.cache import (
 )
 from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.kv_pool import KVShape
 from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.window_pages import WindowedAllocator
 from radixserve.config import EngineConfig
 from radixserve.utils import default_host_kv_bytes
 
 log = logging.getLogger("radixserve")
 SAMPLE_BYTES = 1 << 20
+
+
+def build_pool(config: EngineConfig, shape: KVShape, num_slots: int,
+               window: int) -> tuple[PagedAllocator, KVPool]:  # fmt: skip
+    """The device pool and its allocator: with window layers kept apart when the model has
+    sliding-window layers (``window`` tokens) and the config allows (``window_kv_share``)."""
+    page = config.cache.page_size
+    if window_layers_apart(config, shape):
+        window_slots = max(int(num_slots * config.cache.window_kv_share) // page * page, page)
+        allocator = WindowedAllocator(num_slots, page, window_slots, window)
+        log.info("window layers: %d of %d, their KV for %d of %d tokens (window %d)",
+                 len(shape.window_layers), shape.num_layers, allocator.window_slots,
+                 allocator.num_slots, window)  # fmt: skip
+        pool = KVPool(shape, allocator.num_slots, config.device, allocator.window_map,
+                      allocator.window_slots)  # fmt: skip
+        return allocator, pool
+    allocator = PagedAllocator(num_slots, page)
+    return allocator, KVPool(shape, allocator.num_slots, config.device)
+
+
+def window_layers_apart(config: EngineConfig, shape: KVShape) -> bool:
+    """Whether the sliding-window layers' KV goes to a pool of its own. Not with the prefix
+    cache off (nothing would be dropped), nor with a storage tier, disaggregation or a GPU's
+    host tier, which move every layer's KV of a slot whole (those keep one pool, at the
+    memory cost of all layers)."""
+    if not shape.window_layers or not config.cache.window_kv_share:
+        return False
+    gpu = torch.device(config.device).type != "cpu"
+    others = [name for name, on in (
+        ("the storage tier", config.tiers.kv_storage is not None),
+        ("the host tier on a GPU", gpu and is_tiered(config)),
+        ("disaggregation", config.disagg.disaggregation_mode != "off"),
+    ) if on]  # fmt: skip
+    if others or not config.cache.enable_prefix_caching:
+        log.info("window layers keep KV for every cached token (%s)",
+                 ", ".join(others) or "prefix cache off")  # fmt: skip
+        return False
+    return True
 
 
 def build_cache(

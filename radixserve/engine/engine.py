@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from radixserve.cache import KVEventQueue, KVPool, PagedAllocator
+from radixserve.cache import KVEventQueue
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
-from radixserve.engine.cache_setup import build_cache
+from radixserve.engine.cache_setup import build_cache, build_pool, window_layers_apart
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
@@ -43,7 +43,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.segment_select import RecomputeSelector
 from radixserve.engine.segments import SegmentBlender
 from radixserve.engine.spec import RequestSpec
-from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.engine.stats import EngineInfo, EngineStats, WindowStats
 from radixserve.model import LoadedModel, load_model, native
 from radixserve.utils import default_kv_cache_bytes
 
@@ -103,15 +103,16 @@ class Engine:
     def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
         shape = self.model.kv_shape()
+        share = config.cache.window_kv_share if window_layers_apart(config, shape) else 0
         if config.cache.max_total_tokens is not None:
             num_slots = config.cache.max_total_tokens
         else:
             budget = config.cache.kv_cache_memory or default_kv_cache_bytes(config.device)
-            num_slots = shape.slots_for_memory(int(budget), config.cache.page_size)
+            num_slots = shape.slots_for_memory(int(budget), config.cache.page_size, share)
         if torch.device(config.device).type == "cpu":
             native.paged_ops()  # build (first run) or load the kernels now, not mid-request
-        self.allocator = PagedAllocator(num_slots, config.cache.page_size)
-        self.pool = KVPool(shape, self.allocator.num_slots, config.device)
+        window = self.model.config.sliding_window
+        self.allocator, self.pool = build_pool(config, shape, num_slots, window)
         events = KVEventQueue() if config.kv_events.enable_kv_events else None
         self.cache = build_cache(
             config, self.allocator, self.pool, events, loaded.path, loaded.name
@@ -130,6 +131,11 @@ class Engine:
     def add(self, spec: RequestSpec) -> Request:
         """Validate and queue a request (``ValueError`` naming what is wrong); a constrained
         one starts compiling its grammar and is admitted once it is ready."""
+        if spec.segments and self.model.config.sliding_layers:
+            raise ValueError(
+                "RAG segments are not available for models with sliding-window layers (Gemma 3):"
+                " reusing a segment moves every layer's keys with the global layers' RoPE"
+            )
         req = self.core.add(spec)
         if spec.grammar is not None:
             req.grammar = self.grammars.start(*spec.grammar)
@@ -227,6 +233,19 @@ class Engine:
             grammar=self.grammar_stats(),
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
+            window=self._window_stats(),
+        )
+
+    def _window_stats(self) -> WindowStats | None:
+        if not self.allocator.windowed:
+            return None
+        keeper = self.cache.windows
+        capacity = self.allocator.window_slots
+        return WindowStats(
+            capacity_tokens=capacity,
+            used_tokens=capacity - self.allocator.window_free_size(),
+            cached_tokens=keeper.window_size if keeper else 0,
+            tombstoned_tokens=keeper.tombstoned_tokens if keeper else 0,
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:

@@ -78,8 +78,13 @@ class RequestKV:
 
     # ------------------------------------------------------------------ sizes
     def available(self) -> int:
-        """Slots obtainable now: free ones plus everything the tree could evict."""
-        return self.allocator.free_size() + self.cache.evictable_size()
+        """Slots obtainable now: free ones plus everything the tree could evict (and, with
+        window layers kept apart, no more than the window slots obtainable)."""
+        main = self.allocator.free_size() + self.cache.evictable_size()
+        if not self.allocator.windowed:
+            return main
+        window = self.allocator.window_free_size() + self.cache.window_evictable_size()
+        return min(main, window)
 
     def capacity(self) -> int:
         return self.allocator.num_slots
@@ -164,7 +169,10 @@ class RequestKV:
     ) -> torch.Tensor | None:
         slots = alloc()
         if slots is None:
-            self.cache.evict(num_tokens + self.page_size - self.allocator.free_size())
+            need = num_tokens + self.page_size
+            self.cache.evict(need - self.allocator.free_size())
+            if self.allocator.windowed:  # window KV no request can read
+                self.cache.evict_windows(need - self.allocator.window_free_size())
             slots = alloc()
         return slots
 

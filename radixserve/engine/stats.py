@@ -35,6 +35,16 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class WindowStats:
+    """The sliding-window layers' own pool (a model whose window layers keep KV apart)."""
+
+    capacity_tokens: int = 0  # window slots
+    used_tokens: int = 0  # held by requests or behind cached tokens
+    cached_tokens: int = 0  # cached tokens that still have window KV
+    tombstoned_tokens: int = 0  # monotonic: cached tokens whose window KV was dropped
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -51,6 +61,7 @@ class EngineStats:
     kv_transfer: Any = None  # disagg.transfer.TransferStats in a disaggregation mode
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
     grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
+    window: WindowStats | None = None  # None: no window pool
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

@@ -230,9 +230,11 @@ def _decode_attention(layer: int, q: torch.Tensor, context: tuple, pool: KVPool,
     ctx, lens, bias = context
     ops = native.paged_ops() if pool.device.type == "cpu" and dim % 16 == 0 else None
     if ops is not None:  # straight from the pool, no gathered copy of K and V
-        scores = ops.paged_scores(q.contiguous(), pool.k[layer], ctx, lens)
+        k_layer, v_layer = pool.layer_kv(layer)
+        slots = pool.slots_for(layer, ctx)
+        scores = ops.paged_scores(q.contiguous(), k_layer, slots, lens)
         probs = scores.mul_(scale).add_(bias).softmax(dim=-1)
-        return ops.paged_values(probs, pool.v[layer], ctx, lens)
+        return ops.paged_values(probs, v_layer, slots, lens)
     kc, vc = pool.gather(layer, ctx.view(-1))
     kc, vc = kc.view(num_kv, b, ctx.shape[1], dim), vc.view(num_kv, b, ctx.shape[1], dim)
     # Two batched matmuls beat SDPA here: its CPU kernel is slow for 1-token queries.

@@ -162,7 +162,7 @@ class LlamaModel:
 
     def kv_shape(self) -> KVShape:
         c = self.config
-        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, c.sliding_layers)
 
     def _row_kernels(self) -> Any | None:
         """The native row-wise kernels (RMSNorm, RoPE, SiLU * up) for a float32 CPU model,

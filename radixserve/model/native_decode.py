@@ -57,9 +57,18 @@ class NativeDecoder:
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """float32 logits ``[num_decode, vocab]`` of a step of decode tokens only."""
+        window = {}
+        if pool.windowed:  # the window layers' KV lives in a pool of its own
+            window = {
+                "w_out_slots": pool.window_map[batch.out_slots],
+                "w_ctx": pool.window_map[batch.decode_context],
+                "w_k_pool": pool.wk,
+                "w_v_pool": pool.wv,
+            }
         return self.decoder.forward(
             batch.input_ids, batch.positions, batch.out_slots,
-            batch.decode_context, batch.decode_lens, pool.k, pool.v, batch.decode_sequences,
+            batch.decode_context, batch.decode_lens, pool.k, pool.v,
+            sequences=batch.decode_sequences, **window,
         )  # fmt: skip
 
 

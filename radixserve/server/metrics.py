@@ -152,6 +152,15 @@ class Metrics:
         yield gauge(m, "kv_cache_capacity_tokens", "KV pool size in slots", s.kv_capacity_tokens)
         yield gauge(m, "kv_cache_bytes_per_token", "KV bytes per slot (all layers, K and V)",
                     self.info.kv_bytes_per_token)  # fmt: skip
+        w = s.window
+        if w is not None:  # sliding-window layers with a pool of their own
+            yield gauge(m, "window_kv_capacity_tokens", "Window-layer KV pool size in slots",
+                        w.capacity_tokens)  # fmt: skip
+            yield gauge(m, "window_kv_used_tokens", "Window-layer KV slots in use",
+                        w.used_tokens)  # fmt: skip
+            yield counter(m, "window_kv_tombstoned_tokens",
+                          "Cached tokens whose window-layer KV was dropped",
+                          w.tombstoned_tokens)  # fmt: skip
 
     def _segment_families(self):
         seg, m = self.stats.segments, self.model_name

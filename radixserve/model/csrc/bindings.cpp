@@ -261,7 +261,9 @@ class Decoder {
 
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
                         torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool,
-                        int64_t sequences) {
+                        int64_t sequences,
+                        std::optional<torch::Tensor> w_out_slots, std::optional<torch::Tensor> w_ctx,
+                        std::optional<torch::Tensor> w_k_pool, std::optional<torch::Tensor> w_v_pool) {
     const int64_t B = ids.numel();
     TORCH_CHECK(sequences == -1 || (sequences >= 1 && sequences <= B),
                 "sequences: -1 (one per row) or from 1 to the number of rows");
@@ -270,7 +272,13 @@ class Decoder {
                   "ids, positions, out_slots, lens: contiguous int64 [batch] on CPU");
     TORCH_CHECK(ctx.scalar_type() == torch::kInt64 && ctx.is_contiguous() && ctx.dim() == 2 && ctx.size(0) == B,
                 "ctx: contiguous int64 [batch, max_len]");
-    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == w_.layers && k_pool.size(1) == w_.kv_heads &&
+    const bool apart = w_k_pool.has_value();
+    int64_t window_layers = 0;
+    for (int64_t win : w_.windows) window_layers += win > 0;
+    TORCH_CHECK(!apart || (w_v_pool && w_ctx && w_out_slots && window_layers > 0),
+                "window pools: k, v, context and output slots together, for a model with windows");
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == w_.layers - (apart ? window_layers : 0) &&
+                    k_pool.size(1) == w_.kv_heads &&
                     k_pool.size(3) == w_.dim && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                     v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type() &&
                     k_pool.device().is_cpu(),
@@ -288,6 +296,29 @@ class Decoder {
     batch.slots = k_pool.size(2);
     batch.kv_type = kv_type(k_pool);
     batch.sequences = sequences == -1 ? B : sequences;
+    if (apart) {
+      const auto &wk = *w_k_pool, &wv = *w_v_pool, &wc = *w_ctx, &wo = *w_out_slots;
+      TORCH_CHECK(wk.dim() == 4 && wk.size(0) == window_layers && wk.size(1) == w_.kv_heads &&
+                      wk.size(3) == w_.dim && wk.is_contiguous() && wv.is_contiguous() &&
+                      wv.sizes() == wk.sizes() && wk.scalar_type() == k_pool.scalar_type() &&
+                      wv.scalar_type() == k_pool.scalar_type() && wk.device().is_cpu(),
+                  "window pools: contiguous CPU [window layers, kv_heads, slots, head_dim], the pool's dtype");
+      TORCH_CHECK(wc.sizes() == ctx.sizes() && wc.scalar_type() == torch::kInt64 && wc.is_contiguous() &&
+                      wo.numel() == B && wo.scalar_type() == torch::kInt64 && wo.is_contiguous(),
+                  "window slots: int64 of the shapes of ctx and out_slots");
+      batch.w_k_pool = wk.data_ptr();
+      batch.w_v_pool = wv.data_ptr();
+      batch.w_slots = wk.size(2);
+      batch.w_ctx = wc.data_ptr<int64_t>();
+      batch.w_out_slots = wo.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(batch.w_out_slots[b] >= 0 && batch.w_out_slots[b] < batch.w_slots, "window output slot out of range");
+        for (int64_t j = 0; j < batch.lens[b]; ++j) {
+          const int64_t slot = batch.w_ctx[b * batch.ctx_stride + j];
+          TORCH_CHECK(slot >= 0 && slot < batch.w_slots, "window context slot out of range");
+        }
+      }
+    }
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(batch.ids[b] >= 0 && batch.ids[b] < w_.embed.n, "token id out of range");
       TORCH_CHECK(batch.positions[b] >= 0 && batch.positions[b] < w_.max_pos, "position out of range");
@@ -472,7 +503,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("local_sin") = py::none(), py::arg("embed_scale") = 1.0, py::arg("gelu") = false)
       .def("forward", &rs::Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("out_slots"),
            py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"), py::arg("sequences") = -1,
-           nogil());
+           py::arg("w_out_slots") = py::none(), py::arg("w_ctx") = py::none(),
+           py::arg("w_k_pool") = py::none(), py::arg("w_v_pool") = py::none(), nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
   m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());
   m.def("silu_mul", &rs::silu_mul_op, "SiLU(gate) * up of rows laid out [gate | up]", nogil());

@@ -131,17 +131,36 @@ void attend_any(const float* q, const T* kbase, const T* vbase, const int64_t* s
   }
 }
 
+// Where layer l's KV lives: its pool, the layer's index in it, and the slots to use there.
+struct LayerPool {
+  void* k;
+  void* v;
+  int64_t slots, index;
+  const int64_t* ctx;
+  const int64_t* out_slots;
+};
+
+LayerPool layer_pool(const DecoderWeights& w, const DecodeBatch& batch, int64_t l) {
+  const bool apart = batch.w_k_pool != nullptr;
+  const bool in_window = apart && w.windows[l] > 0;
+  int64_t index = 0;  // layers before l in the same pool
+  for (int64_t j = 0; j < l; ++j) index += !apart || ((w.windows[j] > 0) == in_window);
+  if (in_window) return {batch.w_k_pool, batch.w_v_pool, batch.w_slots, index, batch.w_ctx, batch.w_out_slots};
+  return {batch.k_pool, batch.v_pool, batch.slots, index, batch.ctx, batch.out_slots};
+}
+
 // attn[b, head] = softmax(q . K / sqrt(dim)) V over the slots ctx[b, :lens[b]]; one task
 // per (sequence, KV head), sharing each K/V row read among that head's query heads.
 template <typename T>
 void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, const float* qkv,
                float* attn) {
-  const int64_t G = w.heads / w.kv_heads, D = w.dim, B = batch.size, S = batch.slots;
+  const LayerPool lp = layer_pool(w, batch, l);
+  const int64_t G = w.heads / w.kv_heads, D = w.dim, B = batch.size, S = lp.slots;
   const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
   const float scale = w.scale;
   const int64_t window = w.windows[l];
-  const T* kp = static_cast<const T*>(batch.k_pool);
-  const T* vp = static_cast<const T*>(batch.v_pool);
+  const T* kp = static_cast<const T*>(lp.k);
+  const T* vp = static_cast<const T*>(lp.v);
   at::parallel_for(0, B * w.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // a plain local: no TLS lookup in the loops below
     for (int64_t task = begin; task < end; ++task) {
@@ -151,9 +170,9 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
       const int64_t n = batch.lens[b] - start;
       scores.resize(G * n);
       const float* q = qkv + b * qkv_n + h * G * D;
-      const T* kbase = kp + (l * w.kv_heads + h) * S * D;
-      const T* vbase = vp + (l * w.kv_heads + h) * S * D;
-      const int64_t* sl = batch.ctx + b * batch.ctx_stride + start;
+      const T* kbase = kp + (lp.index * w.kv_heads + h) * S * D;
+      const T* vbase = vp + (lp.index * w.kv_heads + h) * S * D;
+      const int64_t* sl = lp.ctx + b * batch.ctx_stride + start;
       float* o = attn + b * w.heads * D + h * G * D;
       switch (D) {  // head_dim is a multiple of 16 up to 256 (checked by the bindings)
         case 64: attend<8>(q, kbase, vbase, sl, n, G, scale, scores.data(), o); break;
@@ -169,7 +188,9 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
 // q, k of one row after the QKV matmul: bias, per-head norms, RoPE; then K and V to the pool
 template <typename T>
 void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64_t b, float* row,
-             T* kp, T* vp) {
+             const LayerPool& lp) {
+  T* kp = static_cast<T*>(lp.k);
+  T* vp = static_cast<T*>(lp.v);
   const int64_t D = w.dim, q_size = w.heads * D, kv_size = w.kv_heads * D;
   if (const float* bias = w.qkv_bias[l])
     for (int64_t i = 0; i < q_size + 2 * kv_size; ++i) row[i] += bias[i];
@@ -182,7 +203,7 @@ void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64
   const float* sin = (local ? w.local_sin : w.sin) + batch.positions[b] * D;
   rope_row(row, w.heads + w.kv_heads, D, cos, sin);  // q, then k
   for (int64_t h = 0; h < w.kv_heads; ++h) {
-    const int64_t off = ((l * w.kv_heads + h) * batch.slots + batch.out_slots[b]) * D;
+    const int64_t off = ((lp.index * w.kv_heads + h) * lp.slots + lp.out_slots[b]) * D;
     for (int64_t i = 0; i < D; ++i) {
       kp[off + i] = from_float<T>(row[q_size + h * D + i]);
       vp[off + i] = from_float<T>(row[q_size + kv_size + h * D + i]);
@@ -219,13 +240,12 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
   const int64_t B = batch.size, D = w.dim, H = w.hidden, I = w.inter;
   const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
   const bool sandwich = !w.out_norms.empty();
-  T* kp = static_cast<T*>(batch.k_pool);
-  T* vp = static_cast<T*>(batch.v_pool);
   for (int64_t l = 0; l < w.layers; ++l) {
     rms_norm_rows(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
     gemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
+    const LayerPool lp = layer_pool(w, batch, l);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) qkv_row<T>(w, l, batch, b, s.qkv.data() + b * qkv_n, kp, vp);
+      for (int64_t b = b0; b < b1; ++b) qkv_row<T>(w, l, batch, b, s.qkv.data() + b * qkv_n, lp);
     });
     attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
     add_output(s.attn.data(), B, w.o[l], sandwich ? w.out_norms[2 * l] : nullptr, w.eps,

@@ -193,6 +193,14 @@ struct DecodeBatch {
   // the matmuls round x to int8 from 8 sequences on, as the same sequences decoded one
   // token each would, so a row's logits do not depend on how many draft rows share the step
   int64_t sequences = 0;
+  // Window layers kept apart (KVPool with a window map): their KV lives in these pools, at
+  // the window slots w_out_slots / w_ctx (the same shapes as out_slots / ctx), and k_pool
+  // holds the other layers only. w_k_pool null: every layer is in k_pool.
+  void* w_k_pool = nullptr;  // [window layers, kv_heads, w_slots, dim]
+  void* w_v_pool = nullptr;
+  int64_t w_slots = 0;
+  const int64_t* w_out_slots = nullptr;
+  const int64_t* w_ctx = nullptr;
 };
 
 // Scratch buffers of one decoder; one step at a time per scratch.

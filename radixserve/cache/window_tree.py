@@ -1,0 +1,220 @@
+"""Sliding-window layers in the radix tree: local-layer KV kept only where it can be read.
+
+With a model's window layers kept apart (``window_pages.py``), every device node holds the
+global layers' KV of its tokens, and its window layers' KV unless it is a *tombstone*
+(``TreeNode.window`` False). A local layer with window ``W`` computing the token at index
+``u`` reads the keys ``[u - W + 1, u]``, so:
+
+- **usable prefix**: a cached prefix can be resumed at ``u`` only if no tombstone overlaps
+  ``[u - W + 1, u)``. A match is cut back to the longest such ``u`` (``usable``): the end of
+  the path, or the start of a tombstone;
+- **window locks**: a request resuming at ``m`` (its lock handle) needs the window KV of
+  ``[a, m)``, ``a = m - W + 1`` rounded down to a page. Locking splits the path at ``a`` and
+  counts a window lock on each node from ``a`` to ``m``; a node with a window lock keeps its
+  window KV. Every window-locked node lies wholly inside each of its lockers' ranges, so a
+  split copies the count to both halves, as it copies ``lock_ref``;
+- **tombstoning** (``evict``), when the window pool runs short: nodes with window KV and no
+  window lock lose it (the global KV and the path stay). First the parts no resume point
+  needs: a node with one child keeps only the last ``W - 1 - d`` tokens of window KV, where
+  ``d`` is the distance from its end down to the nearest leaf or branch point (the ends that
+  requests resume at: a conversation's next turn, a shared system prompt); the part above is
+  split off and tombstoned, least recently used first. Then whole nodes, least recently used
+  first. Each call frees at least an eighth of the window pool, so its scan of the tree is
+  paid for by many allocations;
+- **revival**: inserting tokens over a tombstone whose KV the caller has just computed again
+  moves the caller's window pages to the node (``WindowedAllocator.move_windows``);
+- **the host tier** copies a node with whatever it has (``TreeNode.host_window``: whether the
+  copy has window KV); a host-only node counts as a tombstone in ``usable`` unless its copy
+  has window KV, and a node loaded back from a copy without it is a tombstone again.
+
+Counted in O(1): ``window_size`` (tokens of device nodes with window KV) and its part under a
+window lock; the rest can be tombstoned. ``check`` verifies every field against the nodes and
+the allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from radixserve.cache.tree_check import walk
+from radixserve.cache.tree_node import TreeNode
+
+if TYPE_CHECKING:
+    from radixserve.cache.window_pages import WindowedAllocator
+
+
+class Tree(Protocol):
+    """What the keeper needs of the radix tree that owns it."""
+
+    def roots(self) -> Iterable[TreeNode]: ...
+
+    def split(self, node: TreeNode, n: int) -> TreeNode: ...
+
+EVICT_SHARE = 8  # a tombstoning call frees at least 1/EVICT_SHARE of the window pool
+
+
+class WindowKeeper:
+    def __init__(self, tree: Tree, allocator: WindowedAllocator):
+        self.tree = tree
+        self.allocator = allocator
+        self.window = allocator.window  # keys a local layer reads, its own token included
+        self.page_size = allocator.page_size
+        self.window_size = 0  # tokens of device nodes with window KV
+        self.locked_size = 0  # of which under a window lock
+        self.tombstoned_tokens = 0  # monotonic: window KV dropped, in tokens
+
+    def evictable_size(self) -> int:
+        return self.window_size - self.locked_size
+
+    # ------------------------------------------------------------------ node events
+    def on_cached(self, node: TreeNode, window: bool = True) -> None:
+        """A node got device slots: with window KV (a new leaf, a host node recomputed, or
+        loaded from a host copy that has it), or without (``window`` False: a host copy of a
+        tombstone; the fresh slots' window pages go back)."""
+        node.window = window
+        if window:
+            self.window_size += len(node.key)
+        else:
+            self.allocator.drop_windows(node.value)
+
+    def on_leave_device(self, node: TreeNode) -> None:
+        """A node's device slots (and their window pages) are about to be freed."""
+        if node.window:
+            self.window_size -= len(node.key)
+        node.window = False
+
+    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
+        """``slots`` (the caller's, KV just computed) hold ``node``'s tokens again: the
+        node takes over their window pages if it is a tombstone."""
+        if node.window or torch.equal(slots, node.value):
+            return
+        self.allocator.move_windows(slots, node.value)
+        node.window = True
+        self.window_size += len(node.key)
+        if node.window_lock:
+            self.locked_size += len(node.key)
+
+    # ------------------------------------------------------------------ usable prefix
+    def usable(self, path: list[TreeNode], matched: int) -> int:
+        """The longest prefix of the first ``matched`` tokens along ``path`` (nodes from the
+        root down, the last maybe matched in part) that can be resumed from."""
+        spans, pos = [], 0
+        for node in path:
+            if not (node.window if node.value is not None else node.host_window):
+                spans.append((pos, min(pos + len(node.key), matched)))
+            pos += len(node.key)
+        u = matched
+        for start, end in reversed(spans):
+            if start < u and end > u - (self.window - 1):
+                u = start
+        return u
+
+    # ------------------------------------------------------------------ window locks
+    def _lock_start(self, node: TreeNode) -> int:
+        a = max(0, node.depth - (self.window - 1))
+        return a - a % self.page_size
+
+    def lock(self, node: TreeNode | None) -> None:
+        """Window-lock the nodes from ``node``'s lock start down to ``node``."""
+        if node is None or node.parent is None:
+            return
+        a = self._lock_start(node)
+        while node.parent is not None and node.depth > a:
+            start = node.depth - len(node.key)
+            if start < a:
+                self.tree.split(node, a - start)  # ``node`` keeps [a, end)
+            if node.window_lock == 0 and node.window:
+                self.locked_size += len(node.key)
+            if not node.window:
+                raise AssertionError(f"window-locking {node!r}, a tombstone")
+            node.window_lock += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode | None) -> None:
+        if node is None or node.parent is None:
+            return
+        a = self._lock_start(node)
+        while node.parent is not None and node.depth > a:
+            node.window_lock -= 1
+            if node.window_lock < 0:
+                raise RuntimeError(f"window unlock of {node!r}, not locked")
+            if node.window_lock == 0:
+                self.locked_size -= len(node.key)
+            node = node.parent
+
+    # ------------------------------------------------------------------ tombstoning
+    def evict(self, num_tokens: int) -> int:
+        """Tombstone unlocked window KV until ``num_tokens`` (and at least a share of the
+        window pool) are freed, or nothing more can be; returns the tokens freed."""
+        if num_tokens <= 0:
+            return 0
+        target = max(num_tokens, self.allocator.window_slots // EVICT_SHARE)
+        freed = 0
+        for _ in range(2):  # the tails kept by the first pass are whole candidates then
+            for _, _, _, node, keep in self._candidates():
+                if freed >= target:
+                    return freed
+                if keep:
+                    node = self.tree.split(node, len(node.key) - keep)  # the upper part
+                freed += self._tombstone(node)
+        return freed
+
+    def _candidates(self) -> list[tuple]:
+        """Unlocked nodes with window KV, in tombstoning order: ``(class, last access, id,
+        node, tokens to keep at its end)``; class 0 is a part no resume point needs."""
+        nodes = [n for n, _ in walk(self.tree)]
+        reach: dict[TreeNode, int] = {}  # node -> tokens from its end to a resume end below
+        for node in reversed(nodes):  # children before parents
+            kids = [c for c in node.children.values() if c.value is not None]
+            reach[node] = len(kids[0].key) + reach[kids[0]] if len(kids) == 1 else 0
+        out = []
+        for node in nodes:
+            if node.value is None or not node.window or node.window_lock:
+                continue
+            keep = max(0, self.window - 1 - reach[node])
+            keep = -(-keep // self.page_size) * self.page_size
+            size = len(node.key)
+            if keep < size:
+                out.append((0, node.last_access, node.id, node, keep))
+            else:
+                out.append((1, node.last_access, node.id, node, 0))
+        out.sort(key=lambda c: c[:3])
+        return out
+
+    def _tombstone(self, node: TreeNode) -> int:
+        self.allocator.drop_windows(node.value)
+        node.window = False
+        size = len(node.key)
+        self.window_size -= size
+        self.tombstoned_tokens += size
+        return size
+
+    # ------------------------------------------------------------------ integrity
+    def check(self, held: torch.Tensor | None) -> None:
+        """Every device node's window flag agrees with the allocator, window locks lie on
+        nodes with window KV and below their lock_ref, and the counters are right. Slots held
+        by requests (``held``) always have their window pages."""
+        size = locked = 0
+        for node, _ in walk(self.tree):
+            if node.value is None:
+                _require(node.window_lock == 0, f"{node!r}: window-locked off the device")
+                continue
+            pages = self.allocator.has_windows(node.value)
+            _require(bool((pages == node.window).all()), f"{node!r}: window flag is stale")
+            _require(node.window_lock <= node.lock_ref, f"{node!r}: window lock above lock_ref")
+            _require(node.window or not node.window_lock, f"{node!r}: a locked tombstone")
+            if node.window:
+                size += len(node.key)
+                locked += len(node.key) if node.window_lock else 0
+        _require(size == self.window_size, f"window size {self.window_size} != actual {size}")
+        _require(locked == self.locked_size, f"window-locked {self.locked_size} != {locked}")
+        if held is not None and held.numel():
+            _require(bool(self.allocator.has_windows(held).all()), "a held slot lost its window")
+
+
+def _require(condition: object, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,135 @@
+"""Sliding-window layers kept apart, end to end on a tiny random Gemma 3 (5 local layers of 7).
+
+Multi-turn conversations (each turn's prompt is the last prompt, its answer and new tokens),
+each with a branch off its middle per turn, run on two engines over the same weights: one keeping every layer's KV in one pool, one with
+the window layers' KV in a pool of a quarter of the slots, so that window KV is tombstoned
+all the time. Greedy outputs must be the same token for token, through the native decoder and
+through PyTorch only, at page sizes 1 and 16; the split engine must really have dropped
+window KV and still reused prefixes, and pass ``check_integrity`` after every turn.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import save_tiny_hf_model
+
+from radixserve import SamplingParams
+
+WINDOW = 24
+GEMMA = dict(
+    num_hidden_layers=7,  # local 0-4, global 5, local 6
+    head_dim=32,
+    query_pre_attn_scalar=32,
+    sliding_window=WINDOW,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+    },
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_loaded(tmp_path_factory, default_tokenizer):
+    from radixserve.model import load_model
+
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    save_tiny_hf_model(path, "Gemma3TextConfig", seed=3, **GEMMA)
+    default_tokenizer.hf.save_pretrained(path)
+    return load_model(str(path), dtype="float32", progress=False)
+
+
+def conversations(engine, turns: int = 5, convs: int = 4, first: int = 30,
+                  more: int = 14) -> list[list[int]]:  # fmt: skip
+    """Each conversation's outputs and its branch's, turn by turn (interleaved)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 40000, first).tolist() for _ in range(convs)]
+    outputs: list[list[int]] = []
+    for turn in range(turns):
+        for c in range(convs):
+            engine.add_request(f"{c}-{turn}", prompts[c], GREEDY)
+            # and a branch off the middle of the conversation: its match ends where the
+            # window KV before it may be gone
+            middle = prompts[c][: len(prompts[c]) * 2 // 3]
+            engine.add_request(f"{c}-{turn}-branch", middle + [7 + turn], GREEDY)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.check_integrity()
+        for c in range(convs):
+            answer = done[f"{c}-{turn}"]
+            outputs += [answer, done[f"{c}-{turn}-branch"]]
+            prompts[c] = prompts[c] + answer + rng.integers(100, 40000, more).tolist()
+    return outputs
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tombstoned_window_kv_gives_the_same_output(make_engine, gemma_loaded, page_size, kernels):
+    whole = make_engine(gemma_loaded, max_total_tokens=1024, page_size=page_size,
+                        window_kv_share=0)  # fmt: skip
+    split = make_engine(gemma_loaded, max_total_tokens=1024, page_size=page_size,
+                        window_kv_share=0.25)  # fmt: skip
+    assert not whole.pool.windowed and split.pool.windowed
+    assert split.pool.wk.shape[0] == 6 and split.pool.k.shape[0] == 1
+    assert conversations(split) == conversations(whole)
+    assert split.stats().window.tombstoned_tokens > 0  # window KV was dropped ...
+    stats = split.cache.stats
+    assert stats.hit_tokens > 0.3 * stats.lookup_tokens  # ... and prefixes still reused
+    assert split.pool.nbytes() < 0.5 * whole.pool.nbytes()
+
+
+@pytest.mark.parametrize("write_policy, share", [("write_back", 1.0), ("write_through", 0.5)])
+def test_the_host_tier_keeps_tombstones_and_windows_apart(make_engine, gemma_loaded,
+                                                          write_policy, share):  # fmt: skip
+    """With a host tier under a small device pool, nodes go to the host with or without
+    their window KV and come back as they went (a match never resumes where a copy without
+    it would be read, on the device or after a partial load): the output is still
+    every-layer's. (With write_back and a small window pool, a node is usually a tombstone by
+    the time it is evicted, and its copy without window KV is rarely of use.)"""
+    tiers = dict(max_total_tokens=256, page_size=16, host_kv_memory=64 << 20,
+                 write_policy=write_policy)  # fmt: skip
+    whole = make_engine(gemma_loaded, window_kv_share=0, **tiers)
+    split = make_engine(gemma_loaded, window_kv_share=share, **tiers)
+    assert split.pool.windowed and not whole.pool.windowed
+    assert conversations(split) == conversations(whole)
+    stats = split.stats()
+    assert stats.window.tombstoned_tokens > 0 and stats.cache.host_hit_tokens > 0
+    assert stats.cache.hit_tokens > 0.5 * whole.stats().cache.hit_tokens
+
+
+@pytest.mark.parametrize("share", [0, 0.2])
+def test_rag_segments_are_refused_for_sliding_window_models(make_engine, gemma_loaded, share):
+    engine = make_engine(gemma_loaded, max_total_tokens=256, window_kv_share=share)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        engine.add_request("r", list(range(100, 140)), GREEDY, segments=((0, 20),))
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_conversations_same_output_with_the_window_pool(make_engine):
+    """The released Gemma 3 270M Q4_K_M (window 512): conversations growing past the window
+    in a pool whose window part holds a fifth of the slots give the greedy output of keeping
+    every layer's KV (in float32: in bfloat16, KV computed in a prefill chunk and in a decode
+    step differ in rounding, so recomputing a dropped window may flip a near tie), while
+    window KV is dropped and prefixes are reused."""
+    from radixserve.model import load_model
+    from radixserve.model.registry import KNOWN_MODELS, installed_path
+
+    path = installed_path(KNOWN_MODELS["gemma3-270m"])
+    if path is None:
+        pytest.skip("gemma3-270m is not installed (`radixserve pull gemma3-270m`)")
+    loaded = load_model(path, dtype="float32", progress=False)
+    outs, hits = {}, {}
+    for share in (0, 0.2):
+        engine = make_engine(loaded, max_total_tokens=6144, page_size=16,
+                             window_kv_share=share, chunked_prefill_size=512)  # fmt: skip
+        outs[share] = conversations(engine, turns=4, convs=3, first=420, more=160)
+        hits[share] = engine.cache.stats.hit_tokens
+        if share:
+            window = engine.stats().window
+            assert window.tombstoned_tokens > 0 and window.capacity_tokens < 1300
+    assert outs[0.2] == outs[0]
+    assert hits[0.2] > 0.5 * hits[0]  # in a third of the memory (the branches lose most)
