@@ -8,6 +8,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from radixserve.engine import SamplingParams
 
@@ -117,34 +118,45 @@ def test_drafts_survive_retraction_and_pages(make_engine, page_size):
     assert engine.grammar_stats().drafted_tokens > 0
 
 
-def test_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
-    """A request's first draft has FIRST_DRAFT_TOKENS tokens; one kept whole doubles the
-    next, one cut short sizes the next to what was kept (at least 2 tokens), and one of which
-    fewer than 2 tokens were kept pauses drafting for DRAFT_PAUSE draws."""
+class Letters:
+    """A tokenizer that encodes text one letter per token (the vocabulary ``VOCAB``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [VOCAB.index(c) for c in text]
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz" * 2
+VOCAB = sorted(set(LETTERS)) + ["lm", "qr", "ab", "cd", "</s>"]
+
+
+def letters_state(drafter=None):
+    """A matcher for the regex ``LETTERS`` after the model drew "a", and its drafter."""
     from concurrent.futures import Future
 
     import xgrammar as xgr
 
-    from radixserve.engine.grammar import (
-        DRAFT_PAUSE,
-        FIRST_DRAFT_TOKENS,
-        GrammarState,
-        GrammarStats,
-    )
+    from radixserve.engine.drafts import Drafter
+    from radixserve.engine.grammar import GrammarState, GrammarStats
 
-    letters = "abcdefghijklmnopqrstuvwxyz" * 2
-    vocab = sorted(set(letters)) + ["lm", "qr", "</s>"]
-    info = xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[len(VOCAB) - 1])
     compiled = Future()
-    compiled.set_result(xgr.GrammarCompiler(info).compile_regex(letters))
+    compiled.set_result(xgr.GrammarCompiler(info).compile_regex(LETTERS))
+    drafter = drafter or Drafter(Letters(), [len(VOCAB) - 1], [t.encode() for t in VOCAB])
+    state = GrammarState(compiled, drafter, GrammarStats())
+    state.matcher.accept_token(0)
+    return state, drafter
 
-    class Spell:  # the forced text one letter per token, as a tokenizer would draft it
-        def tokens(self, text: str, limit: int) -> list[int]:
-            return [vocab.index(c) for c in text][:limit]
 
-    state = GrammarState(compiled, Spell(), GrammarStats())
-    bitmask = xgr.allocate_token_bitmask(64, len(vocab))
-    state.matcher.accept_token(0)  # the model drew "a"
+def test_tokenizer_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
+    """A request's first tokenizer draft has FIRST_DRAFT_TOKENS tokens; one kept whole
+    doubles the next, one cut short sizes the next to what was kept (at least 2 tokens), and
+    one of which fewer than 2 tokens were kept pauses those drafts for DRAFT_PAUSE draws."""
+    import xgrammar as xgr
+
+    from radixserve.engine.drafts import DRAFT_PAUSE, FIRST_DRAFT_TOKENS
+
+    state, _ = letters_state()
+    bitmask = xgr.allocate_token_bitmask(64, len(VOCAB))
     sizes, cuts = [], []
     for cut_at in (None, None, "l", None, "q"):
         draft = state.forced_tokens(64)
@@ -153,11 +165,103 @@ def test_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
         if cut_at is None:  # kept whole; then the model draws the next letter itself
             state.settle(len(draft), len(draft), draft[-1] + 1)
         else:  # the model writes "lm" where the draft had "l": the rest is dropped
-            cuts.append(draft.index(vocab.index(cut_at)))
-            state.settle(len(draft), cuts[-1], vocab.index(cut_at + chr(ord(cut_at) + 1)))
+            cuts.append(draft.index(VOCAB.index(cut_at)))
+            state.settle(len(draft), cuts[-1], VOCAB.index(cut_at + chr(ord(cut_at) + 1)))
     first = FIRST_DRAFT_TOKENS
     assert cuts == [2, 0] and sizes == [first, 2 * first, 4 * first, 2, 4]
     for _ in range(DRAFT_PAUSE):  # after a draft cut at its first token: paused
         assert state.forced_tokens(64) == []
-        state.settle(0, 0, vocab.index(state.matcher.find_jump_forward_string()[0]))
+        state.fill_rows(bitmask, 0, [])
+        state.settle(0, 0, VOCAB.index(state.matcher.find_jump_forward_string()[0]))
     assert len(state.forced_tokens(64)) == 2
+
+
+def spell(state, pieces: list[str]) -> None:
+    """The model writes ``pieces`` one token per step, without drafts."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, len(VOCAB))
+    for piece in pieces:
+        state.forced_tokens(64)  # what core asks after each draw; the draft is not taken
+        state.fill_rows(bitmask, 0, [])
+        state.settle(0, 0, VOCAB.index(piece))
+
+
+def test_the_model_s_own_spellings_are_drafted_as_far_as_they_agree():
+    """A request writing a forced text in its own pieces teaches the drafter that spelling;
+    the next request drafts it whole, and with two spellings known, only as far as they
+    agree, then again after the model chose between them."""
+    ids = VOCAB.index
+    first, drafter = letters_state()
+    # the forced text after "a" is "bcd...z" + the alphabet again; the model writes it so:
+    pieces = ["b", "cd", *"efghijk", "lm", *"nop", "qr", *"stuvwxyz", "ab", *"cdefghijklmnop"]
+    pieces += list("qrstuvwxyz")
+    spell(first, pieces)
+    second, _ = letters_state(drafter)
+    assert second.forced_tokens(64) == [ids(p) for p in pieces]  # drafted whole
+    other = ["b", "c", "d", *pieces[2:]]  # the second writes "cd" as "c", "d"
+    spell(second, other)
+    third, _ = letters_state(drafter)
+    assert third.forced_tokens(64) == [ids("b")]  # the spellings part after "b"
+    spell(third, ["b", "c"])
+    assert third.forced_tokens(64) == [ids(p) for p in other[2:]]  # the one that fits
+
+
+def draft_rows_against_single_steps(model, prompt: list[int], tokens: list[int]):
+    """The logits of ``tokens`` computed as decode rows of one sequence in one step (a
+    draft and the token before it), and one token per step; both after ``prompt``."""
+    from radixserve.cache import KVPool
+    from radixserve.model import build_forward_batch
+
+    pool, n = KVPool(model.kv_shape(), 256), len(prompt)
+    slots = torch.randperm(256, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for one_by_one in (True, False):
+        seq = slots[: n + len(tokens)] if one_by_one else slots[128 : 128 + n + len(tokens)]
+        prefill = [(torch.tensor(prompt), 0, seq[:n], True)]
+        model.forward(build_forward_batch([], prefill, model.device, pool.pad_slot), pool)
+        rows = [(t, n + i, seq[: n + i + 1]) for i, t in enumerate(tokens)]
+        if one_by_one:
+            steps = [build_forward_batch([r], [], model.device, pool.pad_slot) for r in rows]
+            runs.append(torch.cat([model.forward(b, pool) for b in steps]))
+        else:
+            batch = build_forward_batch(rows, [], model.device, pool.pad_slot, decode_sequences=1)
+            runs.append(model.forward(batch, pool))
+    return runs
+
+
+def test_draft_rows_give_the_logits_of_single_decode_steps(real_loaded, kernels):
+    """A sequence's draft as decode rows of one step (each row attending to the rows before
+    it) gives each row the logits it gets decoded alone: bit for bit in the native decoder
+    (ten rows of one sequence run its matmuls as single-sequence steps would: no int8
+    activations, at most 7 rows a call), up to float summation order op by op."""
+    model = real_loaded.model
+    prompt = real_loaded.tokenizer.encode("The settings, as JSON: ")
+    tokens = real_loaded.tokenizer.encode('{"delete_branch_on_merge": true}')[:10]
+    assert len(tokens) == 10
+    single, rows = draft_rows_against_single_steps(model, prompt, tokens)
+    if kernels == "native":
+        assert torch.equal(rows, single)
+    assert (rows - single).abs().max() < 1e-3 * single.abs().max()
+    assert torch.equal(rows.argmax(-1), single.argmax(-1))
+
+
+def test_a_draft_step_runs_in_the_native_decoder(make_engine, real_loaded, ops, monkeypatch):
+    """With jump forward, the steps that verify drafts run as decode rows in one native call
+    (more rows than sequences), and the outputs equal token-by-token decoding's."""
+    from radixserve.model import native_decode
+
+    calls = []
+    forward = native_decode.NativeDecoder.forward
+
+    def spy(self, batch, pool):
+        calls.append((batch.num_decode, batch.decode_sequences))
+        return forward(self, batch, pool)
+
+    monkeypatch.setattr(native_decode.NativeDecoder, "forward", spy)
+    chat = make_engine(real_loaded).tokenizer.encode_chat
+    prompts = [chat([{"role": "user", "content": "Write a JSON object: a shipping address."}])]
+    greedy = [SamplingParams(max_tokens=60, temperature=0)]
+    _, _, _, off_steps, on_steps = compare(make_engine, real_loaded, [ADDRESS], greedy, prompts)
+    assert any(rows > seqs for rows, seqs in calls)
+    assert on_steps < off_steps

@@ -1,12 +1,15 @@
 """Jump forward: tokens/s of constrained decoding with grammar-forced tokens computed ahead
-in one chunk, against token-by-token constrained decoding, on schemas with long fixed keys.
+as drafts, against token-by-token constrained decoding, on schemas with long fixed keys.
 
 Method: request bodies shaped like real APIs' (every key required, so the grammar forces each
 key and its punctuation), one greedy chat request per schema and prompt, ``--streams`` at a
-time, through two in-process engines on the same weights: jump forward off and on. The two
-passes alternate ``--rounds`` times (the first round warms the prefix cache of both); tokens/s
-are generated tokens over wall time, best round of each. Every request's output token ids
-must be identical between the two engines (``identical``). Prints one JSON line.
+time, through two in-process engines on the same weights: jump forward off and on. Each
+round asks for every schema with ``--copies`` prompts worded as no earlier round worded
+them (a server sees the same schemas in new requests), off then on; the first round is the
+first time either engine sees the schemas. Tokens/s are generated tokens over wall time;
+each round's ratio is measured side by side, and the figure is the best round of each.
+Every request's output token ids must be identical between the two engines
+(``identical``, over all rounds). Prints one JSON line.
 
     python -m benchmarks.engine.bench_jump_forward --streams 4 --rounds 3
 """
@@ -45,15 +48,23 @@ SCHEMAS = {
 }  # fmt: skip
 
 
+ASKS = ["Write the {} as JSON.", "JSON for a {}, please.", "Give me a {} in JSON.",
+        "Produce an example {} as a JSON object.", "I need a JSON {}.",
+        "Return a sample {} encoded as JSON.", "Show a {} in JSON form.",
+        "Make up a realistic {} and write it as JSON."]  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--copies", type=int, default=2, help="prompts per schema")
+    ap.add_argument("--copies", type=int, default=2, help="prompts per schema and round")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
+    if args.copies * args.rounds > len(ASKS):
+        ap.error(f"--copies times --rounds must be at most {len(ASKS)} (the prompt wordings)")
     from benchmarks.engine.bench_structured import run_pass
     from radixserve.config import EngineConfig
     from radixserve.engine import Engine
@@ -67,29 +78,31 @@ def main() -> None:
         for jump in (False, True)
     }  # fmt: skip
     tok = engines[False].tokenizer
-    prompts, schemas = [], []
-    for copy in range(args.copies):
-        for name, schema in SCHEMAS.items():
-            ask = f"Write the {name} as JSON." if copy == 0 else f"JSON for a {name}, please."
-            prompts.append(tok.encode_chat([{"role": "user", "content": ask}]))
-            schemas.append(schema)
     rates: dict[bool, list[float]] = {False: [], True: []}
-    outs: dict[bool, dict] = {}
-    for _ in range(args.rounds):
+    identical, tokens = True, 0
+    for r in range(args.rounds):
+        prompts, schemas = [], []
+        for ask in ASKS[r * args.copies : (r + 1) * args.copies]:
+            for name, schema in SCHEMAS.items():
+                prompts.append(tok.encode_chat([{"role": "user", "content": ask.format(name)}]))
+                schemas.append(schema)
+        outs = {}
         for jump in (False, True):
-            rate, out, _ = run_pass(engines[jump], prompts, schemas, args.max_tokens,
-                                    args.streams, True)  # fmt: skip
+            rate, outs[jump], _ = run_pass(engines[jump], prompts, schemas, args.max_tokens,
+                                           args.streams, True)  # fmt: skip
             rates[jump].append(rate)
-            outs[jump] = out
+        identical &= outs[True] == outs[False]
+        tokens += sum(len(v) for v in outs[True].values())
     for e in engines.values():
         e.check_integrity()
     stats = engines[True].grammar_stats()
     off, on = max(rates[False]), max(rates[True])
     print(json.dumps({
         "model": args.model or "smollm2-135m", "dtype": args.dtype, "streams": args.streams,
-        "requests": len(prompts), "tokens": sum(len(v) for v in outs[True].values()),
+        "requests": len(SCHEMAS) * args.copies * args.rounds, "tokens": tokens,
         "tokens_per_s": {"token_by_token": round(off, 1), "jump_forward": round(on, 1)},
-        "speedup": round(on / off, 3), "identical": outs[True] == outs[False],
+        "speedup": round(on / off, 3), "identical": identical,
+        "round_speedups": [round(b / a, 3) for a, b in zip(rates[False], rates[True], strict=True)],
         "forced_tokens": stats.forced_tokens, "drafted_tokens": stats.drafted_tokens,
         "rounds": {str(k): [round(r, 1) for r in v] for k, v in rates.items()},
     }))  # fmt: skip

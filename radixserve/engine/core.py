@@ -39,7 +39,7 @@ from radixserve.engine.request import Request, RequestStatus, TokenLogprob, Usag
 from radixserve.engine.scheduler import Scheduler, Step
 from radixserve.engine.spec import RequestSpec
 
-MAX_DRAFT_TOKENS = 64  # the longest grammar-forced run computed ahead in one chunk
+MAX_DRAFT_TOKENS = 64  # the longest grammar-forced run computed ahead in one step
 
 # What an executor drew for one request: the token and its logprob (None unless asked), or
 # the exception sampling its row raised.

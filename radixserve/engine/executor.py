@@ -23,7 +23,7 @@ from radixserve.engine.request import Request
 from radixserve.engine.sampler import sample
 from radixserve.engine.scheduler import Step
 from radixserve.engine.segments import SegmentBlender
-from radixserve.model import build_forward_batch
+from radixserve.model import build_forward_batch, native_decode
 
 log = logging.getLogger("radixserve")
 
@@ -37,15 +37,21 @@ class ModelExecutor:
         blended, logits = self._blend(step, result)
         done = {r.request_id for r, _ in result.failed} | {r.request_id for r in blended}
         prefills = [(r, n) for r, n in step.prefills if r.request_id not in done]
+        # a grammar draft and the token before it run as decode rows, one per token (a step
+        # of decode rows only is one native call), not as a prefill chunk
+        drafted = [r for r, n in prefills if r.num_draft and n == 1 + r.num_draft]
+        prefills = [(r, n) for r, n in prefills if not (r.num_draft and n == 1 + r.num_draft)]
+        decodes = step.decodes + drafted
         try:
-            if step.decodes or prefills:
-                logits.insert(0, self._forward(step.decodes, prefills))
+            if decodes or prefills:
+                logits.insert(0, self._forward(decodes, prefills))
         except Exception as e:
             log.exception("the forward pass failed; failing the requests of this step")
-            failed = step.decodes + [r for r, _ in prefills] + blended
+            failed = decodes + [r for r, _ in prefills] + blended
             result.failed += [(r, e) for r in failed]
             return result
-        sampling = [r for r in step.sampling() if r.request_id not in done] + blended
+        # in the order of the logits rows: decodes (with drafts), prefills, blended
+        sampling = decodes + Step(prefills=prefills).sampling() + blended
         if sampling:
             logits = torch.cat(logits) if len(logits) > 1 else logits[0]
             drawn = self.sample(logits, sampling, result.forced)
@@ -68,24 +74,39 @@ class ModelExecutor:
         return done, logits
 
     def _forward(self, decodes: list[Request], prefills: list[tuple[Request, int]]):
+        """The step's logits. Where the model runs decode rows in one native call, a step
+        with prompt chunks too runs its decode rows apart, natively: a row's logits then do
+        not depend on whether a chunk shares its step (in bfloat16 the op-by-op path rounds
+        them otherwise), so a draft verified beside a prompt chunk still gives what decoding
+        its tokens one step each gives."""
+        if decodes and prefills and native_decode.for_model(self.model) is not None:
+            return torch.cat([self._pack(decodes, []), self._pack([], prefills)])
+        return self._pack(decodes, prefills)
+
+    def _pack(self, decodes: list[Request], prefills: list[tuple[Request, int]]):
+        """Logits rows: each decode's (``1 + num_draft`` of a request with a draft: the row
+        after the token before the draft and after each draft token), then the prefills'."""
         decode = [
-            (int(r.token_ids[r.num_computed]), r.num_computed, r.kv.slots[: r.num_computed + 1])
+            (int(r.token_ids[p]), p, r.kv.slots[: p + 1])
             for r in decodes
+            for p in range(r.num_computed, r.num_tokens)
         ]
         prefill = [
             (
                 torch.from_numpy(r.token_ids[r.num_computed : r.num_computed + n]),
                 r.num_computed,
                 r.kv.slots[: r.num_computed + n],
-                # a chunk that ends the sequence gives logits at its last token and at the
-                # token before each draft token (grammar.py)
+                # a chunk that ends the sequence gives logits at its last token (and at the
+                # token before each draft token, were a draft computed as a chunk)
                 1 + r.num_draft
                 if r.num_computed + n == r.num_tokens and not r.spec.prefill_only
                 else 0,
             )
             for r, n in prefills
         ]
-        batch = build_forward_batch(decode, prefill, self.model.device, self.pool.pad_slot)
+        batch = build_forward_batch(
+            decode, prefill, self.model.device, self.pool.pad_slot, decode_sequences=len(decodes)
+        )
         return self.model.forward(batch, self.pool)
 
     def sample(

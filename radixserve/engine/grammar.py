@@ -21,17 +21,14 @@ alternative; see docs/structured-output.md).
   is dropped with its request (finish, abort, failure).
 
 Jump forward: where the grammar forces the next characters (a key, a bracket, a fixed
-string), ``forced_tokens`` tokenizes them and the request appends them as a *draft*
-(``Request.add_draft``), computed in one chunk with the token before it. The chunk yields one
-row of logits per draft token; ``apply_masks`` fills each row's mask with the matcher moved
-tentatively over the draft, and the sampler keeps the draft up to the first token the model
-would not have drawn itself, then draws the next token at that row (``settle`` rolls the
-matcher back over the rest). So the output is exactly what token-by-token decoding gives,
-greedy or seeded; a draft only saves steps where it agrees with the model. The forced text
-is tokenized by the model's tokenizer on its own (re-tokenized at the jump, not spelled with
-the grammar's own token choice): on real schemas with SmolLM2 that agreed with the model
-more often than xgrammar's ``find_jump_forward_tokens`` or than leaving out a last token that
-a longer one could extend (docs/structured-output.md).
+string), ``forced_tokens`` proposes tokens for them (``drafts.py``: the model's remembered
+spelling of that text, else the tokenizer's encoding) and the request appends them as a
+*draft* (``Request.add_draft``), computed in the next step with the token before it, a row
+each. ``apply_masks`` fills each row's mask with the matcher moved tentatively over the
+draft, and the sampler keeps the draft up to the first token the model would not have drawn
+itself, then draws the next token at that row (``settle`` rolls the matcher back over the
+rest). So the output is exactly what token-by-token decoding gives, greedy or seeded; a
+draft only saves steps where it agrees with the model.
 """
 
 from __future__ import annotations
@@ -47,18 +44,13 @@ from typing import Any
 
 import torch
 
+from radixserve.engine.drafts import Drafter, Drafting
 from radixserve.engine.regex_support import pattern_problem
 from radixserve.engine.schema_rewrite import SchemaRewrite
 from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 256
-# Draft sizes (measured in docs/structured-output.md): a request's first draft has
-# FIRST_DRAFT_TOKENS; one kept whole doubles the next, one cut short sizes the next to what
-# was kept, and one of which fewer than MIN_DRAFT_TOKENS were kept pauses drafting for
-# DRAFT_PAUSE draws. Shorter drafts are not made: a step with a draft computes it as a chunk,
-# which costs more than the decode steps a token or two saves.
-FIRST_DRAFT_TOKENS, MIN_DRAFT_TOKENS, DRAFT_PAUSE = 2, 2, 8
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
 
 
@@ -133,11 +125,10 @@ class GrammarState:
 
     def __init__(self, compiled: Future, drafter: Drafter, stats: GrammarStats):
         self._compiled = compiled
-        self._drafter, self._stats = drafter, stats
+        self._drafting, self._stats = Drafting(drafter), stats
         self._matcher: Any = None
+        self._draft: list[int] = []  # the draft the masks were filled for
         self._tentative = 0  # draft tokens the matcher went over to fill masks
-        self._draft_limit = FIRST_DRAFT_TOKENS  # sized by how much of the last draft was kept
-        self._pause = 0  # draws left before drafting again
 
     @property
     def ready(self) -> bool:
@@ -161,7 +152,7 @@ class GrammarState:
         grammar refuses stay all-allowed (the sampler never keeps a token past it)."""
         m = self.matcher
         m.fill_next_token_bitmask(bitmask, first)
-        self._tentative = 0
+        self._draft, self._tentative = list(draft), 0
         for t in draft:
             if not m.accept_token(t):
                 break
@@ -177,44 +168,21 @@ class GrammarState:
         self._tentative = 0
         self._stats.drafted_tokens += drafted
         self._stats.forced_tokens += kept
-        if drafted and kept < drafted:
-            self._draft_limit = max(MIN_DRAFT_TOKENS, kept)
-            self._pause = DRAFT_PAUSE if kept < MIN_DRAFT_TOKENS else 0
-        elif drafted and drafted >= self._draft_limit:
-            self._draft_limit = 2 * drafted
-        elif not drafted and self._pause:
-            self._pause -= 1
+        self._drafting.settle(self._draft[:drafted], kept, token)
+        self._draft = []
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
 
     def forced_tokens(self, limit: int) -> list[int]:
-        """Tokens for the text the grammar forces next (at most ``limit``; see the module
-        docstring)."""
-        if limit <= 0 or self._pause or self._matcher is None or self._matcher.is_terminated():
+        """A draft for the text the grammar forces next (at most ``limit`` tokens, maybe
+        none; ``drafts.py``)."""
+        if self._matcher is None or self._matcher.is_terminated():
             return []
-        limit = min(limit, self._draft_limit)
-        draft = self._drafter.tokens(self._matcher.find_jump_forward_string(), limit)
-        return draft if len(draft) >= MIN_DRAFT_TOKENS else []
+        return self._drafting.propose(self._matcher.find_jump_forward_string(), limit)
 
     @property
     def terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()
-
-
-class Drafter:
-    """Tokenizes forced text into a draft with the model's tokenizer, cut before any stop
-    token."""
-
-    def __init__(self, hf_tokenizer: Any, stop_token_ids: list[int]):
-        self._encode = hf_tokenizer.encode
-        self._stops = frozenset(stop_token_ids)
-
-    def tokens(self, text: str, limit: int) -> list[int]:
-        ids = self._encode(text, add_special_tokens=False)[:limit] if text else []
-        for i, t in enumerate(ids):
-            if t in self._stops:
-                return ids[:i]
-        return ids
 
 
 class GrammarCompiler:
@@ -228,7 +196,7 @@ class GrammarCompiler:
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._drafter = Drafter(hf_tokenizer, stop_token_ids)
+        self._drafter = Drafter(hf_tokenizer, stop_token_ids, info.decoded_vocab)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()  # stats are written by the worker too

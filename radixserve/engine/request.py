@@ -6,7 +6,7 @@ far they are cached, computed and allocated live in its ledger ``kv`` (a ``KVLed
 only ``RequestKV`` writes; ``num_computed`` reads it.
 
 A constrained request may carry a *draft*: the ``num_draft`` last tokens, which its grammar
-forces and which are computed with the next chunk but count as output only once the
+forces and which are computed in the next step but count as output only once the
 sampler has checked that the model would have drawn each of them (``grammar.py``).
 
 States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
@@ -151,8 +151,8 @@ class Request:
         self.num_tokens += n
 
     def add_draft(self, token_ids: list[int]) -> None:
-        """Append tokens the grammar forces next (jump forward); they are computed with the
-        next chunk and kept as far as the model's own choice agrees (``settle_draft``)."""
+        """Append tokens the grammar forces next (jump forward); they are computed in the
+        next step and kept as far as the model's own choice agrees (``settle_draft``)."""
         if self.num_draft:
             raise RuntimeError(f"{self!r} already has a draft")
         self.append_tokens(np.asarray(token_ids, dtype=np.int32))

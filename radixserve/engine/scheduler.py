@@ -192,7 +192,7 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
         it is copied, not computed); any other prefills at most ``budget`` tokens. A grammar
-        draft is computed in one chunk with the token before it, so it is cut to fit."""
+        draft is computed in one step with the token before it, so it is cut to fit."""
         if req.num_draft and req.num_uncomputed > budget:
             req.trim_draft(max(req.num_draft - (req.num_uncomputed - budget), 0))
         if (

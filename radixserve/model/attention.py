@@ -40,13 +40,17 @@ def build_forward_batch(
     prefill: list[tuple[torch.Tensor, int, torch.Tensor, int] | SparsePrefill],
     device: torch.device,
     pad_slot: int,
+    decode_sequences: int | None = None,
 ) -> ForwardBatch:
     """Pack a step.
 
-    ``decode``: per sequence ``(token_id, position, context_slots)``, the context including the
-    slot of the new token. ``prefill``: per chunk ``(token_ids, prefix_len, context_slots,
-    wants_logits)`` with ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``;
-    ``wants_logits`` is how many of the chunk's last tokens get a logits row (a bool: one).
+    ``decode``: per row ``(token_id, position, context_slots)``, the context including the
+    slot of the new token; one row per sequence, unless ``decode_sequences`` says the rows
+    belong to fewer (a sequence verifying a draft has a row per token, each with its context
+    up to its own slot: every row's K/V is written before any row attends).
+    ``prefill``: per chunk ``(token_ids, prefix_len, context_slots, wants_logits)`` with
+    ``context_slots`` covering prefix + chunk, or a ``SparsePrefill``; ``wants_logits`` is
+    how many of the chunk's last tokens get a logits row (a bool: one).
     Padding reads ``pad_slot``.
     """
     ids, pos, out = [], [], []
@@ -95,6 +99,7 @@ def build_forward_batch(
         out_slots=torch.cat(out).to(device=device, dtype=torch.int64),
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         num_decode=len(decode),
+        decode_sequences=len(decode) if decode_sequences is None else decode_sequences,
         decode_context=decode_context,
         decode_bias=decode_bias,
         decode_lens=decode_lens,

@@ -60,6 +60,8 @@ class ForwardBatch:
     decode_context: torch.Tensor | None = None  # [num_decode, max_len] slots, padded
     decode_bias: torch.Tensor | None = None  # [1, num_decode, 1, max_len]: 0 or -inf
     decode_lens: torch.Tensor | None = None  # [num_decode] int64 context lengths
+    # the sequences of the decode rows (fewer when one verifies a draft: a row per token)
+    decode_sequences: int = 0
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
     windows: dict = field(default_factory=dict)  # sliding-window plans, made by window.py
 

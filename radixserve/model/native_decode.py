@@ -67,7 +67,8 @@ class NativeDecoder:
             }
         return self.decoder.forward(
             batch.input_ids, batch.positions, batch.out_slots,
-            batch.decode_context, batch.decode_lens, pool.k, pool.v, **window,
+            batch.decode_context, batch.decode_lens, pool.k, pool.v,
+            sequences=batch.decode_sequences, **window,
         )  # fmt: skip
 
 

@@ -261,9 +261,12 @@ class Decoder {
 
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
                         torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool,
+                        int64_t sequences,
                         std::optional<torch::Tensor> w_out_slots, std::optional<torch::Tensor> w_ctx,
                         std::optional<torch::Tensor> w_k_pool, std::optional<torch::Tensor> w_v_pool) {
     const int64_t B = ids.numel();
+    TORCH_CHECK(sequences == -1 || (sequences >= 1 && sequences <= B),
+                "sequences: -1 (one per row) or from 1 to the number of rows");
     for (const auto* t : {&ids, &positions, &out_slots, &lens})
       TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == B && t->device().is_cpu(),
                   "ids, positions, out_slots, lens: contiguous int64 [batch] on CPU");
@@ -292,6 +295,7 @@ class Decoder {
     batch.v_pool = v_pool.data_ptr();
     batch.slots = k_pool.size(2);
     batch.kv_type = kv_type(k_pool);
+    batch.sequences = sequences == -1 ? B : sequences;
     if (apart) {
       const auto &wk = *w_k_pool, &wv = *w_v_pool, &wc = *w_ctx, &wo = *w_out_slots;
       TORCH_CHECK(wk.dim() == 4 && wk.size(0) == window_layers && wk.size(1) == w_.kv_heads &&
@@ -500,7 +504,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("windows") = std::vector<int64_t>{}, py::arg("local_cos") = py::none(),
            py::arg("local_sin") = py::none(), py::arg("embed_scale") = 1.0, py::arg("gelu") = false)
       .def("forward", &rs::Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("out_slots"),
-           py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"),
+           py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"), py::arg("sequences") = -1,
            py::arg("w_out_slots") = py::none(), py::arg("w_ctx") = py::none(),
            py::arg("w_k_pool") = py::none(), py::arg("w_v_pool") = py::none(), nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());

@@ -11,8 +11,12 @@
 // i sees i - W < j <= i), with their own RoPE tables. The arithmetic matches llama.py's and
 // gemma3.py's forward:
 // float32 activations, rotate-half RoPE from float32 tables, softmax in float32; batches of 8
-// sequences or more round the matmuls' inputs to int8 per block (gemm_int8_lanes), as
-// llama.cpp does for every matmul, unless RADIXSERVE_INT8_LANES=0. Weights are
+// sequences or more (DecodeBatch::sequences, not rows) round the matmuls' inputs to int8 per
+// block (gemm_int8_lanes), as llama.cpp does for every matmul, unless
+// RADIXSERVE_INT8_LANES=0. A sequence may bring several rows (a grammar draft being verified:
+// a row per token, each with its own position, slot and context up to that slot): a layer
+// writes every row's K/V to the pool before any row attends, so a row sees the rows before
+// it. Weights are
 // QWeights (block-quantized or dense float); the pool keeps its dtype (float32, bfloat16,
 // float16), laid out [layers, kv_heads, slots, head_dim].
 //
@@ -207,34 +211,47 @@ void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64
   }
 }
 
+// How a step's matmuls run: int8 activations or not, and at most `rows` rows per call.
+// qgemm picks its kernel by row count; a batch of fewer than 8 sequences with more rows (a
+// draft's) goes in calls of at most 7 rows, the kernel of a batch of those sequences one
+// row each, whose rows are computed independently: each row gets the same numbers.
+struct Gemm {
+  bool int8;
+  int64_t rows;
+  void operator()(const float* x, int64_t B, const WeightView& w, float* y, bool accumulate) const {
+    for (int64_t r = 0; r < B; r += rows)
+      qgemm(x + r * w.k, std::min(rows, B - r), w, y + r * w.n, accumulate, int8);
+  }
+};
+
 // h += x @ W^T, or (Gemma) h += RMSNorm(x @ W^T) * norm, through the scratch row buffer y
 void add_output(const float* x, int64_t B, const WeightView& wv, const float* norm, float eps,
-                float* h, float* y, int64_t H, bool int8) {
+                float* h, float* y, int64_t H, const Gemm& gemm) {
   if (norm == nullptr) {
-    qgemm(x, B, wv, h, true, int8);
+    gemm(x, B, wv, h, true);
     return;
   }
-  qgemm(x, B, wv, y, false, int8);
+  gemm(x, B, wv, y, false);
   add_rms_norm_rows(y, norm, B, H, eps, h);
 }
 
 template <typename T>
-void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s, bool int8) {
+void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s, const Gemm& gemm) {
   const int64_t B = batch.size, D = w.dim, H = w.hidden, I = w.inter;
   const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
   const bool sandwich = !w.out_norms.empty();
   for (int64_t l = 0; l < w.layers; ++l) {
     rms_norm_rows(s.h.data(), w.norms[2 * l], B, H, w.eps, s.x.data());
-    qgemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false, int8);
+    gemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
     const LayerPool lp = layer_pool(w, batch, l);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) qkv_row<T>(w, l, batch, b, s.qkv.data() + b * qkv_n, lp);
     });
     attention<T>(w, l, batch, s.qkv.data(), s.attn.data());
     add_output(s.attn.data(), B, w.o[l], sandwich ? w.out_norms[2 * l] : nullptr, w.eps,
-               s.h.data(), s.x.data(), H, int8);
+               s.h.data(), s.x.data(), H, gemm);
     rms_norm_rows(s.h.data(), w.norms[2 * l + 1], B, H, w.eps, s.x.data());
-    qgemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false, int8);
+    gemm(s.x.data(), B, w.gate_up[l], s.gu.data(), false);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       const float* gu = s.gu.data() + b0 * 2 * I;
       float* act = s.act.data() + b0 * I;
@@ -244,7 +261,7 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
         silu_mul_rows(gu, b1 - b0, I, act);
     });
     add_output(s.act.data(), B, w.down[l], sandwich ? w.out_norms[2 * l + 1] : nullptr, w.eps,
-               s.h.data(), s.x.data(), H, int8);
+               s.h.data(), s.x.data(), H, gemm);
   }
 }
 
@@ -262,14 +279,15 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
   for (int64_t b = 0; b < B; ++b) dequant_rows(w.embed, batch.ids[b], 1, s.h.data() + b * H);
   if (w.embed_scale != 1.f)
     for (float& v : s.h) v *= w.embed_scale;
-  const bool int8 = use_int8_lanes(-1);  // batches of 8+ sequences: int8 activations
+  const bool many = batch.sequences >= 8;  // int8 activations (unless turned off)
+  const Gemm gemm{many && use_int8_lanes(-1), many ? B : 7};
   switch (batch.kv_type) {
-    case KVType::F32: layers<float>(w, batch, s, int8); break;
-    case KVType::BF16: layers<c10::BFloat16>(w, batch, s, int8); break;
-    case KVType::F16: layers<c10::Half>(w, batch, s, int8); break;
+    case KVType::F32: layers<float>(w, batch, s, gemm); break;
+    case KVType::BF16: layers<c10::BFloat16>(w, batch, s, gemm); break;
+    case KVType::F16: layers<c10::Half>(w, batch, s, gemm); break;
   }
   rms_norm_rows(s.h.data(), w.norms.back(), B, H, w.eps, s.x.data());
-  qgemm(s.x.data(), B, w.lm_head, logits, false, int8);
+  gemm(s.x.data(), B, w.lm_head, logits, false);
 }
 
 }  // namespace rs

@@ -189,6 +189,10 @@ struct DecodeBatch {
   void* v_pool = nullptr;
   int64_t slots = 0;
   KVType kv_type = KVType::F32;
+  // the sequences the rows belong to (a sequence verifying a draft has a row per token):
+  // the matmuls round x to int8 from 8 sequences on, as the same sequences decoded one
+  // token each would, so a row's logits do not depend on how many draft rows share the step
+  int64_t sequences = 0;
   // Window layers kept apart (KVPool with a window map): their KV lives in these pools, at
   // the window slots w_out_slots / w_ctx (the same shapes as out_slots / ctx), and k_pool
   // holds the other layers only. w_k_pool null: every layer is in k_pool.
