@@ -134,3 +134,23 @@ def test_real_gemma3_270m_conversations_same_output_with_the_window_pool(make_en
             assert window.tombstoned_tokens > 0 and window.capacity_tokens < 1300
     assert outs[0.2] == outs[0]
     assert hits[0.2] > 0.5 * hits[0]  # in a third of the memory (the branches lose most)
+
+
+def test_a_prompt_longer_than_the_window_pool_is_admitted_and_served(make_engine,
+                                                                     gemma_loaded):  # fmt: skip
+    """A window pool of 80 slots serves a 300-token prompt: computed chunk by chunk, each
+    chunk's window KV can be dropped once it is in the tree, so the request needs room for a
+    chunk and the window before it, not for its whole prompt."""
+    engine = make_engine(gemma_loaded, max_total_tokens=400, window_kv_share=0.2,
+                         chunked_prefill_size=32)  # fmt: skip
+    assert engine.stats().window.capacity_tokens == 80
+    engine.add_request("long", list(range(1000, 1300)), GREEDY)
+    engine.add_request("short", list(range(2000, 2020)), GREEDY)
+    done: dict[str, list[int]] = {}
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert {k: len(v) for k, v in done.items()} == {"long": 6, "short": 6}
+    assert engine.stats().window.tombstoned_tokens > 0

@@ -86,6 +86,19 @@ class RequestKV:
         window = self.allocator.window_free_size() + self.cache.window_evictable_size()
         return min(main, window)
 
+    def can_admit(self, prompt: int, output: int, reserved: int, chunk: int) -> bool:
+        """Whether a request with ``prompt`` tokens still to compute and ``output`` slots to
+        reserve fits beside the ``reserved`` slots of running requests. In a window pool it
+        needs room for a chunk and the window before it, and its output: each computed chunk
+        enters the tree, where its window KV can be dropped."""
+        main = self.allocator.free_size() + self.cache.evictable_size()
+        if prompt + output > main - reserved:
+            return False
+        if not self.allocator.windowed:
+            return True
+        window = self.allocator.window_free_size() + self.cache.window_evictable_size()
+        return min(prompt, chunk + self.allocator.window) + output <= window
+
     def capacity(self) -> int:
         return self.allocator.num_slots
 

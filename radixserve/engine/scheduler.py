@@ -155,7 +155,9 @@ class Scheduler:
             if budget == 0 and not self._plan_load(req, local):
                 continue  # only loads, which need no prefill budget, can start now
             self.kv.admit(req, match)
-            if req.num_uncomputed + self._reserved_output(req) > self.kv.available() - reserved:
+            output = self._reserved_output(req)
+            chunk = self.config.chunked_prefill_size
+            if not self.kv.can_admit(req.num_uncomputed, output, reserved, chunk):
                 self.kv.release(req)
                 break
             loaded = self.kv.load(req, match)  # the host-tier part, onto the device
