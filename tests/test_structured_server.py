@@ -275,8 +275,12 @@ NOT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
             "name": "x", "schema": LOOKAHEAD}}},
          "response_format.json_schema.schema.properties.id.pattern: lookahead (?=...) is not "
          "supported"),
-        ("/v1/completions", {"json_schema": {"allOf": [{"type": "integer"}, {"minimum": 3}]}},
+        ("/v1/completions", {"json_schema": {"allOf": [{"type": "string", "pattern": "^a"},
+                                                       {"pattern": "b$"}]}},
          "json_schema.allOf: allOf with several schemas is not supported"),
+        ("/v1/completions", {"json_schema": {"allOf": [{"$ref": "#/$defs/o"}, {"properties": {
+            "x": {"type": "string", "pattern": "(?=a)"}}}], "$defs": {"o": {"type": "object"}}}},
+         "json_schema.allOf[1].properties.x.pattern: lookahead (?=...) is not supported"),
         ("/generate", {"sampling_params": {"json_schema": json.dumps({"type": "array",
             "items": {"type": "string"}, "uniqueItems": True})}},
          "sampling_params.json_schema.uniqueItems: uniqueItems is not supported"),
@@ -300,7 +304,9 @@ def test_constructs_the_grammar_would_not_enforce_are_a_400_naming_path_and_keyw
     assert_nothing_held(server)
 
 
-def test_exclusive_one_of_is_accepted_and_auto_tools_keep_any_schema(client, server):
+def test_exclusive_and_rewritten_schemas_are_accepted_and_auto_tools_keep_any_schema(
+    client, server
+):
     pet = {"oneOf": [
         {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {
             "type": "integer", "minimum": 1, "maximum": 9}}, "required": ["kind", "lives"],
@@ -317,6 +323,23 @@ def test_exclusive_one_of_is_accepted_and_auto_tools_keep_any_schema(client, ser
         choice = out.choices[0]
         if choice.finish_reason == "stop":  # else cut off by max_tokens: not an output
             jsonschema.validate(json.loads(choice.message.content), pet)
+    # allOf, a $ref with keywords beside it and keywords beside oneOf: rewritten exactly
+    base = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+            "required": ["name"]}  # fmt: skip
+    merged = {
+        "$defs": {"base": base, "pet": pet},
+        "allOf": [
+            {"$ref": "#/$defs/base"},
+            {"properties": {"pet": {"$ref": "#/$defs/pet", "type": "object"}}, "required": ["pet"]},
+        ],
+    }
+    for seed in range(2):
+        out = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=80, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": merged}},
+        )  # fmt: skip
+        if out.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.choices[0].message.content), merged)
     # with tool_choice auto the parameters only go into the prompt: nothing is refused
     auto = client.chat.completions.create(
         model="tiny", messages=ASK, tools=[NOT_TOOL], max_tokens=4, temperature=0

@@ -1,11 +1,12 @@
 """Sliding-window layers kept apart, end to end on a tiny random Gemma 3 (5 local layers of 7).
 
 Multi-turn conversations (each turn's prompt is the last prompt, its answer and new tokens),
-each with a branch off its middle per turn, run on two engines over the same weights: one keeping every layer's KV in one pool, one with
-the window layers' KV in a pool of a quarter of the slots, so that window KV is tombstoned
-all the time. Greedy outputs must be the same token for token, through the native decoder and
-through PyTorch only, at page sizes 1 and 16; the split engine must really have dropped
-window KV and still reused prefixes, and pass ``check_integrity`` after every turn.
+each with a branch off its middle per turn, run on two engines over the same weights: one
+keeping every layer's KV in one pool, one with the window layers' KV in a pool of a quarter
+of the slots, so that window KV is tombstoned all the time. Greedy outputs must be the same
+token for token, through the native decoder and through PyTorch only, at page sizes 1 and
+16, and with a host tier below; the split engine must really have dropped window KV and
+still reused prefixes, and pass ``check_integrity`` after every turn.
 """
 
 from __future__ import annotations

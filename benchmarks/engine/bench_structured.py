@@ -11,7 +11,8 @@ completed output (finish "stop") must parse and validate against its schema
 (``jsonschema``); a ``max_tokens`` cut-off is counted apart. The same prompts then run
 unconstrained, alternating the two passes ``--rounds`` times; tokens/s are generated tokens
 over wall time, and the grammar masks' time (fill, unpack, apply) per masked token is
-reported. Prints one JSON line.
+reported. Prints one JSON line. ``--refusals-only`` counts the refusals over every usable
+schema and the first ``--schemas`` (no model).
 
     python -m benchmarks.engine.bench_structured --schemas 60 --streams 16
 """
@@ -92,6 +93,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--validity-only", action="store_true", help="skip the unconstrained pass")
     ap.add_argument("--jump-forward", action="store_true")
+    ap.add_argument("--refusals-only", action="store_true",
+                    help="only count the refusals, over all usable schemas and the first "
+                    "--schemas (no model)")  # fmt: skip
     args = ap.parse_args()
     from radixserve.config import EngineConfig
     from radixserve.engine import Engine, sampler
@@ -101,6 +105,16 @@ def main() -> None:
     usable = [(u, t, why) for u, t, why in supported
               if len(t) <= args.max_schema_bytes and '"$ref": "http' not in t]  # fmt: skip
     refusals = Counter(why for _, _, why in usable[: args.schemas] if why)
+    if args.refusals_only:
+        every = Counter(why for _, _, why in usable if why)
+        print(json.dumps({
+            "schemas_in_collection": found, "supported": len(supported),
+            "usable_under_size": len(usable), "refused": sum(every.values()),
+            "refusal_reasons": dict(every.most_common()), "first": args.schemas,
+            "refused_of_first": sum(refusals.values()),
+            "refusal_reasons_of_first": dict(refusals.most_common()),
+        }))  # fmt: skip
+        return
     chosen = [(u, t) for u, t, why in usable[: args.schemas] if not why]
     engine = Engine(
         EngineConfig.from_options(

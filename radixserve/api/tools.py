@@ -26,7 +26,7 @@ from typing import Any
 from radixserve.api.constraints import unsupported_error
 from radixserve.api.errors import ApiError
 from radixserve.engine.grammar import check_grammar
-from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
+from radixserve.engine.schema_support import UnsupportedSchema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -101,7 +101,7 @@ class ToolPlan:
         for f in chosen:
             i = functions.index(f)
             try:
-                check_schema_support(f["parameters"])
+                check_grammar("json_schema", json.dumps(f["parameters"]))
             except UnsupportedSchema as e:
                 where = f"tools[{i}].function.parameters"
                 raise unsupported_error(e, where, "tools") from e

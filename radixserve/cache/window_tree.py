@@ -53,6 +53,7 @@ class Tree(Protocol):
 
     def split(self, node: TreeNode, n: int) -> TreeNode: ...
 
+
 EVICT_SHARE = 8  # a tombstoning call frees at least 1/EVICT_SHARE of the window pool
 
 

@@ -8,7 +8,9 @@ alternative; see docs/structured-output.md).
 - ``check_grammar(kind, text)`` parses a grammar without a tokenizer (well under a
   millisecond): the HTTP edge calls it so an invalid schema, regex or EBNF is a 400 naming
   the problem before anything is queued; so is a schema or regex using a construct the
-  grammar would compile only approximately (``schema_support``).
+  grammar would compile only approximately (``schema_support``). A JSON Schema is compiled
+  as ``schema_rewrite`` rewrites it (an equivalent the grammar enforces exactly in more
+  cases; ``compiled_schema``), and that is what the check judges.
 - ``GrammarCompiler`` compiles against the model's vocabulary on its own worker thread and
   keeps the last ``cache_size`` compiled grammars, keyed by ``(kind, text)``; ``start``
   returns a ``GrammarState`` at once. The scheduler admits a request only once its state is
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from radixserve.engine.regex_support import pattern_problem
+from radixserve.engine.schema_rewrite import SchemaRewrite
 from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
@@ -86,9 +89,33 @@ def check_grammar(kind: str, text: str) -> None:
     except Exception as e:
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {_message(e)}") from e
     if kind == "json_schema":
-        check_schema_support(schema)
+        check_schema_support(schema, compiled_schema(schema))
     elif kind == "regex" and pattern_problem(text):
         raise UnsupportedSchema("", pattern_problem(text) or "")
+
+
+def compiled_schema(schema: Any) -> SchemaRewrite:
+    """What the engine compiles for a JSON Schema (``.result``): ``rewrite_schema``'s
+    equivalent (``schema_rewrite``), or the schema as written where the rewrite changes
+    nothing or xgrammar cannot compile it (a construct it rejects, such as an array of
+    ``items``, that the original held only where it was compiled as any value). The support
+    check judges the one compiled."""
+    import xgrammar as xgr
+
+    rewrite = SchemaRewrite(schema)
+    text = json.dumps(rewrite.result)
+    if rewrite.result is not schema and text != json.dumps(schema):
+        try:
+            xgr.Grammar.from_json_schema(text)
+            return rewrite
+        except Exception:
+            pass
+    return SchemaRewrite(schema, enabled=False)
+
+
+def exact_schema_text(text: str) -> str:
+    """``compiled_schema`` of a schema's text, as text."""
+    return json.dumps(compiled_schema(json.loads(text)).result)
 
 
 @dataclass
@@ -227,7 +254,7 @@ class GrammarCompiler:
         c = self._compiler
         if kind in ("json_object", "json_schema"):
             # compact JSON: no run of free whitespace for a model to wander in
-            schema = '{"type": "object"}' if kind == "json_object" else text
+            schema = '{"type": "object"}' if kind == "json_object" else exact_schema_text(text)
             compiled = c.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         elif kind == "regex":
             compiled = c.compile_regex(text)

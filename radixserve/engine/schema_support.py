@@ -22,36 +22,34 @@ are dropped, and so are some keywords it cannot express (it logs a warning, or n
   of a top-level alternative;
 - assertion keywords of a schema without a type that the grammar compiles as any value.
 
-So an output could follow the grammar and still break the schema. ``check_schema_support``
-walks the schema from its root (following local ``$ref``s, so unused definitions do not
-count) and raises ``UnsupportedSchema`` naming the JSON path and the keyword of the first such
-construct. A ``oneOf`` whose branches are provably exclusive (no common type, disjoint
-``const``/``enum`` values, or a property required by one side whose values the two sides
-confine to disjoint sets) is exact as ``anyOf`` and accepted.
+So an output could follow the grammar and still break the schema. The grammar compiler
+compiles ``rewrite_schema(schema)`` (``schema_rewrite``: ``allOf``, ``$ref`` with keywords
+beside it, keywords beside ``anyOf``/``oneOf`` and some ``uniqueItems`` rewritten into the
+forms above, where that is exact), and ``check_schema_support`` walks that rewritten schema
+from its root (following local ``$ref``s, so unused definitions do not count) and raises
+``UnsupportedSchema`` naming the JSON path (in the schema as given) and the keyword of the
+first such construct. A ``oneOf`` whose branches are provably exclusive (no common type,
+disjoint ``const``/``enum`` values, or a property required by one side whose values the two
+sides confine to disjoint sets) is exact as ``anyOf`` and accepted.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from radixserve.engine.regex_support import pattern_problem
-from radixserve.engine.schema_types import ALL_TYPES, SchemaTypes, expand, type_of, value_key
+from radixserve.engine.schema_rewrite import SchemaRewrite
+from radixserve.engine.schema_types import (
+    ALL_TYPES,
+    APPLIES,
+    SchemaTypes,
+    expand,
+    type_of,
+    value_key,
+)
 
-_APPLIES = {
-    **dict.fromkeys(("minLength", "maxLength", "pattern"), frozenset({"string"})),
-    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                     "multipleOf"), frozenset({"integer", "number"})),
-    **dict.fromkeys(("items", "prefixItems", "additionalItems", "unevaluatedItems",
-                     "minItems", "maxItems", "uniqueItems", "contains", "minContains",
-                     "maxContains"), frozenset({"array"})),
-    **dict.fromkeys(("properties", "required", "patternProperties", "additionalProperties",
-                     "unevaluatedProperties", "propertyNames", "minProperties",
-                     "maxProperties", "dependencies", "dependentRequired",
-                     "dependentSchemas"), frozenset({"object"})),
-    **dict.fromkeys(("type", "enum", "const", "allOf", "anyOf", "oneOf", "not",
-                     "$ref", "$dynamicRef", "$recursiveRef"), ALL_TYPES),
-}  # fmt: skip
 _NEVER = ("not", "$dynamicRef", "$recursiveRef", "dependencies", "dependentRequired",
           "dependentSchemas", "contains")  # fmt: skip
 # the formats xgrammar 0.2.9 turns into a regex (others are left as any string)
@@ -70,9 +68,12 @@ class UnsupportedSchema(ValueError):
         self.path, self.detail = path, detail
 
 
-def check_schema_support(schema: Any) -> None:
-    """Raise ``UnsupportedSchema`` for the first construct the grammar would not enforce."""
-    _Walk(schema).node(schema, "")
+def check_schema_support(schema: Any, rewrite: SchemaRewrite | None = None) -> None:
+    """Raise ``UnsupportedSchema`` for the first construct the grammar would not enforce in
+    ``rewrite.result`` (default ``SchemaRewrite(schema)``: the rewrite of ``schema``), named
+    by its path in ``schema``."""
+    rewrite = SchemaRewrite(schema) if rewrite is None else rewrite
+    _Walk(rewrite.result, rewrite.locate).node(rewrite.result, "")
 
 
 def _join(path: str, *parts: str) -> str:
@@ -80,20 +81,28 @@ def _join(path: str, *parts: str) -> str:
 
 
 class _Walk:
-    def __init__(self, root: Any):
+    def __init__(self, root: Any, locate: Callable[[Any, str], str | None]):
         self.schema = SchemaTypes(root)
+        self.locate = locate  # where a node (or a key of it) of root was in the original
         self.seen = {"#"}  # the root is walked first
+
+    def at(self, s: dict, path: str, key: str, *rest: str) -> str:
+        """The original path of ``key`` of ``s`` (then ``rest``), else ``path.key``."""
+        found = self.locate(s, key)
+        return _join(_join(path, key) if found is None else found, *rest)
 
     def node(self, s: Any, path: str, default_type: str | None = None) -> None:
         if not isinstance(s, dict):
             return  # true, or something the grammar compiler refuses itself
+        found = self.locate(s, "")
+        path = path if found is None else found
         for key in _NEVER:
             if key not in s or (key.startswith("depend") and not s[key]):
                 continue  # no dependencies listed: nothing dropped
-            if _APPLIES[key] & self.schema.types(s):  # else it cannot apply to the value
-                raise UnsupportedSchema(_join(path, key), f"{key} is not supported")
+            if APPLIES[key] & self.schema.types(s):  # else it cannot apply to the value
+                raise UnsupportedSchema(self.at(s, path, key), f"{key} is not supported")
         if "if" in s and ("then" in s or "else" in s):
-            raise UnsupportedSchema(_join(path, "if"), "if/then/else is not supported")
+            raise UnsupportedSchema(self.at(s, path, "if"), "if/then/else is not supported")
         chosen = next((k for k in ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
                        if k in s), None)  # fmt: skip
         if chosen == "$ref":
@@ -118,17 +127,17 @@ class _Walk:
                  why: str) -> None:  # fmt: skip
         """Refuse the keywords beside ``chosen`` that could apply to what it produces."""
         for key in s:
-            if key == chosen or not (_APPLIES.get(key, frozenset()) & produced):
+            if key == chosen or not (APPLIES.get(key, frozenset()) & produced):
                 continue
             if key == "type" and produced <= expand(s["type"]):
                 continue  # what the chosen keyword produces has that type already
-            raise UnsupportedSchema(_join(path, key), f"{key} {why} is not supported")
+            raise UnsupportedSchema(self.at(s, path, key), f"{key} {why} is not supported")
 
     def reference(self, s: dict, path: str) -> None:
         try:
             target = self.schema.resolve(s["$ref"])
         except LookupError as e:
-            raise UnsupportedSchema(_join(path, "$ref"), str(e)) from e
+            raise UnsupportedSchema(self.at(s, path, "$ref"), str(e)) from e
         if not self.schema.legacy:  # drafts up to 7 ignore the keywords beside $ref themselves
             self.siblings(s, path, "$ref", self.schema.types(target), "beside $ref")
         if s["$ref"] not in self.seen:
@@ -140,11 +149,11 @@ class _Walk:
         if not isinstance(values, list):
             return  # the grammar compiler refuses it itself
         if "type" in s and any(type_of(v) not in expand(s["type"]) for v in values):
-            raise UnsupportedSchema(_join(path, chosen), f"a value of {chosen} is not of the "
+            raise UnsupportedSchema(self.at(s, path, chosen), f"a value of {chosen} is not of the "
                                     f"type {s['type']!r} beside it")  # fmt: skip
         if chosen == "const" and isinstance(s.get("enum"), list):
             if value_key(s["const"]) not in {value_key(v) for v in s["enum"]}:
-                raise UnsupportedSchema(_join(path, "const"), "the const value is not in enum")
+                raise UnsupportedSchema(self.at(s, path, "const"), "the const value is not in enum")
         rest = {k: v for k, v in s.items() if k not in ("type", "enum")}
         self.siblings(rest, path, chosen, frozenset(map(type_of, values)), f"beside {chosen}")
 
@@ -153,8 +162,8 @@ class _Walk:
         if not isinstance(branches, list):
             return  # the grammar compiler refuses it itself
         if chosen == "allOf" and len(branches) > 1:
-            if any(isinstance(b, dict) and set(b) & set(_APPLIES) for b in branches):
-                raise UnsupportedSchema(_join(path, "allOf"),
+            if any(isinstance(b, dict) and set(b) & set(APPLIES) for b in branches):
+                raise UnsupportedSchema(self.at(s, path, "allOf"),
                                         "allOf with several schemas is not supported")  # fmt: skip
         produced = (
             frozenset().union(*(self.schema.types(b) for b in branches)) if branches else ALL_TYPES
@@ -166,7 +175,7 @@ class _Walk:
             for i, a in enumerate(branches):
                 for j in range(i + 1, len(branches)):
                     if not self.schema.exclusive(a, branches[j]):
-                        raise UnsupportedSchema(_join(path, "oneOf"), f"oneOf whose branches "
+                        raise UnsupportedSchema(self.at(s, path, "oneOf"), f"oneOf whose branches "
                                                 f"{i} and {j} may overlap is not supported "
                                                 "(an output could match both)")  # fmt: skip
 
@@ -186,22 +195,22 @@ class _Walk:
         if isinstance(pattern, str):
             if known_format:
                 detail = f"pattern beside format {fmt!r} is not supported"
-                raise UnsupportedSchema(_join(path, "pattern"), detail)
+                raise UnsupportedSchema(self.at(s, path, "pattern"), detail)
             problem = pattern_problem(pattern)
             if problem:
-                raise UnsupportedSchema(_join(path, "pattern"), problem)
+                raise UnsupportedSchema(self.at(s, path, "pattern"), problem)
         if known_format or isinstance(pattern, str):
             beside = f"format {fmt!r}" if known_format else "pattern"
             for key in ("minLength", "maxLength"):
                 if key in s and not (key == "minLength" and s[key] == 0):
-                    raise UnsupportedSchema(_join(path, key),
+                    raise UnsupportedSchema(self.at(s, path, key),
                                             f"{key} beside {beside} is not supported")  # fmt: skip
 
     def number(self, s: dict, path: str, kind: str) -> None:
         step = s.get("multipleOf")
         if not isinstance(step, (int, float)) or isinstance(step, bool) or step == 1:
             return
-        where = _join(path, "multipleOf")
+        where = self.at(s, path, "multipleOf")
         if kind == "number" or float(step) != int(step) or step > _INT_MULTIPLE_MAX:
             raise UnsupportedSchema(where, f"multipleOf {step} on type {kind} is not supported")
         low = [v for v in (s.get("minimum"), _plus(s.get("exclusiveMinimum"), 1)) if _num(v)]
@@ -212,7 +221,7 @@ class _Walk:
 
     def array(self, s: dict, path: str) -> None:
         if s.get("uniqueItems") is True and not (_num(s.get("maxItems")) and s["maxItems"] <= 1):
-            raise UnsupportedSchema(_join(path, "uniqueItems"), "uniqueItems is not supported")
+            raise UnsupportedSchema(self.at(s, path, "uniqueItems"), "uniqueItems is not supported")
         if isinstance(s.get("items"), dict):
             self.node(s["items"], _join(path, "items"))
         elif "items" not in s and isinstance(s.get("unevaluatedItems"), dict):
@@ -224,11 +233,11 @@ class _Walk:
         props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
         for name in s.get("required") or []:
             if name not in props:
-                raise UnsupportedSchema(_join(path, "required"), f"required property {name!r} "
+                raise UnsupportedSchema(self.at(s, path, "required"), f"required property {name!r} "
                                         "that is not in properties is not supported")  # fmt: skip
         patterns = s.get("patternProperties")
         for pattern, sub in patterns.items() if isinstance(patterns, dict) else []:
-            where = _join(path, "patternProperties", pattern)
+            where = self.at(s, path, "patternProperties", pattern)
             problem = pattern_problem(pattern)
             if problem:
                 raise UnsupportedSchema(where, problem)
@@ -238,7 +247,7 @@ class _Walk:
                                         f"{clash[0]!r} is not supported")  # fmt: skip
             self.node(sub, where)
         if "propertyNames" in s:
-            self.property_names(s["propertyNames"], props, _join(path, "propertyNames"))
+            self.property_names(s["propertyNames"], props, self.at(s, path, "propertyNames"))
         for name, sub in props.items():
             self.node(sub, _join(path, "properties", name))
         for key in ("additionalProperties", "unevaluatedProperties"):
@@ -252,7 +261,7 @@ class _Walk:
         self.node(names, path, default_type="string")
         if not props or not isinstance(names, dict):
             return
-        kept = {k for k in names if k in _APPLIES} - {"type", "pattern", "minLength",
+        kept = {k for k in names if k in APPLIES} - {"type", "pattern", "minLength",
                                                       "maxLength", "enum", "const"}  # fmt: skip
         for name in props:
             if kept or not _name_fits(name, names):

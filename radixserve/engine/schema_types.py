@@ -15,6 +15,23 @@ from typing import Any
 
 ALL_TYPES = frozenset({"null", "boolean", "object", "array", "string", "integer", "number"})
 _LEGACY = re.compile(r"draft-0[3-7]")
+# the types of value each assertion or applicator keyword can apply to
+APPLIES = {
+    **dict.fromkeys(("minLength", "maxLength", "pattern"), frozenset({"string"})),
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                     "multipleOf"), frozenset({"integer", "number"})),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "unevaluatedItems",
+                     "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+                     "maxContains"), frozenset({"array"})),
+    **dict.fromkeys(("properties", "required", "patternProperties", "additionalProperties",
+                     "unevaluatedProperties", "propertyNames", "minProperties",
+                     "maxProperties", "dependencies", "dependentRequired",
+                     "dependentSchemas"), frozenset({"object"})),
+    **dict.fromkeys(("type", "enum", "const", "allOf", "anyOf", "oneOf", "not",
+                     "$ref", "$dynamicRef", "$recursiveRef"), ALL_TYPES),
+}  # fmt: skip
+# the keywords that constrain a value (every other keyword is an annotation or unknown)
+ASSERTIONS = frozenset(APPLIES) | {"format", "if", "then", "else"}
 
 
 def expand(kind: Any) -> frozenset[str]:
@@ -128,7 +145,8 @@ class SchemaTypes:
         """Whether no value the grammar produces for ``a`` is valid against ``b`` and the
         other way round (proved, else False): no common type, disjoint listed values, or two
         object schemas that confine a property one of them requires to disjoint listed values
-        (a discriminator)."""
+        (a discriminator), or of which one requires a key the other closes out
+        (``additionalProperties: false`` without it in ``properties``)."""
         if not self.types(a) & self.types(b):
             return True
         va, vb = self.finite(a), self.finite(b)
@@ -143,6 +161,11 @@ class SchemaTypes:
         if not (isinstance(props_a, dict) and isinstance(props_b, dict)):
             return False
         required = {n for s in (a, b) for n in (s.get("required") or []) if isinstance(n, str)}
+        for x, y, props in ((a, b, props_b), (b, a, props_a)):
+            if y.get("additionalProperties") is False and "patternProperties" not in y:
+                needs = {n for n in (x.get("required") or []) if isinstance(n, str)}
+                if needs - set(props):
+                    return True  # x requires a key that y closes out
         for name in required & set(props_a) & set(props_b):
             va, vb = self.finite(props_a[name]), self.finite(props_b[name])
             if va is not None and vb is not None and not va & vb:
