@@ -6,9 +6,12 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from radixserve.cache import PagedAllocator
 from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.kv_pool import KVShape
+from radixserve.cache.window_pages import WindowedAllocator
 from radixserve.cli import main
 from radixserve.config import EngineConfig
 from radixserve.engine.core import EngineCore, Limits
@@ -188,6 +191,36 @@ def test_a_host_tier_recovers_the_hits_the_device_pool_loses():
     written, loaded = summary["host_written_tokens"], summary["host_loaded_tokens"]
     assert 0 < summary["host_transfer_s"] <= timing.transfer_time(loaded, written) + 1e-9
     assert "host_kv_tokens_per_instance" not in summarize(device)
+
+
+def test_a_simulated_instance_keeps_window_layers_apart_as_the_server_does():
+    """Given a model geometry with sliding-window layers, the instance builds the server's
+    window pool (``window_kv_share`` of the slots), tombstones window KV under pressure and
+    still reuses prefixes, every request served; the KV bytes in use per cached token are the
+    global layers' for each cached token plus the window layers' for the window slots in
+    use, against exactly all layers' with one pool."""
+    shape = KVShape(6, 1, 8, torch.float32, window_layers=(0, 1, 2, 4, 5))
+    trace = small_trace(sessions=30, rate=2.0)
+    results = {}
+    for share in (0.0, 0.5):
+        config = SimConfig(EngineConfig.from_options(max_total_tokens=1200, chunked_prefill_size=64,
+                                                     window_kv_share=share),
+                           max_concurrency=4, check_integrity=True, kv_shape=shape,
+                           sliding_window=16)  # fmt: skip
+        results[share] = Simulation(trace, config, TIMING).run()
+    windowed, whole = results[0.5], results[0.0]
+    allocator = windowed.instances[0].allocator
+    assert isinstance(allocator, WindowedAllocator) and allocator.window_slots == 600
+    assert not whole.instances[0].allocator.windowed
+    w, a = summarize(windowed), summarize(whole)
+    assert w["requests"] == a["requests"] == trace.num_requests and w["requests_stuck"] == 0
+    assert w["window_tokens_tombstoned"] > 0 == a["window_tokens_tombstoned"]
+    assert a["kv_bytes_vs_all_layers"] == 1.0
+    # one global layer of six for every cached token, five window layers for at most 600
+    cached = windowed.instances[0].cache.total_size()
+    assert 1 / 6 < w["kv_bytes_vs_all_layers"] <= (cached + 5 * 600) / (6 * cached) < 0.75
+    assert w["hit_rate"] > 0.5 * a["hit_rate"] > 0
+    assert "kv_bytes_vs_all_layers" not in summarize(run(trace))
 
 
 def test_a_simulated_host_tier_needs_its_size_in_tokens():

@@ -45,20 +45,29 @@ SAMPLE_BYTES = 1 << 20
 
 def build_pool(config: EngineConfig, shape: KVShape, num_slots: int,
                window: int) -> tuple[PagedAllocator, KVPool]:  # fmt: skip
-    """The device pool and its allocator: with window layers kept apart when the model has
-    sliding-window layers (``window`` tokens) and the config allows (``window_kv_share``)."""
+    """The device pool and its allocator (``build_allocator``)."""
+    allocator = build_allocator(config, shape, num_slots, window)
+    if not allocator.windowed:
+        return allocator, KVPool(shape, allocator.num_slots, config.device)
+    log.info("window layers: %d of %d, their KV for %d of %d tokens (window %d)",
+             len(shape.window_layers), shape.num_layers, allocator.window_slots,
+             allocator.num_slots, window)  # fmt: skip
+    pool = KVPool(shape, allocator.num_slots, config.device, allocator.window_map,
+                  allocator.window_slots)  # fmt: skip
+    return allocator, pool
+
+
+def build_allocator(config: EngineConfig, shape: KVShape, num_slots: int,
+                    window: int) -> PagedAllocator:  # fmt: skip
+    """The device pool's allocator: a ``WindowedAllocator`` (window pages for
+    ``window_kv_share`` of the slots) when the model has sliding-window layers (``window``
+    tokens) and the config keeps them apart, else a ``PagedAllocator`` (the server's and the
+    simulator's)."""
     page = config.cache.page_size
-    if window_layers_apart(config, shape):
-        window_slots = max(int(num_slots * config.cache.window_kv_share) // page * page, page)
-        allocator = WindowedAllocator(num_slots, page, window_slots, window)
-        log.info("window layers: %d of %d, their KV for %d of %d tokens (window %d)",
-                 len(shape.window_layers), shape.num_layers, allocator.window_slots,
-                 allocator.num_slots, window)  # fmt: skip
-        pool = KVPool(shape, allocator.num_slots, config.device, allocator.window_map,
-                      allocator.window_slots)  # fmt: skip
-        return allocator, pool
-    allocator = PagedAllocator(num_slots, page)
-    return allocator, KVPool(shape, allocator.num_slots, config.device)
+    if not window_layers_apart(config, shape):
+        return PagedAllocator(num_slots, page)
+    window_slots = max(int(num_slots * config.cache.window_kv_share) // page * page, page)
+    return WindowedAllocator(num_slots, page, window_slots, window)
 
 
 def window_layers_apart(config: EngineConfig, shape: KVShape) -> bool:

@@ -14,6 +14,11 @@ the memory obtainable now, ``EngineCore.decode_run_length``) is applied in one g
 here mid-run cuts it at the step boundary after its arrival, where the real engine would
 admit it. This keeps 1,000 instances x 100,000 requests within minutes.
 
+Sliding-window layers. Given the model's KV geometry (``kv_shape`` with ``window_layers``,
+``sliding_window`` tokens), the instance keeps the window layers' KV apart as the server
+does (``build_allocator``: window pages for ``window_kv_share`` of the slots, tombstoned in
+the tree where no resume point needs them), so hits and tombstones are the server's.
+
 The host tier. With ``host_kv_memory`` the instance builds the server's own tiered cache
 (``engine/cache_setup.py``: the same sizing, tree and ``TierController``) over a
 ``SimHostPool`` (slots, no KV). The pages the controller copied since the last planned step
@@ -30,8 +35,15 @@ import numpy as np
 
 from radixserve.cache import KVEventQueue, PagedAllocator, PrefixCache
 from radixserve.cache.eviction_base import EvictionPolicy
+from radixserve.cache.kv_pool import KVShape
 from radixserve.config import EngineConfig
-from radixserve.engine.cache_setup import device_cache, host_slots, is_tiered, tiered_cache
+from radixserve.engine.cache_setup import (
+    build_allocator,
+    device_cache,
+    host_slots,
+    is_tiered,
+    tiered_cache,
+)
 from radixserve.engine.core import EngineCore, Limits, StepOutput, StepResult
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request, Usage
@@ -78,6 +90,8 @@ class SimInstance:
         events: bool = False,
         policy_factory: Callable[[PagedAllocator], object] | None = None,
         decode_runs: bool = True,
+        kv_shape: KVShape | None = None,
+        sliding_window: int = 0,
     ):
         if config.cache.max_total_tokens is None:
             raise ValueError("a simulated instance needs max_total_tokens (its KV pool)")
@@ -85,7 +99,11 @@ class SimInstance:
         self.decode_runs = decode_runs  # False: every step through schedule() (for tests)
         self.config = config
         self.timing = timing
-        self.allocator = PagedAllocator(config.cache.max_total_tokens, config.cache.page_size)
+        tokens, page = config.cache.max_total_tokens, config.cache.page_size
+        if kv_shape is None:
+            self.allocator = PagedAllocator(tokens, page)
+        else:  # window layers apart as the server keeps them
+            self.allocator = build_allocator(config, kv_shape, tokens, sliding_window)
         self.events = KVEventQueue(maxlen=1 << 30) if events else None
         policy = policy_factory(self.allocator) if policy_factory else None
         self.cache, self.host = sim_cache(config, self.allocator, self.events, timing, policy)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from radixserve.cache.kv_pool import KVShape
 from radixserve.config import EngineConfig
 from radixserve.sim.instance import SimInstance
 from radixserve.sim.routing import RoutingConfig, SimRouter
@@ -52,6 +53,11 @@ class SimConfig:
     # >1: this one instance stands for that many pooled (their KV and running requests are in
     # ``engine``; its steps run that many times faster): the optimum routing is compared with
     pooled: int = 1
+    # the model's KV geometry (None: not modelled); with sliding-window layers
+    # (``kv_shape.window_layers``, ``sliding_window`` tokens) their KV is kept apart as the
+    # server keeps it (``window_kv_share``), and the summary reports the KV bytes in use
+    kv_shape: KVShape | None = None
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.instances, int) or self.instances < 1:
@@ -133,7 +139,15 @@ class Simulation:
             )
         events = config.routing.uses_events and config.instances > 1
         self.instances = [
-            SimInstance(i, config.engine, timing, events, decode_runs=decode_runs)
+            SimInstance(
+                i,
+                config.engine,
+                timing,
+                events,
+                decode_runs=decode_runs,
+                kv_shape=config.kv_shape,
+                sliding_window=config.sliding_window,
+            )
             for i in range(config.instances)
         ]
         block = self.instances[0].cache.event_block_size if events else 16

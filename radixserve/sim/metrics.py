@@ -49,9 +49,12 @@ def summarize(result: SimResult) -> dict[str, Any]:
         else "none",
         "schedule_policy": engine.scheduler.schedule_policy,
         **host_tier(result),
+        **window_layers(result),
         "routing": "pooled optimum" if cfg.pooled > 1 else cfg.routing.policy,
         "requests": int(done.sum()),
         "requests_failed": result.failed,
+        # still waiting when every event was handled: an engine that could never admit them
+        "requests_stuck": int((~done).sum()),
         "hit_rate": cached / prompt if prompt else None,
         "prompt_tokens": prompt,
         "prefill_tokens_saved": cached,
@@ -92,6 +95,36 @@ def host_tier(result: SimResult) -> dict[str, Any]:
         "host_loaded_tokens": sum(h.stats.pages_to_device for h in hosts) * page,
         "host_written_tokens": sum(h.stats.pages_to_host for h in hosts) * page,
         "host_transfer_s": sum(inst.transfer_time for inst in result.instances),
+    }
+
+
+def window_layers(result: SimResult) -> dict[str, Any]:
+    """With the model's KV geometry (``SimConfig.kv_shape``): the KV bytes in use at the end
+    per cached token, also as a share of keeping every layer's KV (the global layers' KV of
+    the main slots in use plus the window layers' KV of the window slots in use, over the
+    tokens the trees cache; with one pool, every layer's KV of the slots in use), and the
+    window KV tombstoned. Empty without a shape."""
+    shape = result.config.kv_shape
+    if shape is None:
+        return {}
+    layer, local = shape.layer_bytes(), len(shape.window_layers)
+    in_use = cached = tombstoned = window_slots = 0
+    for inst in result.instances:
+        a = inst.allocator
+        used = a.num_slots - a.free_size()
+        cached += inst.cache.total_size()
+        if a.windowed:
+            window_used = a.window_slots - a.window_free_size()
+            in_use += (used * (shape.num_layers - local) + window_used * local) * layer
+            window_slots += a.window_slots
+            tombstoned += inst.cache.windows.tombstoned_tokens
+        else:
+            in_use += used * shape.bytes_per_token()
+    return {
+        "window_kv_tokens_per_instance": window_slots // len(result.instances),
+        "window_tokens_tombstoned": tombstoned,
+        "kv_bytes_per_cached_token": in_use / cached if cached else None,
+        "kv_bytes_vs_all_layers": in_use / (cached * shape.bytes_per_token()) if cached else None,
     }
 
 
