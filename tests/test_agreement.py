@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixserve.bench.agreement import NEAR_TIE, compare
+from radixserve.bench.agreement import NEAR_TIE, compare, penalty_off
 
 
 def answer(tokens: list[str], margins: list[float], prompt_tokens: int = 30) -> dict:
@@ -56,3 +56,10 @@ def test_completions_are_compared_by_text_and_placed_by_the_references_tokens():
     assert result.verdict == "near tie" and result.texts["llamacpp"] == " Paris. It was big"
     same = compare("q", {"radix": ours, "llamacpp": completion([" Paris. It is big"])}, "radix")
     assert same.agree
+
+
+def test_a_server_label_keeps_its_kinds_penalty_parameter():
+    """Two llama.cpp servers (``llamacpp`` and ``llamacpp:ubatch1``) both get llama.cpp's name
+    for the penalty; a server of another kind gets the OpenAI-extension name."""
+    assert penalty_off("llamacpp:ubatch1") == penalty_off("llamacpp") == {"repeat_penalty": 1.0}
+    assert penalty_off("radix") == {"repetition_penalty": 1.0}

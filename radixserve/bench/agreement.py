@@ -15,6 +15,9 @@ holds the first differing character (only the reference's logprobs are asked for
 
 Also compared: the prompt token counts (``usage.prompt_tokens``), which show whether both
 render the chat template and tokenize it alike.
+
+Servers are named by their kind, optionally with a label after a colon (``llamacpp:ubatch1``),
+so that two servers of one kind can be compared; the kind picks the penalty's parameter name.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ PENALTY_OFF = {"llamacpp": {"repeat_penalty": 1.0}}
 DEFAULT_PENALTY_OFF = {"repetition_penalty": 1.0}
 
 
+def penalty_off(system: str) -> dict[str, float]:
+    """The body fields that turn the repetition penalty off on server ``system``."""
+    return PENALTY_OFF.get(system.split(":", 1)[0], DEFAULT_PENALTY_OFF)
+
+
 @dataclass
 class PromptResult:
     prompt: str
@@ -71,7 +79,7 @@ async def chat(client: httpx.AsyncClient, url: str, system: str, prompt: str, n:
         "temperature": 0.0,
         "logprobs": True,
         "top_logprobs": 2,
-        **PENALTY_OFF.get(system, DEFAULT_PENALTY_OFF),
+        **penalty_off(system),
     }
     response = await client.post(f"{url}/v1/chat/completions", json=body)
     response.raise_for_status()
@@ -87,7 +95,7 @@ async def complete(
         "max_tokens": n,
         "temperature": 0.0,
         **({"logprobs": 2} if reference else {}),
-        **PENALTY_OFF.get(system, DEFAULT_PENALTY_OFF),
+        **penalty_off(system),
     }
     response = await client.post(f"{url}/v1/completions", json=body)
     response.raise_for_status()

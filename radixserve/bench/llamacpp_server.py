@@ -17,6 +17,10 @@ Settings, and why:
 - ``endpoint_metrics=True``: ``/metrics`` (Prometheus text, names ``llamacpp:*``).
 - CPU threads for generation and prompt batches alike: ``--threads``.
 - ``ui=False``: no web UI.
+- ``--ubatch``: llama.cpp's micro-batch (``n_ubatch``, default 512 tokens). ``1`` sends every
+  prompt token through the one-token (decode) kernels, one micro-batch each: llama.cpp picks
+  its matmul kernels by the number of rows, so on a quantized model its logits depend on it
+  (``benchmarks/engine/llamacpp_self_agreement.py`` measures by how much).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def build_params(args: argparse.Namespace):
     params.ui = False
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
+    if args.ubatch is not None:
+        params.n_ubatch = args.ubatch
     return params
 
 
@@ -52,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="slots (concurrent requests)")
     parser.add_argument("--ctx-per-slot", type=int, default=4096, help="context tokens per slot")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--ubatch", type=int, default=None,
+                        help="prompt tokens per micro-batch (llama.cpp's n_ubatch)")  # fmt: skip
     args = parser.parse_args(argv)
-    for name in ("port", "parallel", "ctx_per_slot", "threads"):
-        if getattr(args, name) < 1:
+    for name in ("port", "parallel", "ctx_per_slot", "threads", "ubatch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         import xllamacpp
