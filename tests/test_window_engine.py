@@ -110,12 +110,15 @@ def test_rag_segments_are_refused_for_sliding_window_models(make_engine, gemma_l
 
 
 @pytest.mark.slow
-def test_real_gemma3_270m_conversations_same_output_with_the_window_pool(make_engine):
+def test_real_gemma3_270m_conversations_same_output_with_the_window_pool(
+    make_engine, float_activations
+):
     """The released Gemma 3 270M Q4_K_M (window 512): conversations growing past the window
     in a pool whose window part holds a fifth of the slots give the greedy output of keeping
-    every layer's KV (in float32: in bfloat16, KV computed in a prefill chunk and in a decode
-    step differ in rounding, so recomputing a dropped window may flip a near tie), while
-    window KV is dropped and prefixes are reused."""
+    every layer's KV (in float32 with float activations: in bfloat16, or with prompt rows
+    rounded to int8, KV computed in a prefill chunk and in a decode step differ in rounding,
+    so recomputing a dropped window may flip a near tie), while window KV is dropped and
+    prefixes are reused."""
     from radixserve.model import load_model
     from radixserve.model.registry import KNOWN_MODELS, installed_path
 
