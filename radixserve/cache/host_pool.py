@@ -159,30 +159,24 @@ class HostKVPool:
         kv = torch.stack([pool.k.index_select(2, slots), pool.v.index_select(2, slots)], dim=1)
         if not pool.windowed:
             return kv
-        window_slots = pool.window_map[slots.cpu()].to(slots.device)
+        window_slots = pool.to_window(slots)
         wkv = torch.stack([pool.wk.index_select(2, window_slots),
                            pool.wv.index_select(2, window_slots)], dim=1)  # fmt: skip
-        main, window = self._layer_groups()
         out = kv.new_empty((len(pool.groups), *kv.shape[1:]))
-        out[main], out[window] = kv, wkv
+        out[pool.main_layers], out[pool.window_layers] = kv, wkv
         return out
 
     def _scatter(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``kv`` [layers, 2, heads, n, dim] into the pool at ``slots`` (the window
         layers at their window slots, which freshly allocated slots all have)."""
         pool = self.device_pool
-        main, window = self._layer_groups() if pool.windowed else (slice(None), None)
+        main = pool.main_layers if pool.windowed else slice(None)
         pool.k.index_copy_(2, slots, kv[main, 0])
         pool.v.index_copy_(2, slots, kv[main, 1])
-        if window is not None:
-            window_slots = pool.window_map[slots.cpu()].to(slots.device)
-            pool.wk.index_copy_(2, window_slots, kv[window, 0])
-            pool.wv.index_copy_(2, window_slots, kv[window, 1])
-
-    def _layer_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's layer indices in the main pool and in the window pool."""
-        in_window = torch.tensor([w for w, _ in self.device_pool.groups])
-        return (~in_window).nonzero().view(-1), in_window.nonzero().view(-1)
+        if pool.windowed:
+            window_slots = pool.to_window(slots)
+            pool.wk.index_copy_(2, window_slots, kv[pool.window_layers, 0])
+            pool.wv.index_copy_(2, window_slots, kv[pool.window_layers, 1])
 
     def _restore_layer(
         self, kv: torch.Tensor, device_slots: torch.Tensor, layer: int, n: int, ps: int

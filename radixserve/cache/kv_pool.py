@@ -76,6 +76,10 @@ class KVPool:
         # model layer -> (its group's storage is the window pool, index in the group)
         self.groups = [(i in window, sum(1 for j in range(i) if (j in window) == (i in window)))
                        for i in range(shape.num_layers)]  # fmt: skip
+        # the model's layer indices kept in the main pool and in the window pool
+        in_window = torch.tensor([w for w, _ in self.groups], dtype=torch.bool)
+        self.main_layers = (~in_window).nonzero().view(-1)
+        self.window_layers = in_window.nonzero().view(-1)
         self.k, self.v = self._storage(shape.num_layers - len(window), num_slots)
         self.window_map = window_map  # on the CPU: the allocator updates it in place
         self.window_slots = 0
@@ -106,8 +110,10 @@ class KVPool:
 
     def slots_for(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Where ``layer``'s KV of these main slots lives in ``layer_kv(layer)``."""
-        if not self.groups[layer][0]:
-            return slots
+        return self.to_window(slots) if self.groups[layer][0] else slots
+
+    def to_window(self, slots: torch.Tensor) -> torch.Tensor:
+        """The window slots of these main slots (the window pool's pad slot where none)."""
         return self.window_map[slots.cpu()].to(slots.device, non_blocking=True)
 
     def wait_for_layers(self, events: list) -> None:

@@ -80,24 +80,26 @@ class RequestKV:
     def available(self) -> int:
         """Slots obtainable now: free ones plus everything the tree could evict (and, with
         window layers kept apart, no more than the window slots obtainable)."""
+        main, window = self._obtainable()
+        return main if window is None else min(main, window)
+
+    def _obtainable(self) -> tuple[int, int | None]:
+        """Slots obtainable now in the main pool and in the window pool (None: no window
+        pool): free ones plus what the tree could evict or tombstone."""
         main = self.allocator.free_size() + self.cache.evictable_size()
         if not self.allocator.windowed:
-            return main
-        window = self.allocator.window_free_size() + self.cache.window_evictable_size()
-        return min(main, window)
+            return main, None
+        return main, self.allocator.window_free_size() + self.cache.window_evictable_size()
 
     def can_admit(self, prompt: int, output: int, reserved: int, chunk: int) -> bool:
         """Whether a request with ``prompt`` tokens still to compute and ``output`` slots to
         reserve fits beside the ``reserved`` slots of running requests. In a window pool it
         needs room for a chunk and the window before it, and its output: each computed chunk
         enters the tree, where its window KV can be dropped."""
-        main = self.allocator.free_size() + self.cache.evictable_size()
+        main, window = self._obtainable()
         if prompt + output > main - reserved:
             return False
-        if not self.allocator.windowed:
-            return True
-        window = self.allocator.window_free_size() + self.cache.window_evictable_size()
-        return min(prompt, chunk + self.allocator.window) + output <= window
+        return window is None or min(prompt, chunk + self.allocator.window) + output <= window
 
     def capacity(self) -> int:
         return self.allocator.num_slots

@@ -60,8 +60,8 @@ class NativeDecoder:
         window = {}
         if pool.windowed:  # the window layers' KV lives in a pool of its own
             window = {
-                "w_out_slots": pool.window_map[batch.out_slots],
-                "w_ctx": pool.window_map[batch.decode_context],
+                "w_out_slots": pool.to_window(batch.out_slots),
+                "w_ctx": pool.to_window(batch.decode_context),
                 "w_k_pool": pool.wk,
                 "w_v_pool": pool.wv,
             }
