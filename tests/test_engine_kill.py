@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -20,13 +21,14 @@ def post(url: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
 
 
-def stream_events(url: str) -> list[dict]:
+def stream_events(url: str, first_event: threading.Event) -> list[dict]:
     body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
+                first_event.set()
     return events
 
 
@@ -43,8 +45,10 @@ def test_kill_9_fails_requests_fast_then_recovers_then_gives_up(tiny_model_dir):
     with started_server(*flags.split()) as srv, concurrent.futures.ThreadPoolExecutor(2) as pool:
         victim = engine_pid(srv.proc.pid)
         plain = pool.submit(post, srv.url, LONG)
-        streamed = pool.submit(stream_events, srv.url)
-        wait_generating(srv.url, running=2)  # both: the stream has begun before the kill
+        first_event = threading.Event()
+        streamed = pool.submit(stream_events, srv.url, first_event)
+        wait_generating(srv.url, running=2)
+        assert first_event.wait(30), "the stream sent nothing"  # the kill lands mid-stream
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
 
