@@ -77,6 +77,13 @@ ENGINE_FLAGS = {
         type=int, default=64, help="most requests decoding at once; default %(default)s"
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
+    "jump_forward_max_batch": dict(
+        type=int,
+        default=2,
+        help="structured output: the tokens a grammar forces next are drafted and verified "
+        "in one step while at most this many requests run (0: never; on CPUs a step costs "
+        "per row, so drafts pay in small batches); default %(default)s",
+    ),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
     # RAG segments (docs/rag-segments.md)
     "segment_recompute_ratio": dict(
@@ -193,12 +200,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run without the radix cache (the baseline)",
     )
-    group.add_argument(
-        "--jump-forward",
-        action="store_true",
-        help="compute grammar-forced tokens ahead in one chunk, kept as far as the model "
-        "agrees (structured output; off by default: slower on CPUs)",
-    )
 
 
 def engine_config_from_args(
@@ -206,7 +207,6 @@ def engine_config_from_args(
 ) -> EngineConfig:
     options = {k: getattr(args, k) for k in ENGINE_FLAGS}
     options["enable_prefix_caching"] = not args.disable_prefix_caching
-    options["jump_forward"] = args.jump_forward
     try:
         return EngineConfig.from_options(**options, **extra)
     except ValueError as e:

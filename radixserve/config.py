@@ -87,13 +87,15 @@ class SchedulerConfig:
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
     max_overtakes: int = 32  # a waiting request passed over this often goes first
-    # grammar-forced tokens computed ahead in one chunk, kept as far as the model agrees (off:
-    # slower than decoding them on CPUs, docs/structured-output.md)
-    jump_forward: bool = False
+    # grammar-forced tokens drafted ahead and verified in one step (kept as far as the model
+    # agrees) while at most this many requests run; 0: never. On CPUs a step costs per row,
+    # so drafts pay in small batches only (docs/structured-output.md)
+    jump_forward_max_batch: int = 2
 
     def __post_init__(self) -> None:
         for name in ("chunked_prefill_size", "max_running_requests", "max_overtakes"):
             check_int(name, getattr(self, name), 1)
+        check_int("jump_forward_max_batch", self.jump_forward_max_batch, 0)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)

@@ -37,7 +37,7 @@ class Colour(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     args = "--max-total-tokens 2048 --api-key {key} --admin-key admin-key --served-model-name tiny"
-    args += " --jump-forward"  # streaming, tools and metrics with grammar drafts
+    args += " --jump-forward-max-batch 64"  # streaming, tools and metrics with grammar drafts
     with running_server("--model", str(tiny_model_dir), *args.format(key=KEY).split()) as url:
         yield url
 

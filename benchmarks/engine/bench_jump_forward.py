@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="the jump-forward engine's jump_forward_max_batch (default: --streams, "
+                    "so it drafts in every step)")  # fmt: skip
     args = ap.parse_args()
     if args.copies * args.rounds > len(ASKS):
         ap.error(f"--copies times --rounds must be at most {len(ASKS)} (the prompt wordings)")
@@ -71,9 +74,11 @@ def main() -> None:
     from radixserve.model import load_model
 
     loaded = load_model(args.model, dtype=args.dtype, progress=False)
+    max_batch = args.streams if args.max_batch is None else args.max_batch
     engines = {
         jump: Engine(EngineConfig.from_options(model=args.model, load_progress=False,
-                                               max_total_tokens=16384, jump_forward=jump),
+                                               max_total_tokens=16384,
+                                               jump_forward_max_batch=max_batch * jump),
                      loaded)
         for jump in (False, True)
     }  # fmt: skip
@@ -99,6 +104,7 @@ def main() -> None:
     off, on = max(rates[False]), max(rates[True])
     print(json.dumps({
         "model": args.model or "smollm2-135m", "dtype": args.dtype, "streams": args.streams,
+        "max_batch": max_batch,
         "requests": len(SCHEMAS) * args.copies * args.rounds, "tokens": tokens,
         "tokens_per_s": {"token_by_token": round(off, 1), "jump_forward": round(on, 1)},
         "speedup": round(on / off, 3), "identical": identical,

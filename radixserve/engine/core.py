@@ -89,7 +89,7 @@ class EngineCore:
     ):
         self.config, self.kv, self.limits = config, kv, limits
         self.scheduler = Scheduler(config.scheduler, kv, source)
-        self._jump_forward = config.scheduler.jump_forward
+        self._jump_forward_max_batch = config.scheduler.jump_forward_max_batch
         self.features = list(features)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -216,10 +216,16 @@ class EngineCore:
             reason = self._stop_reason(r, token)
             if reason is not None:
                 self._finish(r, reason)
-            elif self._jump_forward and r.grammar is not None:
+            elif r.grammar is not None and self._drafts_pay():
                 self._draft(r)
             outputs.append(self._output(r, kept + [token], [logprob] if logprob else []))
         return outputs
+
+    def _drafts_pay(self) -> bool:
+        """Whether a grammar draft saves time now: in a small batch (a step's cost there is
+        mostly reading the weights, shared by its rows), not in a large one (on CPUs, every
+        row then costs about as much as a step of its own)."""
+        return len(self.scheduler.running) <= self._jump_forward_max_batch
 
     def _draft(self, req: Request) -> None:
         """Append the tokens the grammar forces next as a draft (jump forward), for requests

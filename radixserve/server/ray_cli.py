@@ -40,7 +40,7 @@ def add_ray_parser(sub: argparse._SubParsersAction) -> None:
 
 def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     config = engine_config_from_args(parser, args)  # validates every flag here, not in Ray
-    names = [*ENGINE_FLAGS, "enable_prefix_caching", "jump_forward"]
+    names = [*ENGINE_FLAGS, "enable_prefix_caching"]
     return {k: v for k, v in config.options().items() if k in names}
 
 
