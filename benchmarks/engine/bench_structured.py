@@ -92,8 +92,12 @@ def main() -> None:
     ap.add_argument("--max-schema-bytes", type=int, default=8000)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--validity-only", action="store_true", help="skip the unconstrained pass")
-    ap.add_argument("--jump-forward-max-batch", type=int, default=0,
-                    help="drafts of grammar-forced tokens in batches up to this size (0: off)")
+    ap.add_argument(
+        "--jump-forward-max-batch",
+        type=int,
+        default=0,
+        help="drafts of grammar-forced tokens in batches up to this size (0: off)",
+    )
     ap.add_argument("--refusals-only", action="store_true",
                     help="only count the refusals, over all usable schemas and the first "
                     "--schemas (no model)")  # fmt: skip
@@ -119,7 +123,8 @@ def main() -> None:
     chosen = [(u, t) for u, t, why in usable[: args.schemas] if not why]
     engine = Engine(
         EngineConfig.from_options(
-            model=args.model, load_progress=False,
+            model=args.model,
+            load_progress=False,
             jump_forward_max_batch=args.jump_forward_max_batch,
         )
     )
