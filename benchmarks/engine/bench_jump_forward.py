@@ -3,7 +3,8 @@ as drafts, against token-by-token constrained decoding, on schemas with long fix
 
 Method: request bodies shaped like real APIs' (every key required, so the grammar forces each
 key and its punctuation), one greedy chat request per schema and prompt, ``--streams`` at a
-time, through two in-process engines on the same weights: jump forward off and on. Each
+time, through two in-process engines on the same weights: jump forward off, and on in
+batches up to ``--max-batch`` requests (default ``--streams``: drafts in every step). Each
 round asks for every schema with ``--copies`` prompts worded as no earlier round worded
 them (a server sees the same schemas in new requests), off then on; the first round is the
 first time either engine sees the schemas. Tokens/s are generated tokens over wall time;
