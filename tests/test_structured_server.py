@@ -346,3 +346,29 @@ def test_exclusive_and_rewritten_schemas_are_accepted_and_auto_tools_keep_any_sc
     )
     assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert_nothing_held(server)
+
+
+def test_constraint_checks_run_off_the_event_loop():
+    """A request's grammar and tool-schema checks (a large schema takes a fraction of a second
+    to seconds) run on a worker thread, and their 400 reaches the caller as raised."""
+    import asyncio
+    import threading
+
+    from radixserve.api.errors import ApiError
+    from radixserve.server.serving import Serving
+
+    serving = Serving(None, None, None, None, max_running=1)
+
+    def refuse():
+        raise ApiError(400, "bad schema", "response_format")
+
+    async def run():
+        name = await serving.checked(lambda: threading.current_thread().name)
+        with pytest.raises(ApiError, match="bad schema"):
+            await serving.checked(refuse)
+        return name
+
+    try:
+        assert asyncio.run(run()).startswith("radixserve-check")
+    finally:
+        serving.close()

@@ -88,7 +88,7 @@ def add_openai_routes(
         params = body.choice_params(defaults)
         serving.check_size(body.n)
         reusable = body.reusable_parts()
-        plan, grammar = body.tool_plan(), body.grammar()
+        plan, grammar = await serving.checked(lambda: (body.tool_plan(), body.grammar()))
         options: dict = {}
         if reusable:  # RAG segments (server/segments.py)
             if plan is not None:
@@ -129,7 +129,7 @@ def add_openai_routes(
         serving.check_size(len(body.prompts()) * body.n, "prompt")
         prompts = await serving.off_loop(encode_prompts, tokenizer, body.prompts())
         ids = [p for p in prompts for _ in range(body.n)]
-        spec = request_spec(raw, body.cache_salt, grammar=body.grammar())
+        spec = request_spec(raw, body.cache_salt, grammar=await serving.checked(body.grammar))
         job, queue = await serving.submit("cmpl", ids, params * len(prompts), spec)
         want_lp = body.logprobs is not None
         if body.stream:
@@ -152,7 +152,7 @@ def add_generate_route(
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
         params = body.to_sampling_params(defaults)
-        options: dict = {"grammar": body.grammar()}
+        options: dict = {"grammar": await serving.checked(body.grammar)}
         if body.input_ids is not None:
             ids = body.input_ids
         elif body.text is not None:

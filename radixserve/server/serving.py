@@ -76,6 +76,8 @@ class Serving:
         self.max_running = max_running
         # one thread: a transformers tokenizer is not safe to share between threads
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
+        # grammar and tool-schema checks apart, so a large schema delays no one's tokenizing
+        self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-check")
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work on the worker thread; its ``ValueError`` becomes a 400."""
@@ -84,8 +86,15 @@ class Serving:
         except ValueError as e:
             raise ApiError(400, str(e)) from e
 
+    async def checked(self, fn: Callable[[], T]) -> T:
+        """Run a request's output-constraint checks (its grammar, its tools' schemas: up to
+        seconds for a schema of a few megabytes) on a worker thread, so the event loop keeps
+        serving meanwhile; their ``ApiError`` reaches the client as raised."""
+        return await asyncio.get_running_loop().run_in_executor(self._check_pool, fn)
+
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._check_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_size(self, num_sequences: int, param: str = "n") -> None:
         """Refuse a request of more sub-requests than the limit, or more than the queue
