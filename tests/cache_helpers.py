@@ -30,3 +30,24 @@ def cache_sequence(cache: PrefixCache, alloc: PagedAllocator, tokens: list[int],
     alloc.free(slots[aligned:])
     cache.dec_lock_ref(match.handle)
     return already
+
+
+# The reference the radix-tree state machines check against: every cached
+# (namespace, page-aligned prefix) mapped to the slots of its last page.
+Reference = dict[tuple, torch.Tensor]
+
+
+def reference_match(ref: Reference, page_size: int, ns, tokens) -> tuple[int, torch.Tensor]:
+    """The longest page-aligned prefix of ``tokens`` the reference holds, and its slots."""
+    n, runs = 0, []
+    while n + page_size <= len(tokens) and (ns, tuple(tokens[: n + page_size])) in ref:
+        n += page_size
+        runs.append(ref[(ns, tuple(tokens[:n]))])
+    return n, (torch.cat(runs) if runs else torch.empty(0, dtype=torch.int64))
+
+
+def reference_add(ref: Reference, page_size: int, ns, tokens, slots: torch.Tensor,
+                  start: int, end: int) -> None:  # fmt: skip
+    """Record the pages of ``tokens`` from ``start`` to ``end`` as cached at ``slots``."""
+    for stop in range(start + page_size, end + 1, page_size):
+        ref[(ns, tuple(tokens[:stop]))] = slots[stop - page_size : stop]

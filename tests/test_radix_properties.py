@@ -10,6 +10,7 @@ stale heap key, e.g. a reuse rate that fell with no event on its node, would be 
 
 import pytest
 import torch
+from cache_helpers import reference_add, reference_match
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -43,12 +44,7 @@ def make_machine(page_size: int, capacity: int, alphabet: int, max_pages: int):
             self.cache = RadixCache(self.alloc, policy, cache_threshold=threshold)
 
         def ref_match(self, ns, tokens):
-            n = 0
-            runs = []
-            while n + page_size <= len(tokens) and (ns, tuple(tokens[: n + page_size])) in self.ref:
-                n += page_size
-                runs.append(self.ref[(ns, tuple(tokens[:n]))])
-            return n, (torch.cat(runs) if runs else NO_HELD)
+            return reference_match(self.ref, page_size, ns, tokens)
 
         sequences = st.lists(
             st.integers(0, alphabet - 1), min_size=0, max_size=max_pages * page_size
@@ -83,8 +79,7 @@ def make_machine(page_size: int, capacity: int, alphabet: int, max_pages: int):
                 already = self.cache.insert(tokens[:aligned], slots, ns)
                 assert already == expected
                 self.alloc.free(slots[m.device_len : already])
-                for end in range(already + page_size, aligned + 1, page_size):
-                    self.ref[(ns, tuple(tokens[:end]))] = slots[end - page_size : end]
+                reference_add(self.ref, page_size, ns, tokens, slots, already, aligned)
             self.cache.dec_lock_ref(m.handle)
 
         @rule(tokens=sequences, ns=st.sampled_from(NAMESPACES))

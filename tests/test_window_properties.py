@@ -17,6 +17,7 @@ against a reference of what is cached in the global layers: a dict from every ca
 import numpy as np
 import pytest
 import torch
+from cache_helpers import reference_add, reference_match
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -38,11 +39,7 @@ def make_machine(page_size: int, capacity: int, window_slots: int, window: int, 
             self.locks: list[tuple] = []  # (handle, slots of the window before its end)
 
         def ref_match(self, ns, tokens):
-            n, runs = 0, []
-            while n + page_size <= len(tokens) and (ns, tuple(tokens[: n + page_size])) in self.ref:
-                n += page_size
-                runs.append(self.ref[(ns, tuple(tokens[:n]))])
-            return n, (torch.cat(runs) if runs else NO_HELD)
+            return reference_match(self.ref, page_size, ns, tokens)
 
         def expected_usable(self, slots: torch.Tensor) -> int:
             """The longest page boundary whose window before it has all its window pages."""
@@ -85,8 +82,7 @@ def make_machine(page_size: int, capacity: int, window_slots: int, window: int, 
                 already = self.cache.insert(tokens[:aligned], slots, ns)
                 assert already == max(expected, m.device_len)
                 self.alloc.free(slots[m.device_len : already])
-                for end in range(already + page_size, aligned + 1, page_size):
-                    self.ref[(ns, tuple(tokens[:end]))] = slots[end - page_size : end]
+                reference_add(self.ref, page_size, ns, tokens, slots, already, aligned)
                 assert self.cache.match_prefix(tokens[:aligned], ns).device_len == aligned
             self.cache.dec_lock_ref(m.handle)
             self.sync()
