@@ -43,10 +43,10 @@ log = logging.getLogger("radixserve")
 SAMPLE_BYTES = 1 << 20
 
 
-def build_pool(config: EngineConfig, shape: KVShape, num_slots: int,
-               window: int) -> tuple[PagedAllocator, KVPool]:  # fmt: skip
+def build_pool(config: EngineConfig, shape: KVShape, num_slots: int, window: int,
+               share: float) -> tuple[PagedAllocator, KVPool]:  # fmt: skip
     """The device pool and its allocator (``build_allocator``)."""
-    allocator = build_allocator(config, shape, num_slots, window)
+    allocator = build_allocator(config, num_slots, window, share)
     if not allocator.windowed:
         return allocator, KVPool(shape, allocator.num_slots, config.device)
     log.info("window layers: %d of %d, their KV for %d of %d tokens (window %d)",
@@ -57,26 +57,26 @@ def build_pool(config: EngineConfig, shape: KVShape, num_slots: int,
     return allocator, pool
 
 
-def build_allocator(config: EngineConfig, shape: KVShape, num_slots: int,
-                    window: int) -> PagedAllocator:  # fmt: skip
-    """The device pool's allocator: a ``WindowedAllocator`` (window pages for
-    ``window_kv_share`` of the slots) when the model has sliding-window layers (``window``
-    tokens) and the config keeps them apart, else a ``PagedAllocator`` (the server's and the
-    simulator's)."""
+def build_allocator(config: EngineConfig, num_slots: int, window: int,
+                    share: float) -> PagedAllocator:  # fmt: skip
+    """The device pool's allocator: a ``WindowedAllocator`` (window pages for ``share`` of
+    the slots, from ``window_share``; ``window``: the model's sliding window in tokens), or
+    a ``PagedAllocator`` where ``share`` is 0 (the server's and the simulator's)."""
     page = config.cache.page_size
-    if not window_layers_apart(config, shape):
+    if not share:
         return PagedAllocator(num_slots, page)
-    window_slots = max(int(num_slots * config.cache.window_kv_share) // page * page, page)
+    window_slots = max(int(num_slots * share) // page * page, page)
     return WindowedAllocator(num_slots, page, window_slots, window)
 
 
-def window_layers_apart(config: EngineConfig, shape: KVShape) -> bool:
-    """Whether the sliding-window layers' KV goes to a pool of its own. Not with the prefix
-    cache off (nothing would be dropped), nor with a storage tier, disaggregation or a GPU's
-    host tier, which move every layer's KV of a slot whole (those keep one pool, at the
+def window_share(config: EngineConfig, shape: KVShape) -> float:
+    """The share of the slots whose sliding-window layers' KV is kept, in a pool of its own
+    (``window_kv_share``); 0: one pool for every layer. One pool without window layers or
+    with the prefix cache off (nothing would be dropped), and with a storage tier,
+    disaggregation or a GPU's host tier, which move every layer's KV of a slot whole (at the
     memory cost of all layers)."""
     if not shape.window_layers or not config.cache.window_kv_share:
-        return False
+        return 0.0
     gpu = torch.device(config.device).type != "cpu"
     others = [name for name, on in (
         ("the storage tier", config.tiers.kv_storage is not None),
@@ -86,8 +86,8 @@ def window_layers_apart(config: EngineConfig, shape: KVShape) -> bool:
     if others or not config.cache.enable_prefix_caching:
         log.info("window layers keep KV for every cached token (%s)",
                  ", ".join(others) or "prefix cache off")  # fmt: skip
-        return False
-    return True
+        return 0.0
+    return config.cache.window_kv_share
 
 
 def build_cache(

@@ -31,7 +31,7 @@ from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
-from radixserve.engine.cache_setup import build_cache, build_pool, window_layers_apart
+from radixserve.engine.cache_setup import build_cache, build_pool, window_share
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
@@ -103,7 +103,7 @@ class Engine:
     def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
         shape = self.model.kv_shape()
-        share = config.cache.window_kv_share if window_layers_apart(config, shape) else 0
+        share = window_share(config, shape)  # 0: every layer's KV in one pool
         if config.cache.max_total_tokens is not None:
             num_slots = config.cache.max_total_tokens
         else:
@@ -112,7 +112,7 @@ class Engine:
         if torch.device(config.device).type == "cpu":
             native.paged_ops()  # build (first run) or load the kernels now, not mid-request
         window = self.model.config.sliding_window
-        self.allocator, self.pool = build_pool(config, shape, num_slots, window)
+        self.allocator, self.pool = build_pool(config, shape, num_slots, window, share)
         events = KVEventQueue() if config.kv_events.enable_kv_events else None
         self.cache = build_cache(
             config, self.allocator, self.pool, events, loaded.path, loaded.name
@@ -239,13 +239,13 @@ class Engine:
     def _window_stats(self) -> WindowStats | None:
         if not self.allocator.windowed:
             return None
-        keeper = self.cache.windows
+        keeper = self.cache.windows  # a windowed allocator always comes with the radix tree
         capacity = self.allocator.window_slots
         return WindowStats(
             capacity_tokens=capacity,
             used_tokens=capacity - self.allocator.window_free_size(),
-            cached_tokens=keeper.window_size if keeper else 0,
-            tombstoned_tokens=keeper.tombstoned_tokens if keeper else 0,
+            cached_tokens=keeper.window_size,
+            tombstoned_tokens=keeper.tombstoned_tokens,
         )
 
     def cache_summary(self, top: int = 10) -> TreeSummary:

@@ -43,6 +43,7 @@ from radixserve.engine.cache_setup import (
     host_slots,
     is_tiered,
     tiered_cache,
+    window_share,
 )
 from radixserve.engine.core import EngineCore, Limits, StepOutput, StepResult
 from radixserve.engine.kv_manager import RequestKV
@@ -103,7 +104,8 @@ class SimInstance:
         if kv_shape is None:
             self.allocator = PagedAllocator(tokens, page)
         else:  # window layers apart as the server keeps them
-            self.allocator = build_allocator(config, kv_shape, tokens, sliding_window)
+            share = window_share(config, kv_shape)
+            self.allocator = build_allocator(config, tokens, sliding_window, share)
         self.events = KVEventQueue(maxlen=1 << 30) if events else None
         policy = policy_factory(self.allocator) if policy_factory else None
         self.cache, self.host = sim_cache(config, self.allocator, self.events, timing, policy)
