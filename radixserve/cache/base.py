@@ -37,12 +37,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from radixserve.cache.storage.base import ClearResult
+
+if TYPE_CHECKING:
+    from radixserve.cache.allocator import PagedAllocator
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 # A cache namespace: None (shared), a tenant's, or one derived from a tenant's (a RAG segment
@@ -110,6 +113,7 @@ class TreeSummary:
 
 
 class PrefixCache(ABC):
+    allocator: PagedAllocator  # the device pool's (``WindowedAllocator``: window layers apart)
     page_size: int
     stats: CacheStats
     # False for a cache that keeps nothing (NullCache): publishing a running request's prefix
@@ -169,6 +173,26 @@ class PrefixCache(ABC):
 
     def window_evictable_size(self) -> int:
         return 0
+
+    def obtainable(self) -> tuple[int, int | None]:
+        """Slots obtainable now in the device pool and in its window pool (None: no window
+        pool): free ones plus what the tree could evict, or drop the window KV of."""
+        main = self.allocator.free_size() + self.evictable_size()
+        if not self.allocator.windowed:
+            return main, None
+        return main, self.allocator.window_free_size() + self.window_evictable_size()
+
+    def room(self) -> int:
+        """Slots obtainable now in both pools at once (``obtainable``)."""
+        main, window = self.obtainable()
+        return main if window is None else min(main, window)
+
+    def make_room(self, num_slots: int) -> None:
+        """Evict, and drop window KV no request reads, until ``num_slots`` slots can be
+        allocated in the device pool (as far as the tree allows)."""
+        self.evict(num_slots - self.allocator.free_size())
+        if self.allocator.windowed:
+            self.evict_windows(num_slots - self.allocator.window_free_size())
 
     @abstractmethod
     def evictable_size(self) -> int: ...

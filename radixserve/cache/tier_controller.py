@@ -121,13 +121,10 @@ class TierController:
         return True
 
     def _alloc_device(self, n: int) -> torch.Tensor | None:
-        allocator = self.tree.allocator
-        slots = allocator.alloc(n)
+        slots = self.tree.allocator.alloc(n)
         if slots is None:
-            self.tree.evict(n - allocator.free_size())
-            if allocator.windowed:
-                self.tree.evict_windows(n - allocator.window_free_size())
-            slots = allocator.alloc(n)
+            self.tree.make_room(n)
+            slots = self.tree.allocator.alloc(n)
         return slots
 
     def load_back(self, match: MatchResult) -> MatchResult:
@@ -137,10 +134,7 @@ class TierController:
         if match.host_len == 0 or match.host_len < self.load_back_min_tokens:
             return match
         with self.tree.pinned(match):
-            room = self.tree.allocator.free_size() + self.tree.evictable_size()
-            if self.tree.allocator.windowed:  # the window pool must make room too
-                room = min(room, self.tree.allocator.window_free_size()
-                           + self.tree.window_evictable_size())  # fmt: skip
+            room = self.tree.room()  # in the window pool too, where window layers are apart
             n = min(match.host_len, room - room % self.page_size)
             slots = self._alloc_device(n) if n >= max(self.load_back_min_tokens, 1) else None
         if slots is None:

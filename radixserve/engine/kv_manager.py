@@ -80,23 +80,14 @@ class RequestKV:
     def available(self) -> int:
         """Slots obtainable now: free ones plus everything the tree could evict (and, with
         window layers kept apart, no more than the window slots obtainable)."""
-        main, window = self._obtainable()
-        return main if window is None else min(main, window)
-
-    def _obtainable(self) -> tuple[int, int | None]:
-        """Slots obtainable now in the main pool and in the window pool (None: no window
-        pool): free ones plus what the tree could evict or tombstone."""
-        main = self.allocator.free_size() + self.cache.evictable_size()
-        if not self.allocator.windowed:
-            return main, None
-        return main, self.allocator.window_free_size() + self.cache.window_evictable_size()
+        return self.cache.room()
 
     def can_admit(self, prompt: int, output: int, reserved: int, chunk: int) -> bool:
         """Whether a request with ``prompt`` tokens still to compute and ``output`` slots to
         reserve fits beside the ``reserved`` slots of running requests. In a window pool it
         needs room for a chunk and the window before it, and its output: each computed chunk
         enters the tree, where its window KV can be dropped."""
-        main, window = self._obtainable()
+        main, window = self.cache.obtainable()
         if prompt + output > main - reserved:
             return False
         return window is None or min(prompt, chunk + self.allocator.window) + output <= window
@@ -184,10 +175,7 @@ class RequestKV:
     ) -> torch.Tensor | None:
         slots = alloc()
         if slots is None:
-            need = num_tokens + self.page_size
-            self.cache.evict(need - self.allocator.free_size())
-            if self.allocator.windowed:  # window KV no request can read
-                self.cache.evict_windows(need - self.allocator.window_free_size())
+            self.cache.make_room(num_tokens + self.page_size)
             slots = alloc()
         return slots
 
