@@ -66,6 +66,13 @@ def outlier_rows(m: int, k: int) -> torch.Tensor:
     return x
 
 
+def cpu_flags() -> set[str] | None:
+    try:
+        return set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return None
+
+
 def q8_0_takes_int8() -> bool:
     """Whether this build's int8 path takes Q8_0: not on AVX2 without VNNI (the AVX2 build,
     or the native build on such a CPU), where the pair sums of its byte codes could
@@ -73,12 +80,21 @@ def q8_0_takes_int8() -> bool:
     isa = os.environ.get("RADIXSERVE_NATIVE_ISA")
     if isa in ("avx2", "portable"):
         return isa == "portable"
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         return True
     vnni = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
     return "avx2" not in flags or vnni
+
+
+def few_rows_take_int8(weight: QuantizedWeight) -> bool:
+    """Whether 1-7 rows with ``int8=True`` round x to int8 (int8_few_rows.cpp): for GGUF's
+    Q5 and K-quant formats (every piece of a stack), on builds with AVX2; other formats and
+    the plain C++ build keep their path without int8."""
+    formats = [p.fmt for p in weight.parts] if weight.fmt == "stack" else [weight.fmt]
+    flags = cpu_flags() or set()
+    avx2 = os.environ.get("RADIXSERVE_NATIVE_ISA") != "portable" and "avx2" in flags
+    return avx2 and all(f in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k") for f in formats)
 
 
 def check_int8(ops, weight: QuantizedWeight, dense: torch.Tensor, takes_int8: bool = True) -> None:
@@ -96,14 +112,32 @@ def check_int8(ops, weight: QuantizedWeight, dense: torch.Tensor, takes_int8: bo
         assert not close(y, x @ dense.T, 1e-4), m  # it did round x: not the float path
         base = torch.randn(m, dense.shape[0])
         assert close(ops.qgemm(x, view, base.clone(), int8=True) - base, ref, 1e-5), m
-    x = outlier_rows(7, dense.shape[1])  # fewer rows than a lane group: their own path
-    assert torch.equal(ops.qgemm(x, view, int8=True), ops.qgemm(x, view))
+    for m in (1, 3, 7):  # fewer rows than a lane group: their own path
+        x = outlier_rows(m, dense.shape[1])
+        y = ops.qgemm(x, view, int8=True)
+        if not few_rows_take_int8(weight):
+            assert torch.equal(y, ops.qgemm(x, view)), m
+            continue
+        assert close(y, int8_rounded(x) @ dense.T, 1e-5), m
+        assert not close(y, x @ dense.T, 1e-4), m
+        # each row computed on its own: the same numbers whatever rows come with it
+        alone = [ops.qgemm(x[i : i + 1], view, int8=True) for i in range(m)]
+        assert torch.equal(y, torch.cat(alone)), m
+        base = torch.randn(m, dense.shape[0])
+        assert torch.equal(ops.qgemm(x, view, base.clone(), int8=True), base + y), m
 
 
 @pytest.mark.parametrize("qtype", FILE_TYPES)
 def test_int8_rows_compute_rounded_x_times_the_weights(qtype, ops):
     weight, dense = file_weight(qtype, 45, 768)  # 45: tiles of 4 rows and a part
     check_int8(ops, weight, dense, qtype != "Q8_0" or q8_0_takes_int8())
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_int8_rows_of_q5_rows_ending_in_a_partial_group(qtype, ops):
+    # 28 blocks a row (Qwen2.5-0.5B's 896 inputs): the few-row path takes 8 at a time, then 4
+    weight, dense = file_weight(qtype, 13, 896)
+    check_int8(ops, weight, dense)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])

@@ -8,8 +8,12 @@ stream. Each measurement runs on one server, then the same on the other (A B A B
 Every request is a streamed ``/v1/completions`` call with a token-id prompt (random ids, a new
 prompt each time, so no prompt cache helps), greedy, ``ignore_eos``:
 
-- decode, 1 stream: one request generating ``--new-tokens`` tokens; tokens/s is
-  ``(output_tokens - 1) / (end - first token)``, i.e. decode only, as a user sees it stream.
+- decode, 1 stream: one request generating ``--new-tokens`` tokens and, just before it, one
+  generating a single token from a prompt of the same length; tokens/s is
+  ``(output_tokens - 1) / (end of the first - end of the second)``, i.e. decode only. (Not
+  timed from the first streamed text: tokens that print nothing, such as special tokens a
+  model emits past its end of text under ``ignore_eos``, stream no text, so that clock can
+  start at the last token.)
 - decode, N streams (``--streams``): N such requests sent at once; aggregate tokens/s is the
   sum of their output tokens over the wall time from the first request sent to the last
   finished (their short prompts' prefill included, as a server sees it).
@@ -82,15 +86,16 @@ class Prompts:
 
 
 async def decode_streams(client, url, model, prompts, streams: int, new_tokens: int) -> float:
+    if streams == 1:
+        first = await one_request(client, url, model, prompts.next(PROMPT_LEN), 1)
+        r = await one_request(client, url, model, prompts.next(PROMPT_LEN), new_tokens)
+        return (r.output_tokens - 1) / (r.e2e - first.e2e)
     t0 = time.perf_counter()
     records = await asyncio.gather(
         *(one_request(client, url, model, prompts.next(PROMPT_LEN), new_tokens)
           for _ in range(streams))
     )  # fmt: skip
     wall = time.perf_counter() - t0
-    if streams == 1:
-        r = records[0]
-        return (r.output_tokens - 1) / (r.e2e - r.ttft)
     return sum(r.output_tokens for r in records) / wall
 
 

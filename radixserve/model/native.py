@@ -6,7 +6,9 @@ One extension module built from ``csrc/``:
   gathering every sequence's K and V into a copy first (``paged_scores``, ``paged_values``).
 - ``quant_gemm.cpp``: matmuls with weights kept block-quantized (Q8_0, Q4_1; GGUF's block
   formats through ``block_formats.cpp``) or dense float (``QWeight``, ``qgemm``,
-  ``dequantize``); ``lane_gemm.cpp``: their batched path (8+ rows).
+  ``dequantize``); ``lane_gemm.cpp``: their batched path (8+ rows); ``int8_lanes.cpp`` and
+  ``int8_few_rows.cpp``: the same with x rounded to int8 (8+ rows, and 1-7 rows of GGUF's
+  Q5 / K-quant formats).
 - ``decoder.cpp``: the whole layer stack for a batch of decode tokens in one call
   (``Decoder``), so a decode step pays no per-op Python dispatch.
 
@@ -43,6 +45,7 @@ SOURCES = (
     "block_formats.cpp",
     "lane_gemm.cpp",
     "int8_lanes.cpp",
+    "int8_few_rows.cpp",
     "rowwise.cpp",
     "decoder.cpp",
 )

@@ -10,10 +10,11 @@
 // layers attending over a window of the last W keys only (a decode token at context index
 // i sees i - W < j <= i), with their own RoPE tables. The arithmetic matches llama.py's and
 // gemma3.py's forward:
-// float32 activations, rotate-half RoPE from float32 tables, softmax in float32; batches of 8
-// sequences or more (DecodeBatch::sequences, not rows) round the matmuls' inputs to int8 per
-// block (gemm_int8_lanes), as llama.cpp does for every matmul, unless
-// RADIXSERVE_INT8_LANES=0. A sequence may bring several rows (a grammar draft being verified:
+// float32 activations, rotate-half RoPE from float32 tables, softmax in float32; the matmuls'
+// inputs are rounded to int8 per block, as llama.cpp does for every matmul, unless
+// RADIXSERVE_INT8_LANES=0: in batches of 8 sequences or more (DecodeBatch::sequences, not
+// rows; gemm_int8_lanes) for every block format, in smaller ones for GGUF's Q5_0 / Q5_1 /
+// K-quants (gemm_int8_few; Q8_0 and Q4_1 keep int16 there). A sequence may bring several rows (a grammar draft being verified:
 // a row per token, each with its own position, slot and context up to that slot): a layer
 // writes every row's K/V to the pool before any row attends, so a row sees the rows before
 // it. Weights are
@@ -279,8 +280,8 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
   for (int64_t b = 0; b < B; ++b) dequant_rows(w.embed, batch.ids[b], 1, s.h.data() + b * H);
   if (w.embed_scale != 1.f)
     for (float& v : s.h) v *= w.embed_scale;
-  const bool many = batch.sequences >= 8;  // int8 activations (unless turned off)
-  const Gemm gemm{many && use_int8_lanes(-1), many ? B : 7};
+  const bool many = batch.sequences >= 8;
+  const Gemm gemm{use_int8_lanes(-1), many ? B : 7};
   switch (batch.kv_type) {
     case KVType::F32: layers<float>(w, batch, s, gemm); break;
     case KVType::BF16: layers<c10::BFloat16>(w, batch, s, gemm); break;

@@ -55,41 +55,8 @@ void quantize_lanes(const float* x, int64_t M, int64_t K, XLanes& out) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* p = x + r * K + b * kBlock;
       alignas(32) int8_t codes[kBlock];
-      int sums[2] = {0, 0};
-      float d;
-#ifdef RS_AVX2
-      __m256 xv[4], amax = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        xv[i] = _mm256_loadu_ps(p + 8 * i);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), xv[i]));
-      }
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      m = _mm_max_ss(m, _mm_movehdup_ps(m));
-      d = _mm_cvtss_f32(m) / 127.f;
-      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      __m256i w[4];  // rounded to nearest even, as nearbyint
-      for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], inv));
-      const __m256i h0 = _mm256_add_epi32(w[0], w[1]), h1 = _mm256_add_epi32(w[2], w[3]);
-      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-      // packs interleaves 128-bit lanes: bytes come as 0-3 8-11 16-19 24-27 4-7 12-15 ...
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes),
-                         _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      alignas(32) int32_t part[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(part), h0);
-      for (int i = 0; i < 8; ++i) sums[0] += part[i];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(part), h1);
-      for (int i = 0; i < 8; ++i) sums[1] += part[i];
-#else
-      float amax = 0.f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(p[i]));
-      d = amax / 127.f;
-      const float inv = d > 0.f ? 1.f / d : 0.f;
-      for (int i = 0; i < kBlock; ++i) {
-        codes[i] = static_cast<int8_t>(std::nearbyint(p[i] * inv));  // ties to even
-        sums[i / 16] += codes[i];
-      }
-#endif
+      int sums[2];
+      const float d = round_block_int8(p, codes, sums);
       const int64_t vb = v * nb + b;
       int8_t* q = out.q.data() + vb * kBlock * kLanes + l * 4;
       for (int g = 0; g < 8; ++g) std::memcpy(q + g * kBlock, codes + 4 * g, 4);
@@ -104,30 +71,6 @@ void quantize_lanes(const float* x, int64_t M, int64_t K, XLanes& out) {
 }
 
 // --- W's rows as bytes ------------------------------------------------------------------
-#ifdef RS_AVX2
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-inline void store32(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
-
-// 16 bytes of nibble pairs: the low nibbles, then the high ones
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-}
-
-// byte i: 16 where bit i of bits is set, else 0
-inline __m256i bits_to_16s(uint32_t bits) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return _mm256_maskz_mov_epi8(static_cast<__mmask32>(bits), _mm256_set1_epi8(16));
-#else
-  const __m256i spread = _mm256_shuffle_epi8(  // byte i holds byte i / 8 of bits
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-#endif
-}
-#endif
 
 inline void set_block(float* s, float* c, int64_t b, float scale, float min) {
   s[2 * b] = s[2 * b + 1] = scale;
@@ -264,15 +207,6 @@ struct RowsCodes {
 
 // --- the dot products -------------------------------------------------------------------
 #ifdef RS_AVX2
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
-#elif defined(__AVXVNNI__)
-inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
-#else  // pairs of products in int16: exact while codes stay below 129 (int8_lanes_ok)
-inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
-}
-#endif
 
 // One block (or half-block: groups G0..G1 of 4 inputs) of W rows n0..n0+NR against x's lane
 // groups v0..v0+MV, into f. The int32 sums start at -offset * sum(x codes), so that the

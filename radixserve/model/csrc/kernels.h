@@ -105,8 +105,10 @@ void gguf_row_dot(const XBlocks& x, int64_t M, const WeightView& w, int64_t row,
                   int64_t ldy, bool accumulate);
 
 // y[M, N] = x[M, K] @ W^T, or y += that when accumulate; x, y row-major and contiguous.
-// int8_rows: 8 rows or more may round x to int8 (gemm_int8_lanes) instead of computing in
-// float; the decoder's batches do, while use_int8_lanes says so.
+// int8_rows: x may be rounded to int8 per block: 8 rows or more through gemm_int8_lanes
+// instead of the float path, fewer through gemm_int8_few instead of the int16 dot products
+// (GGUF block formats only); the decoder and the prompt path ask for it while
+// use_int8_lanes says so.
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate,
            bool int8_rows = false);
 // The same for M >= 8 with float FMAs over lanes of x's rows (lane_gemm.cpp; qgemm picks it).
@@ -117,6 +119,10 @@ void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool a
 bool use_int8_lanes(int set);
 bool int8_lanes_ok(const WeightView& w);
 void gemm_int8_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
+// The same for 1..7 rows (int8_few_rows.cpp), for W whose every piece int8_few_ok accepts
+// (GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K on AVX2 builds); qgemm takes it when int8_rows.
+bool int8_few_ok(const WeightView& w);
+void gemm_int8_few(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // Rows [row0, row0 + rows) of W as floats, row-major into out.
 void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
 // The same rows as floats without a copy where W already is float32 (a pointer into W);
@@ -224,6 +230,84 @@ inline __m256i dot_int16x32(__m256i w0, __m256i w1, const int16_t* xp) {
   return _mm256_add_epi32(first, _mm256_madd_epi16(w1, _mm256_loadu_si256(p + 1)));
 #endif
 }
+#endif
+
+// --- x rounded to int8, W's codes as bytes (int8_lanes.cpp, int8_rows.cpp) -------------
+// One block of 32 inputs at p rounded to int8 on its own grid: codes[i] = round(p[i] / d)
+// (ties to even) with d = max|p| / 127, returned; sums: the codes' sums over inputs 0..15
+// and 16..31. Both int8 paths round x with this, so they see the same x.
+inline float round_block_int8(const float* p, int8_t* codes, int sums[2]) {
+  sums[0] = sums[1] = 0;
+#ifdef RS_AVX2
+  __m256 xv[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    xv[i] = _mm256_loadu_ps(p + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), xv[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i w[4];  // rounded to nearest even, as nearbyint
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], inv));
+  const __m256i h0 = _mm256_add_epi32(w[0], w[1]), h1 = _mm256_add_epi32(w[2], w[3]);
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+  // packs interleaves 128-bit lanes: bytes come as 0-3 8-11 16-19 24-27 4-7 12-15 ...
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int32_t part[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(part), h0);
+  for (int i = 0; i < 8; ++i) sums[0] += part[i];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(part), h1);
+  for (int i = 0; i < 8; ++i) sums[1] += part[i];
+#else
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(p[i]));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < kBlock; ++i) {
+    codes[i] = static_cast<int8_t>(std::nearbyint(p[i] * inv));  // ties to even
+    sums[i / 16] += codes[i];
+  }
+#endif
+  return d;
+}
+
+#ifdef RS_AVX2
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline void store32(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+
+// 16 bytes of nibble pairs: the low nibbles, then the high ones
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// byte i: 16 where bit i of bits is set, else 0
+inline __m256i bits_to_16s(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(static_cast<__mmask32>(bits), _mm256_set1_epi8(16));
+#else
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i holds byte i / 8 of bits
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+#endif
+}
+
+// unsigned bytes u8 times signed bytes s8, four products summed into each int32 lane of acc
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(__AVXVNNI__)
+inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#else  // pairs of products in int16: exact while codes stay below 129 (int8_lanes_ok)
+inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+#endif
 #endif
 
 // --- scalar conversions --------------------------------------------------------------

@@ -334,6 +334,7 @@ void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumu
            bool int8_rows) {
   if (M <= 0) return;
   if (int8_rows && M >= kLaneRows && int8_lanes_ok(w)) return gemm_int8_lanes(x, M, w, y, accumulate);
+  if (int8_rows && M < kLaneRows && int8_few_ok(w)) return gemm_int8_few(x, M, w, y, accumulate);
 #ifdef RS_AVX2
   if (M <= integer_rows(w)) return gemm_small(x, M, w, y, accumulate);
 #endif
