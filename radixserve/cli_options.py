@@ -35,7 +35,8 @@ ENGINE_FLAGS = {
         default="auto",
         choices=DTYPES,
         help="weights and KV dtype; auto: bfloat16 on hardware that computes it natively "
-        "(AVX512-BF16, AMX, recent GPUs), else float32",
+        "(AVX512-BF16, AMX, recent GPUs), else float32; float32 on a CPU for a GGUF file kept "
+        "in its Q5 / K-quant blocks",
     ),
     "quantization": dict(
         default="auto",

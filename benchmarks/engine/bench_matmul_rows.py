@@ -3,10 +3,12 @@
 Method. Loads a model (default: Qwen2.5-Coder-0.5B Q4_K_M) with its weights kept quantized
 and times ``qgemm`` on layer 0's fused QKV, output and fused gate/up, the down projections of
 layers 0 and 1 (each counted for half the layers), and the LM head, for each ``--rows`` count
-(x random): from 8 rows both the float path and the int8 path (x rounded to int8 per block,
-what the decoder's batches use), one after the other on each matrix, best of ``--repeat``
-timings each. ``step_ms`` adds the matrices up as a decode step runs them (every
-layer, the LM head once). Threads: ``OMP_NUM_THREADS``. Prints one JSON line.
+(x random): both the path without int8 (``float``: float lanes from 8 rows, int16 dot
+products below) and the int8 path (x rounded to int8 per block, what the decoder and the
+prompt path use for GGUF block formats, and the decoder's batches for every format), one
+after the other on each matrix, best of ``--repeat`` timings each. ``step_ms`` adds the
+matrices up as a decode step runs them (every layer, the LM head once). Threads:
+``OMP_NUM_THREADS``. Prints one JSON line.
 
 Usage: ``python -m benchmarks.engine.bench_matmul_rows [--model NAME] [--rows 1 16]``.
 """
@@ -51,7 +53,7 @@ def main() -> None:
             ("down_1", layers[1]["down"], n // 2), ("lm_head", model.lm_head, 1)]  # fmt: skip
     out: dict = {"bench": "matmul_rows", "model": args.model, "threads": torch.get_num_threads()}
     for m in args.rows:
-        paths = ("float", "int8") if m >= 8 else ("float",)
+        paths = ("float", "int8")
         row: dict = {p: {"step_ms": 0.0} for p in paths}
         for name, w, count in mats:
             view = w.native_view()
@@ -63,8 +65,7 @@ def main() -> None:
                 row[path]["step_ms"] += ms * count
         for path in paths:
             row[path]["step_ms"] = round(row[path]["step_ms"], 2)
-        if m >= 8:
-            row["int8_speedup"] = round(row["float"]["step_ms"] / row["int8"]["step_ms"], 2)
+        row["int8_speedup"] = round(row["float"]["step_ms"] / row["int8"]["step_ms"], 2)
         out[f"rows_{m}"] = row
     print(json.dumps(out))
 

@@ -18,10 +18,11 @@ import torch
 from radixserve.model import native
 from radixserve.model.config import ModelConfig
 from radixserve.model.gemma3 import Gemma3Model
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import LlamaModel
-from radixserve.model.quant import QuantizedWeight, quantize_dense, target_format
+from radixserve.model.quant import GGUF_BLOCKS, QuantizedWeight, quantize_dense, target_format
 from radixserve.model.registry import DEFAULT_MODEL, KNOWN_MODELS, installed_path, known_names
 from radixserve.model.tokenizer import Tokenizer
 
@@ -89,7 +90,8 @@ def cpu_has_fast_bf16() -> bool:
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """``auto``: bfloat16 where the hardware computes it natively, else float32 (CPU) or
     float16 (older GPUs). bfloat16 halves weight and KV memory traffic and, on CPUs with
-    AVX512-BF16, runs matmuls about 4x faster than float32."""
+    AVX512-BF16, runs matmuls about 4x faster than float32. ``load_model`` makes one
+    exception: float32 for GGUF files kept in GGUF's block formats (``keeps_gguf_blocks``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -100,6 +102,19 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(table)}")
     return table[dtype]
+
+
+def keeps_gguf_blocks(path: Path, device: str, quantization: str) -> bool:
+    """Whether a GGUF file's weights stay in GGUF's block formats (Q5_0, Q5_1, K-quants) on
+    the native CPU kernels: those matmuls take float32 inputs whatever the dtype, so there
+    ``auto`` means float32 (bfloat16 would only round the activations and the KV, for no
+    speed: measured equal on AVX512-BF16, and its rounding parts the greedy answers from
+    llama.cpp's, which keeps float32 activations, more often)."""
+    if not path.is_file() or torch.device(device).type != "cpu" or quantization != "auto":
+        return False
+    if native.paged_ops() is None:
+        return False
+    return any(t.tensor_type.name.lower() in GGUF_BLOCKS for t in GGUFFile(path).tensors)
 
 
 def build_model(
@@ -121,6 +136,8 @@ def load_model(
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype, device)
     target_format("", (), quantization)  # a bad value fails before the slow load
+    if dtype == "auto" and keeps_gguf_blocks(path, device, quantization):
+        torch_dtype = torch.float32
     if path.is_file():
         config, weights = load_gguf(path, torch_dtype, progress, quantization)
     else:
