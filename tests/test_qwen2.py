@@ -67,24 +67,37 @@ def qwen_05b():
     return path
 
 
-def greedy_chat(path, quantization: str) -> tuple[list[list[int]], list[int]]:
+def greedy_chat(path, quantization: str) -> tuple[list[list[int]], list[int], list[list]]:
+    """Greedy answers to CHAT, their prompt token counts, and each token's two best logprobs."""
     from radixserve.config import EngineConfig
     from radixserve.engine import LLM, SamplingParams
 
     config = EngineConfig(model=str(path), dtype="float32", quantization=quantization)
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     with LLM.from_config(config) as llm:
         outs = llm.chat([[{"role": "user", "content": q}] for q in CHAT], params)
-    return [o.token_ids for o in outs], [len(o.prompt_token_ids) for o in outs]
+    return ([o.token_ids for o in outs], [len(o.prompt_token_ids) for o in outs],
+            [o.logprobs for o in outs])  # fmt: skip
 
 
 @pytest.mark.slow
 def test_qwen_05b_quantized_answers_equal_the_float32_reference(qwen_05b):
-    quantized, counts = greedy_chat(qwen_05b, "auto")
-    reference, ref_counts = greedy_chat(qwen_05b, "none")
+    """The weights kept quantized (x rounded to int8 in their matmuls) answer as the
+    dequantized float32 model does, but where the reference itself hesitates: an answer may
+    part only at a near tie of the reference's two best tokens, taking the other one."""
+    quantized, counts, _ = greedy_chat(qwen_05b, "auto")
+    reference, ref_counts, ref_logprobs = greedy_chat(qwen_05b, "none")
     assert counts == ref_counts
-    same = sum(a == b for a, b in zip(quantized, reference, strict=True))
-    assert same == len(CHAT), f"{same}/{len(CHAT)} greedy answers equal the float32 reference"
+    same = 0
+    for ours, ref, logprobs in zip(quantized, reference, ref_logprobs, strict=True):
+        if ours == ref:
+            same += 1
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
+        (best, best_lp), (second, second_lp) = logprobs[k].top[:2]
+        assert best == ref[k] and ours[k] == second, (k, ours[k], logprobs[k])
+        assert best_lp - second_lp < 0.05, f"parted at token {k}, {best_lp - second_lp:.3f} nats"
+    assert same >= len(CHAT) - 1, f"{same}/{len(CHAT)} greedy answers equal the float32 reference"
 
 
 @pytest.mark.slow
