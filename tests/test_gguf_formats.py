@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import save_tiny_hf_model
 from gguf_writer import random_blocks, write_llama_gguf
-from test_quantization import gguf_model, run_steps
+from test_quantization import gguf_model, run_steps, tiny_q4_gguf  # noqa: F401 (a fixture)
 
 from radixserve.cache import KVPool
-from radixserve.model import build_forward_batch, native
+from radixserve.model import build_forward_batch, loader, native
 from radixserve.model.quant import GGUF_BLOCKS, QuantizedWeight, from_gguf_blocks
 
 Q = gguf.GGMLQuantizationType
@@ -189,3 +189,23 @@ def test_mixed_quantized_model_equals_its_dequantized_self(tiny_mixed_gguf, ops,
     ref, ref_tokens = run_steps(dense)
     assert (ours - ref).abs().max() < 1e-3 * ref.abs().max()
     assert tokens == ref_tokens
+
+
+def test_auto_dtype_is_float32_for_files_kept_in_q5_or_k_quant_blocks(
+    tiny_mixed_gguf,
+    tiny_q4_gguf,  # noqa: F811
+    ops,
+    monkeypatch,
+):
+    """On a CPU with native bfloat16, ``auto`` keeps bfloat16 for a Q4_1 file but is float32
+    for one kept in GGUF's Q5 / K-quant blocks (their kernels take float32 inputs), unless
+    the dtype is given or the weights are dequantized."""
+    monkeypatch.setattr(loader, "cpu_has_fast_bf16", lambda: True)
+
+    def dtype(path, **kw):
+        return loader.load_model(path, progress=False, **kw).model.dtype
+
+    assert dtype(tiny_mixed_gguf) == torch.float32
+    assert dtype(tiny_mixed_gguf, dtype="bfloat16") == torch.bfloat16
+    assert dtype(tiny_mixed_gguf, quantization="none") == torch.bfloat16
+    assert dtype(tiny_q4_gguf) == torch.bfloat16
