@@ -208,18 +208,10 @@ void format_row_dot(const XRows& x, int64_t r0, const WeightView& w, int64_t row
 
 bool int8_few_ok(const WeightView& w) {
 #ifdef RS_AVX2
-  switch (w.fmt) {
-    case WFormat::Q5_0:
-    case WFormat::Q5_1:
-    case WFormat::Q4_K:
-    case WFormat::Q5_K:
-    case WFormat::Q6_K: return true;
-    case WFormat::Stack:
-      for (int64_t p = 0; p < w.num_parts; ++p)
-        if (!int8_few_ok(w.parts[p])) return false;
-      return true;
-    default: return false;
-  }
+  return every_piece(w, [](WFormat f) {
+    return f == WFormat::Q5_0 || f == WFormat::Q5_1 || f == WFormat::Q4_K || f == WFormat::Q5_K ||
+           f == WFormat::Q6_K;
+  });
 #else
   (void)w;
   return false;

@@ -363,23 +363,21 @@ void prefetch_rows(const WeightView& w, int64_t n0, int64_t n1) {
 
 bool int8_lanes_ok(const WeightView& w) {
   if (w.k % kBlock) return false;
-  switch (w.fmt) {
-    case WFormat::Q8_0:
+  return every_piece(w, [](WFormat f) {
+    switch (f) {
+      case WFormat::Q8_0:
 #if defined(RS_AVX2) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
-      return false;  // codes up to 255: int16 pair sums could saturate without VNNI
+        return false;  // codes up to 255: int16 pair sums could saturate without VNNI
 #endif
-    case WFormat::Q4_1:
-    case WFormat::Q5_0:
-    case WFormat::Q5_1:
-    case WFormat::Q4_K:
-    case WFormat::Q5_K:
-    case WFormat::Q6_K: return true;
-    case WFormat::Stack:
-      for (int64_t p = 0; p < w.num_parts; ++p)
-        if (!int8_lanes_ok(w.parts[p])) return false;
-      return true;
-    default: return false;
-  }
+      case WFormat::Q4_1:
+      case WFormat::Q5_0:
+      case WFormat::Q5_1:
+      case WFormat::Q4_K:
+      case WFormat::Q5_K:
+      case WFormat::Q6_K: return true;
+      default: return false;
+    }
+  });
 }
 
 void gemm_int8_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate) {

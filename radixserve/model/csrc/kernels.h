@@ -65,6 +65,15 @@ inline void for_rows(const WeightView& w, int64_t begin, int64_t end, Fn&& fn) {
   }
 }
 
+// Whether ok(format) holds for W's format, or for every piece's of a Stack.
+template <typename Fn>
+inline bool every_piece(const WeightView& w, Fn&& ok) {
+  if (w.fmt != WFormat::Stack) return ok(w.fmt);
+  for (int64_t p = 0; p < w.num_parts; ++p)
+    if (!every_piece(w.parts[p], ok)) return false;
+  return true;
+}
+
 // The IEEE half at p (unaligned), as a float.
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
