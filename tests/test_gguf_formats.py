@@ -209,3 +209,25 @@ def test_auto_dtype_is_float32_for_files_kept_in_q5_or_k_quant_blocks(
     assert dtype(tiny_mixed_gguf, dtype="bfloat16") == torch.bfloat16
     assert dtype(tiny_mixed_gguf, quantization="none") == torch.bfloat16
     assert dtype(tiny_q4_gguf) == torch.bfloat16
+
+
+def test_one_sequence_rounds_q5_and_k_quant_inputs_to_int8_unless_turned_off(tiny_mixed_gguf, ops):
+    """A single sequence's decode steps (the native decoder) round x to int8 in the Q5 /
+    K-quant matmuls (their few-row kernel), which moves the logits a little; with the switch
+    off they take the int16 path, as close to the dequantized file as before."""
+    model = gguf_model(tiny_mixed_gguf, "auto")
+    int8, _ = run_steps(model, sequences=1)
+    assert torch.equal(run_steps(model, sequences=1)[0], int8)  # deterministic
+    try:
+        int16_decode, _ = run_steps(model, sequences=1, before_decode=lambda: ops.use_int8_lanes(0))
+        ops.use_int8_lanes(0)
+        int16, _ = run_steps(model, sequences=1)
+    finally:
+        ops.use_int8_lanes(1)
+    assert model._native is not None and model._native[1] is not None  # decoded natively
+    assert torch.equal(int16_decode[0], int8[0])  # the same prefill, then
+    assert not torch.equal(int16_decode[1:], int8[1:])  # the switch changed the decode steps
+    dense, _ = run_steps(gguf_model(tiny_mixed_gguf, "none"), sequences=1)
+    scale = dense.abs().max()
+    assert (int16 - dense).abs().max() < 1e-3 * scale
+    assert 1e-4 * scale < (int8 - dense).abs().max() < 0.06 * scale

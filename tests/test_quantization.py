@@ -123,10 +123,10 @@ PROMPTS = [[17, 934, 2210, 77, 5, 9001, 312], [48, 1200, 6, 815], [40000, 27, 33
 
 
 def run_steps(
-    model, decode_steps: int = 4, sequences: int = 3
+    model, decode_steps: int = 4, sequences: int = 3, before_decode=None
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """Prefill ``sequences`` prompts in one step, then decode them together greedily;
-    scattered slots (up to 10 sequences)."""
+    scattered slots (up to 10 sequences). ``before_decode()`` runs between the two."""
     prompts = PROMPTS + [[(i * 7919 + j * 104729) % 30000 + 5 for j in range(3 + i % 5)]
                          for i in range(len(PROMPTS), sequences)]  # fmt: skip
     prompts = prompts[:sequences]
@@ -138,6 +138,8 @@ def run_steps(
     logits = [model.forward(batch, pool)]
     tokens = [[int(t)] for t in logits[0].argmax(-1)]
     lens = [len(p) for p in prompts]
+    if before_decode is not None:
+        before_decode()
     for _ in range(decode_steps):
         decode = [(t[-1], n, s[: n + 1]) for t, n, s in zip(tokens, lens, slots, strict=True)]
         batch = build_forward_batch(decode, [], model.device, pool.pad_slot)
