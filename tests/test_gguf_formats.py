@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import save_tiny_hf_model
 from gguf_writer import random_blocks, write_llama_gguf
+from test_int8_rows import few_rows_take_int8
 from test_quantization import gguf_model, run_steps, tiny_q4_gguf  # noqa: F401 (a fixture)
 
 from radixserve.cache import KVPool
@@ -226,8 +227,11 @@ def test_one_sequence_rounds_q5_and_k_quant_inputs_to_int8_unless_turned_off(tin
         ops.use_int8_lanes(1)
     assert model._native is not None and model._native[1] is not None  # decoded natively
     assert torch.equal(int16_decode[0], int8[0])  # the same prefill, then
-    assert not torch.equal(int16_decode[1:], int8[1:])  # the switch changed the decode steps
     dense, _ = run_steps(gguf_model(tiny_mixed_gguf, "none"), sequences=1)
     scale = dense.abs().max()
     assert (int16 - dense).abs().max() < 1e-3 * scale
+    if not few_rows_take_int8(model.layers[0]["down"]):  # the plain C++ build: float paths
+        assert torch.equal(int16_decode, int8)
+        return
+    assert not torch.equal(int16_decode[1:], int8[1:])  # the switch changed the decode steps
     assert 1e-4 * scale < (int8 - dense).abs().max() < 0.06 * scale

@@ -288,10 +288,11 @@ inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<con
 inline void store32(void* p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
 
 // 16 bytes of nibble pairs: the low nibbles, then the high ones
+// (the bytes in both halves, the upper half shifted right by 4 bits per 64-bit lane: byte
+// i then holds its own high nibble in its low bits)
 inline __m256i nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // byte i: 16 where bit i of bits is set, else 0
