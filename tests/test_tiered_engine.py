@@ -312,6 +312,21 @@ def test_storage_writes_are_kv_events_of_medium_storage(engines, tmp_path):
     assert {"device", "host", "storage"} <= media
 
 
+def test_write_outs_ending_after_the_last_request_are_applied_while_idle(engines, tmp_path):
+    """The last request's pages reach storage after its last step; with nothing left to run,
+    ``apply_finished_transfers`` (what an idle engine loop calls) counts them and unpins
+    their host pages, without another step."""
+    engine = engines(kv_storage=f"file://{tmp_path}")
+    run(engine, SHARED + TAILS[0], "a")
+    assert not engine.has_unfinished()
+    deadline = time.monotonic() + 30
+    while engine.stats().tiers.pages_to_storage < len(SHARED) // PAGE:
+        assert time.monotonic() < deadline, "finished write-outs were never applied"
+        engine.apply_finished_transfers()
+        time.sleep(0.05)
+    engine.check_integrity()
+
+
 def test_storage_writes_landing_after_events_went_off_are_dropped_not_a_crash(engines, tmp_path):
     """A subscriber leaves (events off) while write-outs announced as events are under way:
     they land without an event, and a later subscriber gets a fresh snapshot."""

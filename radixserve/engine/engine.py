@@ -159,6 +159,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def apply_finished_transfers(self) -> None:
+        """Apply the tier moves that finished since the last step (an idle engine loop calls
+        this: otherwise write-outs that end after the last request stay unaccounted, and
+        their host pages pinned, until the next request)."""
+        self.cache.poll_transfers()
+
     def wake_fd(self) -> int | None:
         """A descriptor readable when KV transfer traffic needs a ``step`` (None: no mode)."""
         return self.disagg.fileno() if self.disagg is not None else None

@@ -229,6 +229,8 @@ class EngineLoop:
                     return
             if self.engine.has_unfinished() or wake in ready:
                 self.step()
+            else:
+                self.engine.apply_finished_transfers()
             if self.events is not None:
                 self.events.sync()
 
