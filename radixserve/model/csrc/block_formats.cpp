@@ -116,8 +116,6 @@ void dequant_block_ref(WFormat f, const uint8_t* b, float* out) {
 #define RS_AVX512_MASKS 1
 #endif
 
-inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
 // 32 bytes of codes (input i in byte i) widened to int16: inputs 0..15 and 16..31
 inline void widen_codes(__m256i codes, __m256i& w0, __m256i& w1) {
   w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes));
@@ -189,26 +187,13 @@ struct Unpack {
           min[i] = -dmin * m;
         }
       }
-      const uint8_t* qs = p + (F == WFormat::Q4_K ? 16 : 48) + 32 * (j / 2);
-      __m256i codes = load256(qs);
-      if (j & 1) codes = _mm256_srli_epi16(codes, 4);
-      codes = _mm256_and_si256(codes, _mm256_set1_epi8(0x0F));
-      if constexpr (F == WFormat::Q5_K) {
-        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(p + 16), j), _mm256_set1_epi8(1));
-        codes = _mm256_or_si256(codes, _mm256_slli_epi16(hb, 4));
-      }
-      widen_codes(codes, w0, w1);
+      widen_codes(k45_codes(p, j, F == WFormat::Q5_K), w0, w1);
       s = scale[j];
       mn = min[j];
     } else {  // Q6_K
       const uint8_t* p = row + (b / 8) * 210;
-      const int c = static_cast<int>(b % 8), h = c / 4, t = c % 4;
-      __m256i lo = load256(p + 64 * h + 32 * (t & 1));
-      if (t >= 2) lo = _mm256_srli_epi16(lo, 4);
-      lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0F));
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load256(p + 128 + 32 * h), 2 * t),
-                                          _mm256_set1_epi8(3));
-      widen_codes(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), w0, w1);
+      const int c = static_cast<int>(b % 8);
+      widen_codes(q6k_codes(p, c), w0, w1);
       const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * c;
       const __m256i off = _mm256_set1_epi16(32);
       w0 = _mm256_mullo_epi16(_mm256_sub_epi16(w0, off), _mm256_set1_epi16(sc[0]));

@@ -77,19 +77,8 @@ inline void unpack_k45(const uint8_t* p, SuperBlock& sb) {
   const uint32_t m_hi = ((a[2] >> 4) & low4) | (((a[1] >> 6) & low2) << 4);
   per_half(bytes_times(sc_lo | static_cast<uint64_t>(sc_hi) << 32, d), sb.s);
   per_half(bytes_times(m_lo | static_cast<uint64_t>(m_hi) << 32, -dmin), sb.c);
-  const uint8_t* qs = p + (Q5 ? 48 : 16);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  for (int t = 0; t < 4; ++t) {  // blocks 2t and 2t + 1 share 32 bytes: low and high nibbles
-    const __m256i raw = load32(qs + 32 * t);
-    sb.codes[2 * t] = _mm256_and_si256(raw, mask);
-    sb.codes[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-  }
-  if constexpr (Q5) {  // bit j of byte i of qh: the fifth bit of input i of block j
-    const __m256i qh = load32(p + 16), one = _mm256_set1_epi8(1);
-    for (int j = 0; j < 8; ++j)
-      sb.codes[j] = _mm256_or_si256(
-          sb.codes[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
-  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) sb.codes[j] = k45_codes(p, j, Q5);
 }
 
 // Q6_K: 128 B low nibbles | 64 B two high bits | 16 int8 scales (one per 16 inputs) | f16 d;
@@ -102,13 +91,8 @@ inline void unpack_q6k(const uint8_t* p, SuperBlock& sb) {
   sb.s[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), dv);
   sb.c[0] = _mm256_mul_ps(sb.s[0], offset);
   sb.c[1] = _mm256_mul_ps(sb.s[1], offset);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
-  for (int j = 0; j < 8; ++j) {  // inputs 32 j.. : see unpack_row (int8_lanes.cpp)
-    const int h = j / 4, t = j % 4;
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * h + 32 * (t & 1)), 4 * (t >> 1)), low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * h), 2 * t), low2);
-    sb.codes[j] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) sb.codes[j] = q6k_codes(p, j);
 }
 
 // Q5_0 / Q5_1 (22 / 24 B a block: f16 d | [f16 m] | u32 fifth bits | 16 B nibbles): block
@@ -119,7 +103,7 @@ inline __m256i q5_block(const uint8_t* p, uint16_t& d, uint16_t& m) {
   std::memcpy(&qh, p + (Q51 ? 4 : 2), 4);
   std::memcpy(&d, p, 2);
   if constexpr (Q51) std::memcpy(&m, p + 2, 2);
-  return _mm256_or_si256(nibbles(p + (Q51 ? 8 : 6)), bits_to_16s(qh));
+  return q5_codes(p + (Q51 ? 8 : 6), qh);
 }
 
 // eight consecutive Q5_0 / Q5_1 blocks from p, their scales converted together

@@ -122,7 +122,7 @@ int unpack_row(const WeightView& w, int64_t row, uint8_t* q, float* s, float* c)
         std::memcpy(&qh, blk + (q51 ? 4 : 2), 4);
         const uint8_t* qs = blk + (q51 ? 8 : 6);
 #ifdef RS_AVX2
-        store32(q + 32 * b, _mm256_or_si256(nibbles(qs), bits_to_16s(qh)));
+        store32(q + 32 * b, q5_codes(qs, qh));
 #else
         for (int i = 0; i < 16; ++i) {
           q[32 * b + i] = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
@@ -147,10 +147,7 @@ int unpack_row(const WeightView& w, int64_t row, uint8_t* q, float* s, float* c)
           scale_min_k4(blk + 4, j, sc, m);
           uint8_t* out = q + 256 * sb + 32 * j;
 #ifdef RS_AVX2
-          const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-          __m256i v = _mm256_and_si256(_mm256_srli_epi16(load32(qs + 32 * (j / 2)), 4 * (j & 1)), mask);
-          if (q5) v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load32(qh), j), one), 4));
-          store32(out, v);
+          store32(out, k45_codes(blk, j, q5));
 #else
           for (int i = 0; i < 32; ++i) {
             out[i] = (qs[32 * (j / 2) + i] >> (4 * (j & 1))) & 0xF;
@@ -168,13 +165,7 @@ int unpack_row(const WeightView& w, int64_t row, uint8_t* q, float* s, float* c)
         const int8_t* sc = reinterpret_cast<const int8_t*>(ql + 192);
         const float d = half_at(ql + 208);
 #ifdef RS_AVX2
-        for (int blk = 0; blk < 8; ++blk) {  // inputs 32 blk.. of the super-block
-          const int h = blk / 4, t = blk % 4;
-          const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(ql + 64 * h + 32 * (t & 1)), 4 * (t >> 1)),
-                                              _mm256_set1_epi8(0x0F));
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(qh + 32 * h), 2 * t), _mm256_set1_epi8(3));
-          store32(q + 256 * sb + 32 * blk, _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-        }
+        for (int blk = 0; blk < 8; ++blk) store32(q + 256 * sb + 32 * blk, q6k_codes(ql, blk));
 #else
         for (int e = 0; e < 256; ++e) {
           const int h = e >> 7, r = e & 127;

@@ -308,6 +308,28 @@ inline __m256i bits_to_16s(uint32_t bits) {
 #endif
 }
 
+// The 32 codes of one block of GGUF's formats as bytes (input i in byte i; layouts in
+// block_formats.cpp), for the integer paths: Q5_0 / Q5_1's from its nibbles qs and fifth bits
+// qh; block j of the Q4_K / Q5_K super-block at p (4-bit q, Q5_K with its fifth bit); block j
+// of the Q6_K super-block at p (6-bit q, 4 bits from ql and 2 from qh).
+inline __m256i q5_codes(const uint8_t* qs, uint32_t qh) {
+  return _mm256_or_si256(nibbles(qs), bits_to_16s(qh));
+}
+inline __m256i k45_codes(const uint8_t* p, int j, bool q5) {
+  const uint8_t* qs = p + (q5 ? 48 : 16) + 32 * (j / 2);
+  const __m256i v = _mm256_and_si256(_mm256_srli_epi16(load32(qs), 4 * (j & 1)), _mm256_set1_epi8(0x0F));
+  if (!q5) return v;
+  const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(load32(p + 16), j), _mm256_set1_epi8(1));
+  return _mm256_or_si256(v, _mm256_slli_epi16(fifth, 4));
+}
+inline __m256i q6k_codes(const uint8_t* p, int j) {
+  const int h = j / 4, t = j % 4;
+  const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(p + 64 * h + 32 * (t & 1)), 4 * (t >> 1)),
+                                      _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(p + 128 + 32 * h), 2 * t), _mm256_set1_epi8(3));
+  return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+
 // unsigned bytes u8 times signed bytes s8, four products summed into each int32 lane of acc
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
