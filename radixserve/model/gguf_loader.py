@@ -150,15 +150,16 @@ def _gemma3_fields(reader: Any, hidden: int, num_heads: int) -> dict[str, Any]:
 
 
 def load_gguf(
-    path: str | Path,
+    source: str | Path | GGUFFile,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     quantization: str = "auto",
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
+    """A GGUF file's config and weights; ``source`` a path or the file already opened."""
     import gguf
 
-    path = Path(path)
-    reader = GGUFFile(path)
+    reader = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    path = reader.path
     config = read_config(reader, name=path.stem)
     arch = _field(reader, "general.architecture")
     permute = arch == "llama"

@@ -104,17 +104,17 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return table[dtype]
 
 
-def keeps_gguf_blocks(path: Path, device: str, quantization: str) -> bool:
+def keeps_gguf_blocks(reader: GGUFFile, device: str, quantization: str) -> bool:
     """Whether a GGUF file's weights stay in GGUF's block formats (Q5_0, Q5_1, K-quants) on
     the native CPU kernels: those matmuls take float32 inputs whatever the dtype, so there
     ``auto`` means float32 (bfloat16 would only round the activations and the KV, for no
     speed: measured equal on AVX512-BF16, and its rounding parts the greedy answers from
     llama.cpp's, which keeps float32 activations, more often)."""
-    if not path.is_file() or torch.device(device).type != "cpu" or quantization != "auto":
+    if torch.device(device).type != "cpu" or quantization != "auto":
         return False
     if native.paged_ops() is None:
         return False
-    return any(t.tensor_type.name.lower() in GGUF_BLOCKS for t in GGUFFile(path).tensors)
+    return any(t.tensor_type.name.lower() in GGUF_BLOCKS for t in reader.tensors)
 
 
 def build_model(
@@ -136,10 +136,11 @@ def load_model(
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype, device)
     target_format("", (), quantization)  # a bad value fails before the slow load
-    if dtype == "auto" and keeps_gguf_blocks(path, device, quantization):
-        torch_dtype = torch.float32
     if path.is_file():
-        config, weights = load_gguf(path, torch_dtype, progress, quantization)
+        reader = GGUFFile(path)
+        if dtype == "auto" and keeps_gguf_blocks(reader, device, quantization):
+            torch_dtype = torch.float32
+        config, weights = load_gguf(reader, torch_dtype, progress, quantization)
     else:
         config, weights = load_hf_dir(path, torch_dtype, progress)
         weights = quantize_dense(weights, quantization)
