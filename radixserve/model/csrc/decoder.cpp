@@ -14,10 +14,10 @@
 // inputs are rounded to int8 per block, as llama.cpp does for every matmul, unless
 // RADIXSERVE_INT8_LANES=0: in batches of 8 sequences or more (DecodeBatch::sequences, not
 // rows; gemm_int8_lanes) for every block format, in smaller ones for GGUF's Q5_0 / Q5_1 /
-// K-quants (gemm_int8_few; Q8_0 and Q4_1 keep int16 there). A sequence may bring several rows (a grammar draft being verified:
-// a row per token, each with its own position, slot and context up to that slot): a layer
-// writes every row's K/V to the pool before any row attends, so a row sees the rows before
-// it. Weights are
+// K-quants (gemm_int8_few; Q8_0 and Q4_1 keep int16 there). A sequence may bring several
+// rows (a grammar draft being verified: a row per token, each with its own position, slot and
+// context up to that slot): a layer writes every row's K/V to the pool before any row
+// attends, so a row sees the rows before it. Weights are
 // QWeights (block-quantized or dense float); the pool keeps its dtype (float32, bfloat16,
 // float16), laid out [layers, kv_heads, slots, head_dim].
 //

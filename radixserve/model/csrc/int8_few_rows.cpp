@@ -106,11 +106,11 @@ inline __m256i q5_block(const uint8_t* p, uint16_t& d, uint16_t& m) {
   return q5_codes(p + (Q51 ? 8 : 6), qh);
 }
 
-// eight consecutive Q5_0 / Q5_1 blocks from p, their scales converted together
+// eight consecutive Q5_0 / Q5_1 blocks of `bytes` each from p, their scales converted together
 template <bool Q51>
-inline void unpack_q5x8(const uint8_t* p, SuperBlock& sb) {
+inline void unpack_q5x8(const uint8_t* p, int64_t bytes, SuperBlock& sb) {
   alignas(16) uint16_t d[8], m[8] = {};
-  for (int j = 0; j < 8; ++j) sb.codes[j] = q5_block<Q51>(p + j * (Q51 ? 24 : 22), d[j], m[j]);
+  for (int j = 0; j < 8; ++j) sb.codes[j] = q5_block<Q51>(p + j * bytes, d[j], m[j]);
   const __m256 dv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d)));
   per_half(dv, sb.s);
   per_half(Q51 ? _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m)))
@@ -124,7 +124,7 @@ template <int MR, WFormat F>
 void row_dot(const XRows& x, int64_t r0, int64_t K, const uint8_t* row, float* y, int64_t ldy,
              bool accumulate) {
   constexpr bool q5 = F == WFormat::Q5_0 || F == WFormat::Q5_1, q51 = F == WFormat::Q5_1;
-  constexpr int64_t bytes = F == WFormat::Q4_K ? 144 : F == WFormat::Q5_K ? 176 : F == WFormat::Q6_K ? 210 : q51 ? 24 : 22;
+  const int64_t bytes = block_bytes(F);
   const int64_t nb = K / kBlock, groups = nb / 8;
   // lanes 0..3 take half 2t of the block, lanes 4..7 half 2t + 1 (t: the block within a vector)
   const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
@@ -134,7 +134,7 @@ void row_dot(const XRows& x, int64_t r0, int64_t K, const uint8_t* row, float* y
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm256_setzero_ps();
   SuperBlock sb;
   for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (q5) unpack_q5x8<q51>(row + 8 * g * bytes, sb);
+    if constexpr (q5) unpack_q5x8<q51>(row + 8 * g * bytes, bytes, sb);
     else if constexpr (F == WFormat::Q6_K) unpack_q6k(row + g * bytes, sb);
     else unpack_k45<F == WFormat::Q5_K>(row + g * bytes, sb);
     for (int r = 0; r < MR; ++r) {
