@@ -45,9 +45,11 @@ def gemma_loaded(tmp_path_factory, default_tokenizer):
 
 def conversations(engine, turns: int = 5, convs: int = 4, first: int = 30,
                   more: int = 14) -> list[list[int]]:  # fmt: skip
-    """Each conversation's outputs and its branch's, turn by turn (interleaved)."""
+    """Each conversation's outputs and its branch's, turn by turn (interleaved). User
+    messages end with the model's end-of-turn token, as a chat template ends them."""
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(100, 40000, first).tolist() for _ in range(convs)]
+    end = engine.tokenizer.eos_token_ids[:1]
+    prompts = [rng.integers(100, 40000, first).tolist() + end for _ in range(convs)]
     outputs: list[list[int]] = []
     for turn in range(turns):
         for c in range(convs):
@@ -64,7 +66,7 @@ def conversations(engine, turns: int = 5, convs: int = 4, first: int = 30,
         for c in range(convs):
             answer = done[f"{c}-{turn}"]
             outputs += [answer, done[f"{c}-{turn}-branch"]]
-            prompts[c] = prompts[c] + answer + rng.integers(100, 40000, more).tolist()
+            prompts[c] = prompts[c] + answer + rng.integers(100, 40000, more).tolist() + end
     return outputs
 
 
@@ -77,6 +79,7 @@ def test_tombstoned_window_kv_gives_the_same_output(make_engine, gemma_loaded, p
     assert not whole.pool.windowed and split.pool.windowed
     assert split.pool.wk.shape[0] == 6 and split.pool.k.shape[0] == 1
     assert conversations(split) == conversations(whole)
+    assert any(node.turn_end for node, _ in split.cache.nodes())  # paths cut at turn ends
     assert split.stats().window.tombstoned_tokens > 0  # window KV was dropped ...
     stats = split.cache.stats
     assert stats.hit_tokens > 0.3 * stats.lookup_tokens  # ... and prefixes still reused

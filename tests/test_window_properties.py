@@ -12,6 +12,9 @@ against a reference of what is cached in the global layers: a dict from every ca
 - after inserting a freshly computed sequence, all of it matches again (tombstones in it are
   revived with the KV just computed);
 - tombstoning frees what it is asked for, as far as unlocked window KV allows.
+
+The machines run without and with a turn-end token (paths cut after it, the window before it
+kept longer): the rules above hold either way.
 """
 
 import numpy as np
@@ -29,12 +32,14 @@ NO_HELD = torch.empty(0, dtype=torch.int64)
 NAMESPACES = [None, "tenant-b"]
 
 
-def make_machine(page_size: int, capacity: int, window_slots: int, window: int, max_pages: int):
+def make_machine(page_size: int, capacity: int, window_slots: int, window: int, max_pages: int,
+                 turn_end_ids: tuple[int, ...] = ()):  # fmt: skip
     class WindowMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
             self.alloc = WindowedAllocator(capacity, page_size, window_slots, window)
             self.cache = RadixCache(self.alloc)
+            self.cache.set_turn_end_ids(turn_end_ids)
             self.ref: dict[tuple, torch.Tensor] = {}
             self.locks: list[tuple] = []  # (handle, slots of the window before its end)
 
@@ -153,11 +158,42 @@ def make_machine(page_size: int, capacity: int, window_slots: int, window: int, 
     return WindowMachine
 
 
-WindowPage1 = make_machine(page_size=1, capacity=64, window_slots=24, window=4, max_pages=12)
-WindowPage16 = make_machine(page_size=16, capacity=256, window_slots=96, window=40, max_pages=6)
+PAGE1 = dict(page_size=1, capacity=64, window_slots=24, window=4, max_pages=12)
+PAGE16 = dict(page_size=16, capacity=256, window_slots=96, window=40, max_pages=6)
+MACHINES = {
+    "page1": make_machine(**PAGE1),
+    "page16": make_machine(**PAGE16),
+    "page1-turn-ends": make_machine(**PAGE1, turn_end_ids=(1,)),
+    "page16-turn-ends": make_machine(**PAGE16, turn_end_ids=(1,)),
+}
 
 
-@pytest.mark.parametrize("machine", [WindowPage1, WindowPage16], ids=["page1", "page16"])
+@pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
 def test_window_tree_state_machine(machine):
     machine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
     machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize("turn_ends", [True, False])
+def test_the_window_before_a_turn_end_outlives_the_rest_of_its_path(turn_ends):
+    """A conversation goes on past its first message (a document ending with a turn-end
+    token). When window KV is dropped, the window before that turn end is kept with the
+    conversation's own resume point, so a second conversation over the same document
+    resumes after it; a cache that does not know the token drops it (the document's end is
+    in the middle of a path) and the second conversation starts from nothing."""
+    end_token, window = 9, 4
+    alloc = WindowedAllocator(64, 1, 24, window)
+    cache = RadixCache(alloc)
+    cache.set_turn_end_ids([end_token] if turn_ends else [])
+    document = [*range(10, 20), end_token]
+    first = document + list(range(20, 30))
+    cache.insert(first, alloc.alloc(len(first)))
+    flagged = [n for n, _ in cache.nodes() if n.turn_end]
+    assert [n.depth for n in flagged] == ([len(document)] if turn_ends else [])
+    # the parts no resume point needs: 8 + 7 tokens with the turn end, 18 without
+    freed = cache.evict_windows(15)
+    assert freed == (15 if turn_ends else 18)
+    cache.check_integrity()
+    second = cache.match_prefix(document + [50, 51])
+    assert second.device_len == (len(document) if turn_ends else 0)
+    assert cache.match_prefix(first).device_len == len(first)  # its own next turn

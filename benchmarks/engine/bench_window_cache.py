@@ -26,7 +26,13 @@ Workloads:
 - ``doc-chat``: long-document chats that grow to about 8K tokens: each session opens with
   one of ``--docs`` documents of ``--doc-tokens`` tokens, then short turns (a geometric count
   of mean ``--doc-turns`` cut at ``--doc-max-turns``; user 60 and answer 150 tokens on
-  average), sessions starting at ``--doc-session-rate`` per second.
+  average), sessions starting at ``--doc-session-rate`` per second; every message (the
+  document too) ends with an end-of-turn token, as a chat template closes it.
+
+The caches know the tokens that end a turn (the tokenizer's end tokens for ShareGPT, the
+synthetic end-of-turn token for doc-chat), as the server's knows its model's: a window cache
+keeps the window before a turn's end longer than elsewhere on a path
+(``cache/window_tree.py``); ``--no-turn-ends`` hides them from it.
 
 Reported per run: hit rate (prompt tokens served from the cache at first admission over all
 prompt tokens) and its difference from the all-layers cache at the same ``N`` in points; the
@@ -40,6 +46,7 @@ Prints one JSON line; ``--markdown`` prints the table too. Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -52,6 +59,7 @@ from radixserve.sim.trace import Trace
 from radixserve.sim.workloads import SyntheticSpec, ThinkTime, sharegpt_trace, synthetic_trace
 
 WORKLOADS = ("sharegpt", "doc-chat")
+DOC_TURN_END = 2  # synthetic text is drawn from ids >= 3
 
 
 def model_geometry(model: str, dtype: str) -> tuple[KVShape, int]:
@@ -78,12 +86,18 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
                          system_prompt_len=args.doc_tokens, zipf_exponent=0.0,
                          mean_turns=args.doc_turns, mean_user_len=60, mean_output_len=150,
                          session_rate=args.doc_session_rate,
-                         think_time=ThinkTime(args.think_time))  # fmt: skip
+                         think_time=ThinkTime(args.think_time),
+                         turn_end_id=DOC_TURN_END)  # fmt: skip
     trace = synthetic_trace(spec, args.seed)
     for session in trace.sessions:  # conversations grow to about 8K tokens, no further
         session.turns = session.turns[: args.doc_max_turns]
     trace.name = "doc-chat"
     return trace
+
+
+def with_turn_ends(trace: Trace, on: bool) -> Trace:
+    """The trace whose caches know its turn-end tokens (``on``) or do not."""
+    return trace if on else dataclasses.replace(trace, turn_end_ids=())
 
 
 def systems(kv_tokens: int, shares: list[float], shape: KVShape, page: int) -> list[dict]:
@@ -180,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--doc-turns", type=float, default=20.0, help="mean turns, before the cut")
     g.add_argument("--doc-max-turns", type=int, default=10)
     g.add_argument("--doc-session-rate", type=float, default=0.1)
+    p.add_argument("--no-turn-ends", action="store_true",
+                   help="the caches do not know where turns end")  # fmt: skip
     p.add_argument("--markdown", action="store_true")
     return p.parse_args(argv)
 
@@ -191,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     shares = [float(x) for x in args.shares.split(",")]
     rows = []
     for name in args.workloads.split(","):
-        trace = build_trace(name, args)
+        trace = with_turn_ends(build_trace(name, args), not args.no_turn_ends)
         for n in (int(x) for x in args.kv_tokens.split(",")):
             for system in systems(n, shares, shape, args.page_size):
                 row = {"kv_budget": n, **run_one(trace, system, shape, window, args, timing)}

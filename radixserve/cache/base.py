@@ -35,7 +35,7 @@ already hold one (the engine does) pay nothing for it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -173,6 +173,13 @@ class PrefixCache(ABC):
 
     def window_evictable_size(self) -> int:
         return 0
+
+    def set_turn_end_ids(self, token_ids: Iterable[int]) -> None:
+        """Token ids that end a chat turn (a model's end-of-turn and end-of-text tokens): a
+        conversation, or another one sharing its first messages, may resume right after one.
+        A model with window layers kept apart keeps the window KV before such points longer
+        than elsewhere on a path (``window_tree.py``); other caches have no use for them."""
+        return None
 
     def obtainable(self) -> tuple[int, int | None]:
         """Slots obtainable now in the device pool and in its window pool (None: no window

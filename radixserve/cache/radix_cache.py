@@ -31,6 +31,7 @@ to a node (``LowerTiers``: cached, hit, about to leave the device). Invariants t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -301,6 +302,20 @@ class RadixCache(PrefixCache):
             self.controller.on_cached(leaf)
         return leaf
 
+    def _add_path(self, parent: TreeNode, key: np.ndarray, value: torch.Tensor) -> TreeNode:
+        """Cache ``key -> value`` below ``parent``: one leaf or, for a model with window
+        layers kept apart, a chain of nodes cut where turns end (``WindowKeeper.turn_ends``),
+        each flagged ``turn_end``; returns the last."""
+        start, ends = 0, self.windows.turn_ends(key) if self.windows is not None else []
+        for end in ends:
+            if end:
+                parent = self._add_leaf(parent, key[start:end], value[start:end])
+            if parent.parent is not None:
+                parent.turn_end, start = True, end
+        if start < len(key):
+            parent = self._add_leaf(parent, key[start:], value[start:])
+        return parent
+
     def _remove_leaf(self, leaf: TreeNode) -> int:
         """Evict a device leaf: it stays as a host-only node when it has (or the controller
         gives it) a host copy; otherwise it is deleted, with any host-only children."""
@@ -468,7 +483,7 @@ class RadixCache(PrefixCache):
             child = node.children.get(self._child_key(key[pos:]))
             if child is None:
                 value = indices[pos:end].to(torch.int64, copy=True)
-                node = self._add_leaf(node, key[pos:end].copy(), value)
+                node = self._add_path(node, key[pos:end].copy(), value)
                 break
             n = self._match_len(child.key, key[pos:end])
             if n < len(child.key):
@@ -547,6 +562,10 @@ class RadixCache(PrefixCache):
 
     def window_evictable_size(self) -> int:
         return self.windows.evictable_size() if self.windows is not None else 0
+
+    def set_turn_end_ids(self, token_ids: Iterable[int]) -> None:
+        if self.windows is not None:
+            self.windows.set_turn_end_ids(token_ids)
 
     def evictable_size(self) -> int:
         return self._evictable_size

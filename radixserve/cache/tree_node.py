@@ -36,6 +36,7 @@ class TreeNode:
         "window",
         "window_lock",
         "host_window",
+        "turn_end",
     )
 
     def __init__(
@@ -67,6 +68,7 @@ class TreeNode:
         self.window = True
         self.window_lock = 0
         self.host_window = True  # whether the host copy has the window layers' KV
+        self.turn_end = False  # its edge ends right after a chat turn (window_tree.py)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"

@@ -13,14 +13,19 @@ global layers' KV of its tokens, and its window layers' KV unless it is a *tombs
   counts a window lock on each node from ``a`` to ``m``; a node with a window lock keeps its
   window KV. Every window-locked node lies wholly inside each of its lockers' ranges, so a
   split copies the count to both halves, as it copies ``lock_ref``;
+- **turn ends**: a new path is cut into nodes after each token that ends a chat turn
+  (``turn_end_ids``, rounded down to a page; ``turn_ends``), and such a node is flagged
+  ``turn_end``: another conversation that shares the first messages (a system prompt, a
+  document) resumes there, though no branch point is there yet;
 - **tombstoning** (``evict``), when the window pool runs short: nodes with window KV and no
-  window lock lose it (the global KV and the path stay). First the parts no resume point
-  needs: a node with one child keeps only the last ``W - 1 - d`` tokens of window KV, where
-  ``d`` is the distance from its end down to the nearest leaf or branch point (the ends that
-  requests resume at: a conversation's next turn, a shared system prompt); the part above is
-  split off and tombstoned, least recently used first. Then whole nodes, least recently used
-  first. Each call frees at least an eighth of the window pool, so its scan of the tree is
-  paid for by many allocations;
+  window lock lose it (the global KV and the path stay). A node with one child needs only the
+  last ``W - 1 - d`` tokens of its window KV, where ``d`` is the distance from its end down to
+  the nearest resume point. In three classes, each least recently used first: the parts no
+  resume point needs (turn ends counted as resume points); the parts only turn ends need
+  (resume points being the leaves and branch points, where requests resume: a
+  conversation's next turn, a shared system prompt's next request); then whole nodes. A part
+  is split off and tombstoned, keeping the node's tail. Each call frees at least an eighth
+  of the window pool, so its scan of the tree is paid for by many allocations;
 - **revival**: inserting tokens over a tombstone whose KV the caller has just computed again
   moves the caller's window pages to the node (``WindowedAllocator.move_windows``);
 - **the host tier** copies a node with whatever it has (``TreeNode.host_window``: whether the
@@ -37,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from radixserve.cache.tree_check import walk
@@ -66,6 +72,19 @@ class WindowKeeper:
         self.window_size = 0  # tokens of device nodes with window KV
         self.locked_size = 0  # of which under a window lock
         self.tombstoned_tokens = 0  # monotonic: window KV dropped, in tokens
+        self.turn_end_ids = np.zeros(0, dtype=np.int64)  # tokens that end a chat turn
+
+    def set_turn_end_ids(self, token_ids: Iterable[int]) -> None:
+        self.turn_end_ids = np.unique(np.asarray(list(token_ids), dtype=np.int64))
+
+    def turn_ends(self, key: np.ndarray) -> list[int]:
+        """The points of ``key`` (a new path below a page boundary) right after a turn-end
+        token, rounded down to a page: where ``RadixCache`` cuts it into nodes flagged
+        ``turn_end`` (0: the node above it ends there)."""
+        if not len(self.turn_end_ids):
+            return []
+        ends = np.flatnonzero(np.isin(key, self.turn_end_ids)) + 1
+        return np.unique(ends - ends % self.page_size).tolist()
 
     def evictable_size(self) -> int:
         return self.window_size - self.locked_size
@@ -154,7 +173,7 @@ class WindowKeeper:
             return 0
         target = max(num_tokens, self.allocator.window_slots // EVICT_SHARE)
         freed = 0
-        for _ in range(2):  # the tails kept by the first pass are whole candidates then
+        for _ in range(3):  # the tails a pass keeps are candidates of a later class then
             for _, _, _, node, keep in self._candidates():
                 if freed >= target:
                     return freed
@@ -165,25 +184,40 @@ class WindowKeeper:
 
     def _candidates(self) -> list[tuple]:
         """Unlocked nodes with window KV, in tombstoning order: ``(class, last access, id,
-        node, tokens to keep at its end)``; class 0 is a part no resume point needs."""
+        node, tokens to keep at its end)``; class 0 is a part no resume point needs, class 1
+        a part only turn ends need, class 2 a whole node."""
         nodes = [n for n, _ in walk(self.tree)]
-        reach: dict[TreeNode, int] = {}  # node -> tokens from its end to a resume end below
+        # node -> tokens from its end down to the nearest leaf or branch point, and to the
+        # nearest of those or a turn end
+        reach: dict[TreeNode, int] = {}
+        turn_reach: dict[TreeNode, int] = {}
         for node in reversed(nodes):  # children before parents
             kids = [c for c in node.children.values() if c.value is not None]
-            reach[node] = len(kids[0].key) + reach[kids[0]] if len(kids) == 1 else 0
+            if len(kids) == 1:
+                reach[node] = len(kids[0].key) + reach[kids[0]]
+                turn_reach[node] = 0 if node.turn_end else len(kids[0].key) + turn_reach[kids[0]]
+            else:
+                reach[node] = turn_reach[node] = 0
         out = []
         for node in nodes:
             if node.value is None or not node.window or node.window_lock:
                 continue
-            keep = max(0, self.window - 1 - reach[node])
-            keep = -(-keep // self.page_size) * self.page_size
             size = len(node.key)
-            if keep < size:
-                out.append((0, node.last_access, node.id, node, keep))
+            keep_turn, keep = self._keep(turn_reach[node]), self._keep(reach[node])
+            if keep_turn < size:
+                out.append((0, node.last_access, node.id, node, keep_turn))
+            elif keep < size:
+                out.append((1, node.last_access, node.id, node, keep))
             else:
-                out.append((1, node.last_access, node.id, node, 0))
+                out.append((2, node.last_access, node.id, node, 0))
         out.sort(key=lambda c: c[:3])
         return out
+
+    def _keep(self, reach: int) -> int:
+        """Tokens of window KV a node keeps at its end when the nearest resume point below
+        it is ``reach`` tokens down (whole pages)."""
+        keep = max(0, self.window - 1 - reach)
+        return -(-keep // self.page_size) * self.page_size
 
     def _tombstone(self, node: TreeNode) -> int:
         self.allocator.drop_windows(node.value)

@@ -117,6 +117,7 @@ class Engine:
         self.cache = build_cache(
             config, self.allocator, self.pool, events, loaded.path, loaded.name
         )
+        self.cache.set_turn_end_ids(self.tokenizer.eos_token_ids)
         self.kv = RequestKV(self.cache, self.allocator)
 
     # ------------------------------------------------------------------ requests

@@ -150,6 +150,8 @@ class Simulation:
             )
             for i in range(config.instances)
         ]
+        for instance in self.instances:
+            instance.cache.set_turn_end_ids(trace.turn_end_ids)
         block = self.instances[0].cache.event_block_size if events else 16
         self.router = SimRouter(config.routing, config.instances, block)
         self.records = Records()

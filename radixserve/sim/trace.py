@@ -55,6 +55,7 @@ class Trace:
     name: str
     sessions: list[Session]
     params: dict[str, Any] = field(default_factory=dict)
+    turn_end_ids: tuple[int, ...] = ()  # tokens that close a chat message in its prompts
 
     @property
     def num_requests(self) -> int:

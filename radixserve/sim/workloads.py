@@ -165,7 +165,8 @@ def sharegpt_trace(
         num_sessions=num_sessions, max_turns=max_turns,
         max_message_tokens=max_message_tokens, think_time=dataclasses.asdict(think),
     )  # fmt: skip
-    return Trace("sharegpt", _sessions_from_chats(chats, encoder, think, rng), params)
+    sessions = _sessions_from_chats(chats, encoder, think, rng)
+    return Trace("sharegpt", sessions, params, tuple(tokenizer.eos_token_ids))
 
 
 def bench_trace(
@@ -208,6 +209,9 @@ class SyntheticSpec:
     mean_output_len: int = 150
     session_rate: float | None = 4.0  # session starts per second; None: the run's load shape
     think_time: ThinkTime = dataclasses.field(default_factory=lambda: ThinkTime(20.0))
+    # a token closing every message (system prompt, user message, answer), as a chat
+    # template's end-of-turn token does; None: messages run on without one
+    turn_end_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_sessions", "num_system_prompts", "system_prompt_len",
@@ -223,6 +227,8 @@ class SyntheticSpec:
 def synthetic_trace(spec: SyntheticSpec, seed: int = 0) -> Trace:
     rng = np.random.default_rng(seed)
     systems = [_random_ids(rng, spec.system_prompt_len) for _ in range(spec.num_system_prompts)]
+    for ids in systems:
+        _end_message(ids, len(ids), spec.turn_end_id)
     weights = 1.0 / np.arange(1, spec.num_system_prompts + 1) ** spec.zipf_exponent
     picks = rng.choice(spec.num_system_prompts, spec.num_sessions, p=weights / weights.sum())
     turns_per = rng.geometric(1.0 / spec.mean_turns, spec.num_sessions)
@@ -231,10 +237,11 @@ def synthetic_trace(spec: SyntheticSpec, seed: int = 0) -> Trace:
         n = int(turns_per[i])
         users = np.maximum(1, rng.exponential(spec.mean_user_len, n).astype(int))
         outs = np.maximum(1, rng.exponential(spec.mean_output_len, n).astype(int))
-        buf = np.concatenate(
-            [systems[picks[i]]]
-            + [_random_ids(rng, int(u + o)) for u, o in zip(users, outs, strict=True)]
-        )
+        exchanges = [_random_ids(rng, int(u + o)) for u, o in zip(users, outs, strict=True)]
+        for ids, u in zip(exchanges, users, strict=True):
+            _end_message(ids, int(u), spec.turn_end_id)  # the user's message
+            _end_message(ids, len(ids), spec.turn_end_id)  # the answer
+        buf = np.concatenate([systems[picks[i]], *exchanges])
         thinks = [0.0, *spec.think_time.draw(rng, n - 1)]
         pos, turns = spec.system_prompt_len, []
         for u, o, think in zip(users, outs, thinks, strict=True):
@@ -246,4 +253,11 @@ def synthetic_trace(spec: SyntheticSpec, seed: int = 0) -> Trace:
             t += rng.exponential(1.0 / spec.session_rate)
         sessions.append(Session(f"s{i}", turns, arrival))
     params = {**dataclasses.asdict(spec), "seed": seed}
-    return Trace("synthetic", sessions, params)
+    ends = () if spec.turn_end_id is None else (spec.turn_end_id,)
+    return Trace("synthetic", sessions, params, ends)
+
+
+def _end_message(ids: np.ndarray, end: int, turn_end_id: int | None) -> None:
+    """Close the message ending at ``end`` with ``turn_end_id`` (None: leave it as it is)."""
+    if turn_end_id is not None:
+        ids[end - 1] = turn_end_id
