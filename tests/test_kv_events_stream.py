@@ -13,7 +13,14 @@ from radixserve.engine import SamplingParams
 from radixserve.kvevents.hashing import prompt_block_hashes
 from radixserve.kvevents.publisher import KVEventPublisher
 from radixserve.kvevents.subscriber import EventSubscriber
-from radixserve.kvevents.types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from radixserve.kvevents.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    medium_window,
+    windowless_medium,
+)
 from radixserve.kvevents.wire import decode_batch, encode_batch
 from radixserve.server.event_bridge import EventBridge
 
@@ -83,6 +90,27 @@ def test_decoder_reads_newer_vllm_layouts():
     maps = [1.0, [{"type": "BlockRemoved", "block_hashes": h, "medium": "CPU", "group_idx": 0}]]
     assert decode_batch(msgpack.packb(arrays)).events == [BlockStored(h, None, [5] * 32, 16)]
     assert decode_batch(msgpack.packb(maps)).events == [BlockRemoved(h, medium="host")]
+
+
+def test_window_less_blocks_cross_the_wire_as_a_medium_of_their_own():
+    """A vLLM reader parses them as blocks on a medium it does not know, never as "GPU"; we
+    read them back with their window; a medium we do not know stays unknown, not the device."""
+    import msgpack
+
+    h = prompt_block_hashes(range(32), 16)
+    medium = windowless_medium(512)
+    batch = EventBatch(3.0, [BlockStored(h, None, list(range(32)), 16, medium=medium),
+                             BlockRemoved(h[1:], medium=medium)])  # fmt: skip
+    payload = encode_batch(batch)
+    v = msgspec.msgpack.decode(payload, type=VKVEventBatch)
+    assert [e.medium for e in v.events] == ["GPU_WINDOWLESS:512"] * 2
+    assert v.events[0] == VBlockStored(h, None, list(range(32)), 16, None, "GPU_WINDOWLESS:512")
+    back = decode_batch(payload)
+    assert back == batch and medium_window(back.events[1].medium) == 512
+    other = [2.0, [["BlockRemoved", h, "LocalDiskBackend"], ["BlockRemoved", h]]]
+    unknown, bare = decode_batch(msgpack.packb(other)).events
+    assert unknown.medium == "LocalDiskBackend" and medium_window(unknown.medium) is None
+    assert bare.medium == "device"  # no medium at all: vLLM's GPU
 
 
 class Index:

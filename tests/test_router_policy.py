@@ -6,7 +6,12 @@ import time
 import pytest
 
 from radixserve.kvevents.hashing import prompt_block_hashes
-from radixserve.kvevents.types import AllBlocksCleared, BlockRemoved, BlockStored
+from radixserve.kvevents.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    windowless_medium,
+)
 from radixserve.router.load import LoadBoard
 from radixserve.router.policy import (
     POLICIES,
@@ -150,6 +155,53 @@ def test_events_remove_and_clear_entries():
     policy.finish(r.ticket)
     policy.apply_events("w1", [AllBlocksCleared()])
     assert policy.index.size()[0] == 0
+
+
+def windowless(tokens, blocks, window):
+    """The event marking ``blocks`` (indices) of a prompt window-less, one block each."""
+    hashes = prompt_block_hashes(tokens, B)
+    return [BlockStored([hashes[i]], hashes[i - 1] if i else None, tokens[i * B : (i + 1) * B],
+                        B, medium=windowless_medium(window)) for i in blocks]  # fmt: skip
+
+
+def test_window_less_blocks_cut_a_match_where_the_engine_would():
+    """The W - 1 = 2B tokens before a resume point (2 blocks) need their window KV: a match
+    ends at the start of the last window-less block among them, again until none is."""
+    policy = fleet("cache-aware", n=2)
+    tokens = list(range(10 * B))
+    hashes = prompt_block_hashes(tokens, B)
+    index, window = policy.index, 2 * B + 1
+    policy.apply_events("w0", stored(tokens))
+    for marks, expected in (([3], 10), ([8], 8), ([7], 7), ([5], 3), ([], 3)):
+        policy.apply_events("w0", windowless(tokens, marks, window))
+        assert index.resumable("w0", hashes, 10, B) == expected
+    assert [index.resumable("w0", hashes, n, B) for n in range(11)] == [0, 1, 2] + [3] * 8
+    policy.apply_events("w1", stored(tokens[: 6 * B]))  # a shallower match without tombstones
+    r = policy.route(request(tokens), now=0)
+    assert (r.worker, r.cached_tokens) == ("w1", 6 * B)
+    policy.finish(r.ticket)
+    # revival: the marks go, and w0 resumes its whole match again
+    policy.apply_events("w0", [BlockRemoved(hashes[i : i + 1], medium=windowless_medium(window))
+                               for i in (3, 5, 7, 8)])  # fmt: skip
+    policy.index.clear_worker("w1")  # and the approximate entries the route made
+    assert index.resumable("w0", hashes, 10, B) == 10
+    r = policy.route(request(tokens), now=1)
+    assert (r.worker, r.cached_tokens) == ("w0", 10 * B)
+    policy.finish(r.ticket)
+    # a device block that leaves takes its mark along (whatever was lost of the stream)
+    policy.apply_events("w0", windowless(tokens, [9], window) + [BlockRemoved(hashes[9:])])
+    policy.apply_events("w0", stored(tokens))
+    assert index.resumable("w0", hashes, 10, B) == 10
+
+
+def test_a_medium_the_index_does_not_know_is_skipped():
+    policy = fleet("cache-aware", n=1)
+    tokens = list(range(4 * B))
+    hashes = prompt_block_hashes(tokens, B)
+    policy.apply_events("w0", [BlockStored(hashes, None, tokens, B, medium="LocalDiskBackend")])
+    assert policy.index.size() == (0, 0)
+    policy.apply_events("w0", stored(tokens) + [BlockRemoved(hashes, medium="LocalDiskBackend")])
+    assert policy.index.depth_of("w0", hashes, 4, now=0) == 4
 
 
 def test_approximate_entries_expire():

@@ -115,6 +115,7 @@ class RadixCache(PrefixCache):
             event_block_size or default_block_size(self.page_size),
             self.roots,
             self.node_medium,
+            allocator.window if allocator.windowed else None,
         )
         self.stats = CacheStats()
         self._next_id = 0
@@ -177,6 +178,21 @@ class RadixCache(PrefixCache):
         """The event announcing ``node``'s blocks on ``medium`` (None: events off or no
         whole block), under the hashes the node already holds."""
         return self._hasher.stored(node, medium) if self.events is not None else None
+
+    def set_window(self, node: TreeNode, window: bool) -> None:
+        """Set whether a device node keeps its window layers' KV (``window_tree.py``),
+        announcing the blocks that become window-less or whole again."""
+        if self.events is None:
+            node.window = window
+            return
+        for event in self._hasher.set_window(node, window):
+            self.emit_event(event)
+
+    def _windowless_event(self, node: TreeNode, arriving: bool) -> None:
+        """After ``node``'s device blocks are announced, its window-less ones; or, before
+        they leave the device, their withdrawal."""
+        if self.events is not None and self.windows is not None:
+            self.emit_event(self._hasher.windowless(node, arriving))
 
     def _event(self, kind: type, node: TreeNode, medium: str) -> None:
         """Announce that ``node``'s blocks moved onto (BlockStored) or off (BlockRemoved)
@@ -298,6 +314,7 @@ class RadixCache(PrefixCache):
             self.windows.on_cached(leaf)
         if self.events is not None:
             self.emit_event(self._hasher.hash_node(leaf))
+            self._windowless_event(leaf, arriving=True)
         if self.controller is not None:
             self.controller.on_cached(leaf)
         return leaf
@@ -328,6 +345,7 @@ class RadixCache(PrefixCache):
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         if self.windows is not None:
+            self._windowless_event(leaf, arriving=False)
             self.windows.on_leave_device(leaf)
         self.allocator.free(leaf.value)
         del parent.children[self._child_key(leaf.key)]
@@ -349,6 +367,7 @@ class RadixCache(PrefixCache):
         """A device leaf with a host copy leaves the device and stays in the tree."""
         size = len(node.key)
         if self.windows is not None:
+            self._windowless_event(node, arriving=False)
             self.windows.on_leave_device(node)
         self.allocator.free(node.value)
         node.value = None
@@ -621,6 +640,7 @@ class RadixCache(PrefixCache):
         if self._is_leaf(node):
             self._mark_leaf(node)
         self._event(BlockStored, node, MEDIUM_DEVICE)
+        self._windowless_event(node, arriving=True)
 
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves, lowest priority first, until ``num_tokens`` are freed."""

@@ -30,7 +30,10 @@ global layers' KV of its tokens, and its window layers' KV unless it is a *tombs
   moves the caller's window pages to the node (``WindowedAllocator.move_windows``);
 - **the host tier** copies a node with whatever it has (``TreeNode.host_window``: whether the
   copy has window KV); a host-only node counts as a tombstone in ``usable`` unless its copy
-  has window KV, and a node loaded back from a copy without it is a tombstone again.
+  has window KV, and a node loaded back from a copy without it is a tombstone again;
+- **KV events**: tombstoning and revival set the flag through the tree (``Tree.set_window``),
+  which announces the device blocks that become window-less or whole again
+  (``tree_events.py``), as it announces a node that arrives on the device as a tombstone.
 
 Counted in O(1): ``window_size`` (tokens of device nodes with window KV) and its part under a
 window lock; the rest can be tombstoned. ``check`` verifies every field against the nodes and
@@ -58,6 +61,9 @@ class Tree(Protocol):
     def roots(self) -> Iterable[TreeNode]: ...
 
     def split(self, node: TreeNode, n: int) -> TreeNode: ...
+
+    def set_window(self, node: TreeNode, window: bool) -> None:
+        """Set ``node.window`` on a device node, announcing it in the tree's KV events."""
 
 
 EVICT_SHARE = 8  # a tombstoning call frees at least 1/EVICT_SHARE of the window pool
@@ -93,7 +99,8 @@ class WindowKeeper:
     def on_cached(self, node: TreeNode, window: bool = True) -> None:
         """A node got device slots: with window KV (a new leaf, a host node recomputed, or
         loaded from a host copy that has it), or without (``window`` False: a host copy of a
-        tombstone; the fresh slots' window pages go back)."""
+        tombstone; the fresh slots' window pages go back). The tree announces its window-less
+        blocks with its device blocks."""
         node.window = window
         if window:
             self.window_size += len(node.key)
@@ -112,7 +119,7 @@ class WindowKeeper:
         if node.window or torch.equal(slots, node.value):
             return
         self.allocator.move_windows(slots, node.value)
-        node.window = True
+        self.tree.set_window(node, True)
         self.window_size += len(node.key)
         if node.window_lock:
             self.locked_size += len(node.key)
@@ -221,7 +228,7 @@ class WindowKeeper:
 
     def _tombstone(self, node: TreeNode) -> int:
         self.allocator.drop_windows(node.value)
-        node.window = False
+        self.tree.set_window(node, False)
         size = len(node.key)
         self.window_size -= size
         self.tombstoned_tokens += size

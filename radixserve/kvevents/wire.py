@@ -13,7 +13,10 @@ arrays whose first element is the class name::
     AllBlocksCleared = ["AllBlocksCleared"]
 
 ``medium`` uses vLLM's names: "GPU" for our device pool (the tier attention reads), "CPU" for
-host memory, "STORAGE" for the storage tier. The decoder also accepts what newer vLLM
+host memory, "STORAGE" for the storage tier, and "GPU_WINDOWLESS:W" for device blocks whose
+sliding-window layers' KV was dropped (``types.py``). A medium the decoder does not know is
+kept as sent (a reader skips it, never takes it for the device); a missing one is "GPU". The
+decoder also accepts what newer vLLM
 releases send (trailing fields such as ``lora_name``, ``extra_keys``, ``group_idx``; events
 as maps keyed by field name with a ``type`` tag; hashes as bytes) and ignores what it does
 not use.
@@ -37,6 +40,7 @@ from radixserve.kvevents.types import (
     MEDIUM_DEVICE,
     MEDIUM_HOST,
     MEDIUM_STORAGE,
+    WINDOWLESS_PREFIX,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -47,6 +51,7 @@ from radixserve.kvevents.types import (
 VLLM_VERSION = "0.11.2"
 TO_VLLM_MEDIUM = {MEDIUM_DEVICE: "GPU", MEDIUM_HOST: "CPU", MEDIUM_STORAGE: "STORAGE"}
 FROM_VLLM_MEDIUM = {v: k for k, v in TO_VLLM_MEDIUM.items()}
+VLLM_WINDOWLESS = "GPU_WINDOWLESS:"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DUMP_REQUEST = b"DUMP"
 
@@ -65,12 +70,26 @@ def seq_from_bytes(data: bytes) -> int:
     return int.from_bytes(data, "big", signed=True)
 
 
+def to_vllm_medium(medium: str) -> str:
+    if medium.startswith(WINDOWLESS_PREFIX):
+        return VLLM_WINDOWLESS + medium[len(WINDOWLESS_PREFIX) :]
+    return TO_VLLM_MEDIUM.get(medium, medium)
+
+
+def from_vllm_medium(value: Any) -> str:
+    if not isinstance(value, str):
+        return MEDIUM_DEVICE
+    if value.startswith(VLLM_WINDOWLESS):
+        return WINDOWLESS_PREFIX + value[len(VLLM_WINDOWLESS) :]
+    return FROM_VLLM_MEDIUM.get(value, value)
+
+
 def _event_array(e: KVEvent) -> list[Any]:
     if isinstance(e, BlockStored):
         return ["BlockStored", list(e.block_hashes), e.parent_block_hash, list(e.token_ids),
-                e.block_size, None, TO_VLLM_MEDIUM.get(e.medium, "GPU")]  # fmt: skip
+                e.block_size, None, to_vllm_medium(e.medium)]  # fmt: skip
     if isinstance(e, BlockRemoved):
-        return ["BlockRemoved", list(e.block_hashes), TO_VLLM_MEDIUM.get(e.medium, "GPU")]
+        return ["BlockRemoved", list(e.block_hashes), to_vllm_medium(e.medium)]
     if isinstance(e, AllBlocksCleared):
         return ["AllBlocksCleared"]
     raise TypeError(f"not a KV event: {e!r}")
@@ -89,10 +108,6 @@ def _hash(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     raise WireError(f"a block hash must be an int or bytes, got {type(value).__name__}")
-
-
-def _medium(value: Any) -> str:
-    return FROM_VLLM_MEDIUM.get(value, MEDIUM_DEVICE) if isinstance(value, str) else MEDIUM_DEVICE
 
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -120,11 +135,11 @@ def decode_event(raw: Any) -> KVEvent | None:
                 None if parent is None else _hash(parent),
                 list(f["token_ids"]),
                 int(f["block_size"]),
-                medium=_medium(f.get("medium")),
+                medium=from_vllm_medium(f.get("medium")),
             )
         if tag == "BlockRemoved":
             return BlockRemoved(
-                [_hash(h) for h in f["block_hashes"]], medium=_medium(f.get("medium"))
+                [_hash(h) for h in f["block_hashes"]], medium=from_vllm_medium(f.get("medium"))
             )
     except (KeyError, TypeError) as e:
         raise WireError(f"malformed {tag} event: {e}") from e

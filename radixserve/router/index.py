@@ -9,6 +9,13 @@ prompt is the number of leading block hashes it holds.
 - Exact: ``hash -> {worker: tiers}`` (a bit per medium: device, host, storage), fed by the
   workers' ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events. A per-worker set
   lets a dead worker's entries go in O(its entries).
+- Window-less: ``worker -> hashes`` of its device blocks without the sliding-window layers'
+  KV (the medium ``windowless_medium(W)``, ``kvevents/types.py``) and its ``W``. The engine
+  resumes a cached prefix only where the ``W - 1`` tokens before the resume point have that
+  KV, so ``resumable`` cuts a worker's match back the same way, block by block: to the start
+  of the last window-less block overlapping the ``W - 1`` tokens before the end, again until
+  none does. A worker that sent no such block is not cut. Mediums the index does not know
+  are skipped, never taken for the device.
 - Approximate: ``hash -> {worker: expiry}``, inserted when a request is routed (the worker is
   about to compute those blocks), until an event confirms or removes the block, or the entry
   expires. For workers that publish no events it is the only knowledge. Expiry is lazy on
@@ -25,7 +32,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from random import Random
 
-from radixserve.kvevents.types import MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE
+from radixserve.kvevents.types import MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE, medium_window
 
 TIER_BITS = {MEDIUM_DEVICE: 1, MEDIUM_HOST: 2, MEDIUM_STORAGE: 4}
 
@@ -38,10 +45,19 @@ class BlockIndex:
         self._approx_by_worker: dict[str, set[int]] = {}
         self._expiries: deque[tuple[float, int, str]] = deque()
         self.lower_tier_entries = 0  # exact entries not on the device: tier costs apply
+        self._windowless: dict[str, set[int]] = {}  # device blocks without window-layer KV
+        self._window: dict[str, int] = {}  # the window W of a worker's window-less blocks
 
     # ------------------------------------------------------------------ exact (events)
     def store(self, worker: str, hashes: Iterable[int], medium: str = MEDIUM_DEVICE) -> None:
-        bit = TIER_BITS.get(medium, 1)
+        window = medium_window(medium)
+        if window is not None:
+            self._window[worker] = window
+            self._windowless.setdefault(worker, set()).update(hashes)
+            return
+        bit = TIER_BITS.get(medium)
+        if bit is None:
+            return
         owned = self._exact_by_worker.setdefault(worker, set())
         approx = self._approx_by_worker.get(worker)
         for h in hashes:
@@ -54,7 +70,13 @@ class BlockIndex:
                 self._drop_approx(worker, h)
 
     def remove(self, worker: str, hashes: Iterable[int], medium: str = MEDIUM_DEVICE) -> None:
-        bit = TIER_BITS.get(medium, 1)
+        marks = self._windowless.get(worker)
+        if marks and (medium == MEDIUM_DEVICE or medium_window(medium) is not None):
+            hashes = list(hashes)  # a block leaving the device takes its window-less mark
+            marks.difference_update(hashes)
+        bit = TIER_BITS.get(medium)
+        if bit is None:
+            return
         owned = self._exact_by_worker.get(worker)
         approx = self._approx_by_worker.get(worker)
         for h in hashes:
@@ -85,6 +107,8 @@ class BlockIndex:
         for h in list(self._approx_by_worker.get(worker, ())):
             self._drop_approx(worker, h)
         self._approx_by_worker.pop(worker, None)
+        self._windowless.pop(worker, None)
+        self._window.pop(worker, None)
 
     def _count_lower(self, old: int, new: int) -> None:
         self.lower_tier_entries += (new > 1) - (old > 1)
@@ -183,6 +207,21 @@ class BlockIndex:
             else:
                 hi = mid - 1
         return lo
+
+    def resumable(self, worker: str, hashes: Sequence[int], blocks: int, block_size: int) -> int:
+        """Of the first ``blocks`` blocks of a prompt that ``worker`` holds, how many it can
+        resume from: the match cut back where a window-less block overlaps the ``W - 1``
+        tokens before its end (``block_size`` tokens per block)."""
+        marks = self._windowless.get(worker)
+        if not marks:
+            return blocks
+        reach = -(-(self._window[worker] - 1) // block_size)  # blocks in the W - 1 tokens
+        end, j = blocks, blocks - 1
+        while j >= 0 and j >= end - reach:
+            if hashes[j] in marks:
+                end = j
+            j -= 1
+        return end
 
     def tier_mask(self, worker: str, h: int) -> int:
         """The tiers an exact entry says ``worker`` holds ``h`` on (0: none known)."""

@@ -33,7 +33,9 @@ where many workers hold the prefix the candidates are drawn at random among them
 keep a popular prefix's holders taking turns instead of the same few taking everything.
 
 A request names its prompt by chained block hashes (``kvevents.hashing``) of ``block_size``
-tokens; ``prefill`` / ``decode`` sets (disaggregation) are separate policy objects.
+tokens; ``prefill`` / ``decode`` sets (disaggregation) are separate policy objects. A worker
+whose events name window-less blocks (a model with sliding-window layers) counts as holding
+only the part of a prefix it can resume from (``BlockIndex.resumable``).
 """
 
 from __future__ import annotations
@@ -369,6 +371,8 @@ class CacheAware(Policy):
         found = index.candidates(hashes, depth, now, cfg.candidates, self._rng) if depth else {}
         if lightest not in found:
             found[lightest] = index.depth_of(lightest, hashes, depth, now) if depth else 0
+        # a worker resumes only where the window before the end has its window layers' KV
+        found = {w: index.resumable(w, hashes, b, cfg.block_size) for w, b in found.items()}
         best, best_cost = lightest, None
         for worker, blocks in found.items():
             if worker in exclude or worker not in board:
