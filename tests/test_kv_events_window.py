@@ -200,6 +200,7 @@ def test_a_replayed_stream_cuts_matches_where_the_engine_does(page_size, block_s
     alloc = WindowedAllocator(capacity, page_size, capacity // 3, window)
     queue = KVEventQueue()
     cache = RadixCache(alloc, "lru", queue, event_block_size=block_size)
+    cache.set_turn_end_ids([2])  # paths are cut after it, and its windows kept longer
     policy = make_policy("cache-aware", PolicyConfig(block_size=block_size))
     policy.add_worker("w", has_events=True)
     mirror, on, seen = WindowMirror(window), True, []
