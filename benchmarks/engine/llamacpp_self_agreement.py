@@ -6,7 +6,8 @@ quantized model it rounds every matmul's input to int8 per block on each of them
 different ways. Its logits therefore depend on how a prompt is batched. This measures how
 much that moves its greedy output: two llama.cpp servers on the same GGUF file, one with its
 default micro-batch (512 tokens: a prompt in one micro-batch) and one with ``--ubatch``
-tokens (1: every prompt token through the one-row path, as decode steps are), each prompt
+tokens (1: every prompt token through the one-row path, as decode steps are; or any other
+llama.cpp flags with ``--second-args``), each prompt
 sent once to each, greedy, ``--new-tokens`` tokens, repetition penalty off
 (``radixserve/bench/agreement.py``: the 8 chat prompts, or 8 completion openers for a file
 without a chat template). With ``--radix`` radixserve serves it too, and every pair is
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--model", default="gemma3-270m", help="a .gguf file or known name")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--ubatch", type=int, default=1, help="the second server's micro-batch")
+    parser.add_argument("--second-args", default=None,
+                        help="the second server's llama.cpp flags instead of --ubatch's "
+                             "(e.g. '--flash-attn off --kv-type f32')")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--radix", action="store_true", help="radixserve serves the file too")
     parser.add_argument("--radix-args", default="", help="extra `radixserve serve` flags")
@@ -89,10 +93,10 @@ def main() -> None:
         radix_args=tuple(args.radix_args.split()), log_dir=Path(tempfile.mkdtemp()),
     )  # fmt: skip
     base = baselines.command("llamacpp", settings)
-    argvs = {
-        "llamacpp": base,
-        f"llamacpp:ubatch{args.ubatch}": lambda port: [*base(port), "--ubatch", str(args.ubatch)],
-    }
+    second = args.second_args.split() if args.second_args is not None else [
+        "--ubatch", str(args.ubatch)]  # fmt: skip
+    label = "-".join(a.lstrip("-") for a in second) or "same"
+    argvs = {"llamacpp": base, f"llamacpp:{label}": lambda port: [*base(port), *second]}
     if args.radix:
         argvs["radix"] = baselines.command("radix", settings)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)

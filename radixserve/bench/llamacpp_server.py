@@ -21,6 +21,9 @@ Settings, and why:
   prompt token through the one-token (decode) kernels, one micro-batch each: llama.cpp picks
   its matmul kernels by the number of rows, so on a quantized model its logits depend on it
   (``benchmarks/engine/llamacpp_self_agreement.py`` measures by how much).
+- ``--flash-attn`` (``auto``, ``on``, ``off``) and ``--kv-type`` (``f16``, ``f32``): its
+  attention kernel and KV cache type (defaults ``auto`` and ``f16``), to see which of its
+  numerics an answer depends on.
 """
 
 from __future__ import annotations
@@ -48,7 +51,14 @@ def build_params(args: argparse.Namespace):
     params.cpuparams_batch.n_threads = args.threads
     if args.ubatch is not None:
         params.n_ubatch = args.ubatch
+    params.flash_attn_type = getattr(xllamacpp.llama_flash_attn_type, FLASH_ATTN[args.flash_attn])
+    kv_type = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{args.kv_type.upper()}")
+    params.cache_type_k = params.cache_type_v = kv_type
     return params
+
+
+FLASH_ATTN = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
+              "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--ubatch", type=int, default=None,
                         help="prompt tokens per micro-batch (llama.cpp's n_ubatch)")  # fmt: skip
+    parser.add_argument("--flash-attn", choices=FLASH_ATTN, default="auto")
+    parser.add_argument("--kv-type", choices=("f16", "f32"), default="f16")
     args = parser.parse_args(argv)
     for name in ("port", "parallel", "ctx_per_slot", "threads", "ubatch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
