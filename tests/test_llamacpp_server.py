@@ -1,5 +1,5 @@
-"""The llama.cpp server wrapper's options: bad values are CLI errors, the micro-batch reaches
-llama.cpp's parameters."""
+"""The llama.cpp server wrapper's options: bad values are CLI errors, the micro-batch, the
+attention kernel and the KV type reach llama.cpp's parameters."""
 
 from __future__ import annotations
 
@@ -20,8 +20,31 @@ def test_a_value_below_one_is_an_error_naming_the_option(flag, capsys):
 
 def test_the_micro_batch_is_set_only_when_given():
     pytest.importorskip("xllamacpp")
-    args = argparse.Namespace(model="m.gguf", port=1, parallel=1, ctx_per_slot=64, threads=1,
-                              ubatch=None)  # fmt: skip
+    args = namespace()
     default = llamacpp_server.build_params(args).n_ubatch
     args.ubatch = 1
     assert llamacpp_server.build_params(args).n_ubatch == 1 != default
+
+
+def test_flash_attention_and_the_kv_type_reach_the_parameters():
+    xllamacpp = pytest.importorskip("xllamacpp")
+    params = llamacpp_server.build_params(namespace())
+    assert params.flash_attn_type == xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_AUTO
+    assert params.cache_type_k == params.cache_type_v == xllamacpp.ggml_type.GGML_TYPE_F16
+    params = llamacpp_server.build_params(namespace(flash_attn="off", kv_type="f32"))
+    off = xllamacpp.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    assert params.flash_attn_type == off
+    assert params.cache_type_k == params.cache_type_v == xllamacpp.ggml_type.GGML_TYPE_F32
+
+
+def test_an_unknown_kv_type_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        llamacpp_server.main(["--model", "m.gguf", "--port", "1", "--kv-type", "q9"])
+    assert "--kv-type" in capsys.readouterr().err
+
+
+def namespace(**changes) -> argparse.Namespace:
+    """The options as ``main`` parses them by default, with ``changes``."""
+    defaults = dict(model="m.gguf", port=1, parallel=1, ctx_per_slot=64, threads=1, ubatch=None,
+                    flash_attn="auto", kv_type="f16")  # fmt: skip
+    return argparse.Namespace(**{**defaults, **changes})
