@@ -12,7 +12,10 @@ import torch
 from storage_helpers import (
     LAYOUT,
     SCOPE,
+    WINDOW_LAYOUT,
+    WINDOW_SCOPE,
     can_mount,
+    check_window_round_trip,
     keys_for,
     random_pages,
     remount_read_only,
@@ -109,6 +112,18 @@ def test_restart_finds_pages_and_their_recency(tmp_path):
         os.utime(restarted._path(keys[i].hex()), (1e9 - age, 1e9 - age))
     smaller = FileBackend(tmp_path, SCOPE, capacity_bytes=2 * RECORD)
     assert page_files(smaller) == {keys[1].hex(), keys[3].hex()}
+
+
+def test_pages_with_and_without_window_kv_round_trip_with_their_flag(tmp_path):
+    check_window_round_trip(FileBackend(tmp_path, WINDOW_SCOPE))
+    sizes = sorted(p.stat().st_size for p in FileBackend(tmp_path, WINDOW_SCOPE).dir.rglob("*.kv"))
+    small = WINDOW_LAYOUT.record_nbytes - WINDOW_LAYOUT.payload_nbytes(True) // 4 * 3
+    assert sizes == [small] * 3 + [WINDOW_LAYOUT.record_nbytes] * 2  # a tombstone's: 1 layer
+    restarted = FileBackend(tmp_path, WINDOW_SCOPE)  # both sizes are pages, found again
+    assert restarted.stats().stored_pages == 5 and restarted.stats().corrupt_pages == 0
+    dst = TensorPages.empty(WINDOW_LAYOUT, 5)
+    assert restarted.get(keys_for(5, WINDOW_SCOPE), dst) == 5
+    assert dst.windows == [True, False, False, True, False]
 
 
 def test_reads_refresh_recency_on_disk(tmp_path):

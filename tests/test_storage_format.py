@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
-from storage_helpers import LAYOUT, SCOPE, keys_for, random_pages
+import xxhash
+from storage_helpers import LAYOUT, SCOPE, WINDOW_LAYOUT, WINDOW_SCOPE, keys_for, random_pages
 
 from radixserve.cache.kv_pool import KVShape
 from radixserve.cache.storage import (
@@ -37,7 +40,7 @@ def test_keys_are_stable_across_processes_and_releases():
     # A change here orphans every page already stored: bump FORMAT_VERSION instead.
     scope = StorageScope("SmolLM2-135M-Instruct", PageLayout(30, 3, 64, 16, "float32"))
     key = chain_page_keys(scope, None, list(range(16)))[0]
-    assert key.hex() == "27dd645029fc299239965c194b4d616d"
+    assert key.hex() == "7cd22c35fe0fc86c863296bcf94fce8a"
 
 
 def test_models_layouts_and_namespaces_never_share_keys():
@@ -79,8 +82,8 @@ def _record(key: bytes) -> bytearray:
 def test_check_page_accepts_exactly_the_page_asked_for():
     key = keys_for(1)[0]
     record = _record(key)
-    payload = check_page(LAYOUT, key, record)
-    assert bytes(payload) == bytes(random_pages(1).read_page(0))
+    payload, window = check_page(LAYOUT, key, record)
+    assert bytes(payload) == bytes(random_pages(1).read_page(0)) and window
     assert len(record) == HEADER_BYTES + LAYOUT.page_nbytes == LAYOUT.record_nbytes
 
 
@@ -108,6 +111,50 @@ def test_page_of_another_layout_is_refused():
     key = keys_for(1)[0]
     with pytest.raises(PageFormatError, match="layout"):
         check_page(other, key, bytes(_record(key)))
+
+
+def test_a_page_of_the_previous_format_is_refused():
+    """Version 1 had no window flag (every page had every layer): read as this version, its
+    payload would be misplaced by the header's size, so its version refuses it."""
+    key = keys_for(1)[0]
+    payload = bytes(random_pages(1).read_page(0))
+    old = struct.pack("<4sHH8s16sQQ", b"RXKV", 1, 48, LAYOUT.layout_id, key, len(payload),
+                      xxhash.xxh3_64_intdigest(payload))  # fmt: skip
+    with pytest.raises(PageFormatError, match="version 1"):
+        check_page(LAYOUT, key, old + payload)
+
+
+def test_window_flag_is_checked_against_the_layout_and_the_size():
+    key = keys_for(1, WINDOW_SCOPE)[0]
+    pages = random_pages(2, WINDOW_LAYOUT, windows=[True, False])
+    full, tombstone = (bytes(pages.read_page(i)) for i in range(2))
+    assert len(tombstone) == WINDOW_LAYOUT.payload_nbytes(False) == len(full) // 4
+    record = pack_header(WINDOW_LAYOUT, key, tombstone, window=False) + tombstone
+    payload, window = check_page(WINDOW_LAYOUT, key, record)
+    assert bytes(payload) == tombstone and not window
+    flipped = bytearray(record)
+    flipped[48] ^= 1  # says "every layer" over a payload of the global layer only
+    with pytest.raises(PageFormatError, match="wrong size"):
+        check_page(WINDOW_LAYOUT, key, bytes(flipped))
+    # a page of the same model whose layout names other window layers is another layout
+    other = PageLayout(4, 2, 8, 4, "float32", window_layers=(0, 1, 2))
+    with pytest.raises(PageFormatError, match="layout"):
+        check_page(other, key, record)
+    assert other.descriptor != WINDOW_LAYOUT.descriptor != LAYOUT.descriptor
+    # a layout without window layers has no page without them, written or read
+    with pytest.raises(ValueError, match="without window layers"):
+        pack_header(LAYOUT, key, bytes(LAYOUT.payload_nbytes(True) // 2), window=False)
+    plain = bytearray(_record(key))
+    plain[48] = 0
+    with pytest.raises(PageFormatError, match="flags"):
+        check_page(LAYOUT, key, bytes(plain))
+
+
+def test_window_layers_must_be_layers():
+    with pytest.raises(ValueError, match="window_layers"):
+        PageLayout(4, 2, 8, 4, "float32", window_layers=(1, 0))
+    with pytest.raises(ValueError, match="window_layers"):
+        PageLayout(4, 2, 8, 4, "float32", window_layers=(4,))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,14 @@ import time
 import pytest
 import redis
 import torch
-from storage_helpers import LAYOUT, SCOPE, keys_for, random_pages
+from storage_helpers import (
+    LAYOUT,
+    SCOPE,
+    WINDOW_SCOPE,
+    check_window_round_trip,
+    keys_for,
+    random_pages,
+)
 
 from radixserve.cache.storage import StorageScope, TensorPages, open_backend
 from radixserve.cache.storage.redis_backend import RedisBackend
@@ -52,6 +59,15 @@ def test_round_trip_is_bit_exact_and_one_read_is_one_mget(server, backend):
     assert torch.equal(dst.tensor, src.tensor)
     s = backend.stats()
     assert (s.pages_written, s.pages_read, s.bytes_read) == (6, 6, 6 * LAYOUT.record_nbytes)
+
+
+def test_pages_with_and_without_window_kv_round_trip_with_their_flag(server):
+    backend = open_backend(server.url, WINDOW_SCOPE)
+    try:
+        check_window_round_trip(backend)
+    finally:
+        backend.clear()
+        backend.close()
 
 
 def test_large_batches_are_split_by_bytes(server):

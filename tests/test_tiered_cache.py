@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -395,3 +396,34 @@ def test_storage_blocks_are_copied_on_an_io_thread_without_compute_threads():
     assert counts[0][1] == counts[0][0]  # no thread was started on its behalf
     assert torch.equal(host.data[4:8], host.data[0:4])
     assert not torch.equal(host.data[0:4], host.data[8:12])  # (the values differ by page)
+
+
+def test_pages_from_storage_hang_with_or_without_window_kv():
+    """A fetch's blocks with and without window KV hang as host nodes saying which; a match
+    never resumes where the window before it comes from one without; a host copy without
+    window KV is replaced by a fetched one with it."""
+    from radixserve.cache.window_pages import WindowedAllocator
+
+    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    window_layers=(0,))  # fmt: skip
+    alloc = WindowedAllocator(64, 4, window_slots=32, window=5)  # a window reads 4 back
+    pool = KVPool(shape, alloc.num_slots, window_map=alloc.window_map,
+                  window_slots=alloc.window_slots)  # fmt: skip
+    cache = TieredRadixCache(alloc, HostKVPool(pool, 128, 4), "write_back")
+    tokens = list(range(100, 124))  # blocks of 8: with, without, with window KV
+    window = np.repeat([True, False, True], 8)
+    host = cache.host
+    assert cache.attach_host(tokens, None, 0, host.alloc(24), window) == 24
+    cache.check_integrity(NO_HELD)
+    flags = [(len(n.key), n.host_window) for n, _ in cache.nodes()]
+    assert flags == [(8, True), (8, False), (8, True)]
+    # the window before 24 ([20, 24)) has its KV, the one before 16 ([12, 16)) has not
+    assert cache.match_prefix(tokens).total_len == 24
+    assert cache.match_prefix(tokens[:16]).total_len == 8
+    # the middle block again, with window KV: the copy without it is replaced, nothing added
+    before = host.allocator.free_size()
+    assert cache.attach_host(tokens[:16], None, 8, host.alloc(8), np.ones(8, bool)) == 0
+    assert [n.host_window for n, _ in cache.nodes()] == [True, True, True]
+    assert host.allocator.free_size() == before
+    assert cache.match_prefix(tokens[:16]).total_len == 16
+    cache.check_integrity(NO_HELD)

@@ -11,6 +11,8 @@ still reused prefixes, and pass ``check_integrity`` after every turn.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import save_tiny_hf_model
@@ -160,3 +162,81 @@ def test_a_prompt_longer_than_the_window_pool_is_admitted_and_served(make_engine
             done.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert {k: len(v) for k, v in done.items()} == {"long": 6, "short": 6}
     assert engine.stats().window.tombstoned_tokens > 0
+
+
+# ---------------------------------------------------------------------- the storage tier
+STORED = dict(max_total_tokens=256, page_size=16, host_kv_memory="1MiB",
+              kv_storage_block_tokens=16, storage_prefetch_min_tokens=16,
+              load_back_min_tokens=16, storage_prefetch_timeout=30)  # fmt: skip
+TURNS = dict(turns=3, convs=4)
+
+
+@pytest.fixture(scope="module")
+def uncached(gemma_loaded):
+    """What the model answers to the conversations with no cache at all."""
+    from radixserve.config import EngineConfig
+    from radixserve.engine import Engine
+
+    config = EngineConfig.from_options(load_progress=False, enable_prefix_caching=False,
+                                       max_total_tokens=1024)  # fmt: skip
+    return conversations(Engine(config, gemma_loaded), **TURNS)
+
+
+def test_a_storage_tier_keeps_the_window_layers_apart(make_engine, gemma_loaded, tmp_path):
+    from radixserve.engine.cache_setup import window_share
+
+    engine = make_engine(gemma_loaded, kv_storage=str(tmp_path), window_kv_share=0.25, **STORED)
+    assert window_share(engine.config, engine.pool.shape) == 0.25
+    assert engine.pool.windowed and engine.pool.k.shape[0] == 1  # the global layer only
+    assert engine.cache.storage.backend.layout.window_layers == (0, 1, 2, 3, 4, 6)
+    engine.close()
+
+
+def stored_blocks(engine) -> tuple[int, int]:
+    """Blocks in the engine's file store: with window KV, and without (a tombstone's)."""
+    backend = engine.cache.storage.backend
+    sizes = [p.stat().st_size for p in backend.dir.rglob("*.kv")]
+    full = sum(size == backend.layout.record_nbytes for size in sizes)
+    return full, len(sizes) - full
+
+
+@pytest.mark.parametrize(
+    "store, write_policy, share",
+    [("file", "write_through", 0.5), ("file", "write_back", 0.75), ("redis", "write_through", 0.5)],
+)
+def test_a_restarted_engine_answers_from_storage_with_the_uncached_output(
+    make_engine, gemma_loaded, uncached, tmp_path, monkeypatch, store, write_policy, share
+):
+    """Multi-turn conversations on an engine whose device pool (256 tokens) and host tier
+    (just larger) keep little, over a store; then on a fresh engine over the same store (a
+    restart), which fetches their turns from it: as blocks with window KV and (write_back:
+    a node is often a tombstone by the time it is evicted and copied) without it. Both give
+    the uncached model's output, and ``check_integrity`` passes after every turn."""
+    from radixserve.cache.storage.redis_server import RedisServer
+
+    with contextlib.ExitStack() as stack:
+        url = str(tmp_path)
+        if store == "redis":
+            url = stack.enter_context(RedisServer()).url
+        options = dict(kv_storage=url, window_kv_share=share, write_policy=write_policy)
+        first = make_engine(gemma_loaded, **options, **STORED)
+        assert first.pool.windowed
+        assert conversations(first, **TURNS) == uncached
+        first.close()  # drains the write-outs
+        second = make_engine(gemma_loaded, **options, **STORED)
+        attached = np.zeros(2, dtype=int)  # tokens hung from storage: with window KV, without
+        attach = second.cache.attach_host
+
+        def spy(tokens, namespace, start, slots, window):
+            attached[:] += (int(window.sum()), int((~window).sum()))
+            return attach(tokens, namespace, start, slots, window)
+
+        monkeypatch.setattr(second.cache, "attach_host", spy)
+        assert conversations(second, **TURNS) == uncached
+        stats = second.stats()
+        assert stats.cache.storage_hit_tokens > 0 and stats.window.tombstoned_tokens > 0
+        assert attached[0] > 0
+        if write_policy == "write_back":  # tombstones' copies were stored and came back
+            assert stored_blocks(second)[1] > 0 and attached[1] > 0
+        second.close()
+        second.check_integrity()

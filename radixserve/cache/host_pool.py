@@ -30,6 +30,7 @@ import torch
 
 from radixserve.cache.allocator import PagedAllocator
 from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.storage.page_format import stored_layers
 
 
 @dataclass
@@ -55,6 +56,8 @@ class HostKVPool:
         self.data = torch.empty(size, dtype=shape.dtype, pin_memory=cuda)
         self.raw = self.data.view(torch.uint8).numpy()  # the same memory as bytes, for I/O
         self.page_nbytes = self.data[0].numel() * self.data.element_size()
+        self._stored_layers = {w: stored_layers(shape.num_layers, shape.window_layers, w)
+                               for w in (True, False)}  # fmt: skip
         self._stream = torch.cuda.Stream(device_pool.device) if cuda else None
         self._stage = torch.empty(0, dtype=shape.dtype, pin_memory=cuda)
         self.stats = TransferStats()
@@ -116,10 +119,16 @@ class HostKVPool:
         """One page's bytes (every layer's K and V), a view: storage reads and writes it."""
         return memoryview(self.raw[page]).cast("B")
 
-    def pages(self, pages: list[int], per_block: int = 1) -> PageBatch | BlockBatch:
-        """Host pages as a storage backend reads and writes them: one stored page per host
-        page, or (``per_block > 1``) one stored block per ``per_block`` consecutive pages."""
-        return PageBatch(self, pages) if per_block == 1 else BlockBatch(self, pages, per_block)
+    def pages(self, pages: list[int], per_block: int = 1,
+              windows: list[bool] | None = None) -> BlockBatch:  # fmt: skip
+        """Host pages as a storage backend reads and writes them: one stored block per
+        ``per_block`` consecutive pages; ``windows``: per block, whether it has the window
+        layers' KV (``BlockBatch``)."""
+        return BlockBatch(self, pages, per_block, windows)
+
+    def stored_layers(self, window: bool) -> slice | np.ndarray:
+        """The layers of a page that a stored block holds: every one, or the global ones."""
+        return self._stored_layers[window]
 
     # ------------------------------------------------------------------ copies
     def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
@@ -220,38 +229,28 @@ class HostKVPool:
         self.allocator.check(cached_slots, torch.cat(held))
 
 
-class PageBatch:
-    """Host pages as a storage backend sees them (``storage.base.HostPages``): the j-th
-    buffer is page ``pages[j]`` of the pool, read and written in place."""
-
-    def __init__(self, pool: HostKVPool, pages: list[int]):
-        self.pool, self.page_ids = pool, pages
-        self.page_nbytes = pool.page_nbytes
-
-    def __len__(self) -> int:
-        return len(self.page_ids)
-
-    def read_page(self, i: int) -> memoryview:
-        return self.pool.page_buffer(self.page_ids[i])
-
-    def write_page(self, i: int, data: memoryview) -> None:
-        self.pool.page_buffer(self.page_ids[i])[:] = memoryview(data).cast("B")
-
-
 class BlockBatch:
     """Host pages grouped into storage blocks (``storage.base.HostPages``): block j is pages
     ``pages[j * k : (j + 1) * k]``, its tokens theirs in order, its payload in the layer-major
     layout of a page of ``k * page_size`` tokens (``page_format``). So a block is the same
-    bytes whatever the host page size that wrote it. Reading or writing one copies it, with
-    numpy: storage I/O threads call these, and a torch operation there would start a second
-    OpenMP team beside the forward pass's, which then wakes its workers from sleep at every
-    operation (twice the time per step on two cores, far more on a busy machine)."""
+    bytes whatever the host page size that wrote it. ``windows``: per block, whether it holds
+    the window layers' KV (False: it is stored with the global layers only; default: every
+    block has it); reading a block back sets its flag as stored.
 
-    def __init__(self, pool: HostKVPool, pages: list[int], per_block: int):
+    A block of one page with every layer is read in place; any other read or write copies,
+    with numpy: storage I/O threads call these, and a torch operation there would start a
+    second OpenMP team beside the forward pass's, which then wakes its workers from sleep at
+    every operation (twice the time per step on two cores, far more on a busy machine)."""
+
+    def __init__(self, pool: HostKVPool, pages: list[int], per_block: int,
+                 windows: list[bool] | None = None):  # fmt: skip
         if len(pages) % per_block:
             raise ValueError(f"{len(pages)} pages do not make whole blocks of {per_block}")
         self.pool, self.page_ids, self.per_block = pool, pages, per_block
         self.page_nbytes = pool.page_nbytes * per_block
+        self.windows = [True] * len(self) if windows is None else list(windows)
+        if len(self.windows) != len(self):
+            raise ValueError(f"{len(self.windows)} window flags for {len(self)} blocks")
 
     def __len__(self) -> int:
         return len(self.page_ids) // self.per_block
@@ -260,13 +259,24 @@ class BlockBatch:
         k = self.per_block
         return self.page_ids[i * k : (i + 1) * k]
 
+    def has_window(self, i: int) -> bool:
+        return self.windows[i]
+
     def read_page(self, i: int) -> memoryview:
-        block = self.pool.raw[self._ids(i)]  # [k, layers, 2, heads, page, dim bytes]
+        ids, window = self._ids(i), self.windows[i]
+        if self.per_block == 1 and window:
+            return self.pool.page_buffer(ids[0])
+        block = self.pool.raw[ids][:, self.pool.stored_layers(window)]  # [k, layers, ...]
         block = np.ascontiguousarray(block.transpose(1, 2, 3, 0, 4, 5))  # k pages: one page
         return memoryview(block).cast("B")
 
-    def write_page(self, i: int, data: memoryview) -> None:
-        _, layers, two, heads, page, row = self.pool.raw.shape
+    def write_page(self, i: int, data: memoryview, window: bool = True) -> None:
+        _, _, two, heads, page, row = self.pool.raw.shape
         raw = np.frombuffer(data, dtype=np.uint8)
-        block = raw.reshape(layers, two, heads, self.per_block, page, row)
-        self.pool.raw[self._ids(i)] = block.transpose(3, 0, 1, 2, 4, 5)
+        block = raw.reshape(-1, two, heads, self.per_block, page, row).transpose(3, 0, 1, 2, 4, 5)
+        ids = self._ids(i)
+        if window:
+            self.pool.raw[ids] = block
+        else:  # the window layers' rows are left as they were: nothing reads them
+            self.pool.raw[np.ix_(ids, self.pool.stored_layers(False))] = block
+        self.windows[i] = window

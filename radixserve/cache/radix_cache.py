@@ -388,24 +388,8 @@ class RadixCache(PrefixCache):
         self, token_ids: TokenIds, namespace: Namespace = None, record_stats: bool = True
     ) -> MatchResult:
         key = as_token_array(token_ids)
-        node = self._roots.get(namespace)
-        path: list[TreeNode] = []
+        path, node = self._walk(key, namespace)
         if node is not None:
-            end = len(key) - len(key) % self.page_size
-            matched = 0
-            while matched < end:
-                child = node.children.get(self._child_key(key[matched:]))
-                if child is None:
-                    break
-                n = self._match_len(child.key, key[matched:end])
-                edge_len = len(child.key)
-                if n < edge_len:
-                    child = self._split(child, n)
-                path.append(child)
-                matched += n
-                node = child
-                if n < edge_len:
-                    break
             if self.windows is not None:
                 path, node = self._usable_path(path, node)
             self._touch(node)
@@ -413,6 +397,31 @@ class RadixCache(PrefixCache):
         if record_stats:
             self.record_hit(result.handle, len(key), result.device_len)
         return result
+
+    def _walk(self, key: np.ndarray, namespace: Namespace) -> tuple[list[TreeNode], Any]:
+        """The nodes matching ``key``'s whole pages from the root down, the last split where
+        the match ends inside it, and the node the match ends in (the root for none; None
+        without a root for ``namespace``)."""
+        node = self._roots.get(namespace)
+        path: list[TreeNode] = []
+        if node is None:
+            return path, node
+        end = len(key) - len(key) % self.page_size
+        matched = 0
+        while matched < end:
+            child = node.children.get(self._child_key(key[matched:]))
+            if child is None:
+                break
+            n = self._match_len(child.key, key[matched:end])
+            edge_len = len(child.key)
+            if n < edge_len:
+                child = self._split(child, n)
+            path.append(child)
+            matched += n
+            node = child
+            if n < edge_len:
+                break
+        return path, node
 
     def _usable_path(self, path: list[TreeNode], last: TreeNode) -> tuple[list[TreeNode], TreeNode]:
         """``path`` cut back to the longest prefix whose window KV allows resuming there
@@ -676,32 +685,58 @@ class RadixCache(PrefixCache):
         self._host_leaves.add(node)  # a leaf now, whatever the heap says
         self._delete_host_leaf(node)
 
-    def attach_host(
-        self, token_ids: TokenIds, namespace: Namespace, start: int, host_slots: torch.Tensor
-    ) -> int:
+    def attach_host(self, token_ids: TokenIds, namespace: Namespace, start: int,
+                    host_slots: torch.Tensor, window: np.ndarray | None = None) -> int:  # fmt: skip
         """Hang pages fetched into ``host_slots`` (tokens ``[start, start + len)``) below the
         cached prefix ``[0, start)``; the tree takes the new ones, the rest are freed. Returns
-        the tokens added (0 if the prefix is no longer cached)."""
+        the tokens added (0 if the prefix is no longer cached).
+
+        ``window``: per token, whether its fetched KV has the window layers' (default: all
+        do). Each run of equal flags becomes a node of its own (``host_window``), and a
+        host-only node whose copy lacks that KV takes the fetched copy that has it."""
         key = as_token_array(token_ids)[: start + len(host_slots)]
-        match = self.match_prefix(key, namespace, record_stats=False)
-        pos = match.total_len
-        if pos < start or pos == len(key):
+        if window is None:
+            window = np.ones(len(host_slots), dtype=bool)
+        path, last = self._walk(key, namespace)  # the whole path: tombstones too
+        self._touch(last)
+        pos = last.depth if last is not None else 0
+        if pos < start:
             self.controller.free_host(host_slots)
             return 0
-        self.controller.free_host(host_slots[: pos - start])  # cached meanwhile: duplicates
-        parent = match.lower_handle or match.handle or self._root(namespace)
-        leaf = self._new_node(parent, key[pos:].copy(), None, parent.namespace)
-        leaf.host_value = host_slots[pos - start :].to(torch.int64, copy=True)
-        leaf.last_access = self._clock
-        leaf.depth = parent.depth + len(leaf.key)
-        parent.children[self._child_key(leaf.key)] = leaf
+        taken = torch.zeros(len(host_slots), dtype=torch.bool)
+        for node in path:  # cached meanwhile: duplicates, unless they bring the window KV
+            a, b = node.depth - len(node.key) - start, node.depth - start
+            if a >= 0 and node.value is None and not node.host_window and window[a:b].all():
+                self.controller.free_host(node.host_value)
+                node.host_value = host_slots[a:b].to(torch.int64, copy=True)
+                node.host_window = taken[a:b] = True
+        dup = pos - start
+        self.controller.free_host(host_slots[:dup][~taken[:dup]])
+        if pos == len(key):
+            return 0
+        parent = last if last is not None else self._root(namespace)
+        rest = window[dup:]
+        cuts = [0, *(np.flatnonzero(rest[1:] != rest[:-1]) + 1).tolist(), len(rest)]
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            parent = self._add_host_node(parent, key[pos + a : pos + b].copy(),
+                                         host_slots[dup + a : dup + b], bool(rest[a]))  # fmt: skip
+        self._mark_host_leaf(parent)
+        return len(key) - pos
+
+    def _add_host_node(self, parent: TreeNode, key: np.ndarray, slots: torch.Tensor,
+                       window: bool) -> TreeNode:  # fmt: skip
+        node = self._new_node(parent, key, None, parent.namespace)
+        node.host_value = slots.to(torch.int64, copy=True)
+        node.host_window = window
+        node.last_access = self._clock
+        node.depth = parent.depth + len(key)
+        parent.children[self._child_key(key)] = node
         if self.events is not None:
-            self._hasher.hash_node(leaf)  # a new node: its blocks are named here
-        self._event(BlockStored, leaf, MEDIUM_HOST)
-        self._host_size += len(leaf.key)
+            self._hasher.hash_node(node)  # a new node: its blocks are named here
+        self._event(BlockStored, node, MEDIUM_HOST)
+        self._host_size += len(key)
         self._host_leaves.discard(parent)
-        self._mark_host_leaf(leaf)
-        return len(leaf.key)
+        return node
 
     @contextmanager
     def pinned(self, match: MatchResult):

@@ -11,7 +11,9 @@ meanwhile (freeing one defers until ``io_end``), and the pages allocated for a f
 by its ``Prefetch`` until ``poll`` hands them back to the controller.
 
 - Blocks: the store keeps KV in blocks of ``block_tokens`` (whole host pages, any number),
-  one key each, so a small page size does not mean one file or key per page.
+  one key each, so a small page size does not mean one file or key per page. For a model
+  with sliding-window layers a block carries one flag: whether it holds their KV (the
+  writer says which; a fetch reports what was stored, ``Fetched.windows``).
 - Write-out: with more than ``max_pending_pages`` waiting, a write-out is skipped and
   counted: a step never waits for storage.
 - Prefetch: ``lookup`` asks the reader how many of a prefetch's pages storage holds; ``poll``
@@ -79,12 +81,13 @@ class Prefetch:
 
 @dataclass
 class Fetched:
-    """A finished fetch: ``num_pages`` pages read into the first slots of ``host_slots`` (the
-    controller owns all of ``host_slots`` now)."""
+    """A finished fetch: the blocks read into the first slots of ``host_slots``, one flag each
+    in ``windows`` (whether it holds the window layers' KV); the controller owns all of
+    ``host_slots`` now."""
 
     prefetch: Prefetch
     host_slots: torch.Tensor
-    num_pages: int
+    windows: list[bool]
 
 
 class StorageIO:
@@ -119,17 +122,18 @@ class StorageIO:
             t.start()
 
     # ------------------------------------------------------------------ main thread
-    def write(self, keys: list[bytes], host_slots: torch.Tensor,
+    def write(self, keys: list[bytes], host_slots: torch.Tensor, windows: list[bool],
               on_done: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """Write these host slots out as blocks under ``keys`` (one per block), asynchronously;
-        ``on_done(leading blocks now in the store)`` in poll."""
+        """Write these host slots out as blocks under ``keys`` (one per block; ``windows``:
+        whether each holds the window layers' KV), asynchronously; ``on_done(leading blocks
+        now in the store)`` in poll."""
         pages = self.host.pages_of(host_slots).tolist()
         if self._pending_pages + len(pages) > self.max_pending_pages:
             self.stats.storage_write_skipped_pages += len(pages)
             return
         self._pending_pages += len(pages)
         self.host.io_begin(pages)
-        self._writes.put(("write", keys, pages, on_done))
+        self._writes.put(("write", keys, pages, windows, on_done))
 
     def lookup(self, token_ids: np.ndarray, namespace: Namespace, start: int,
                keys: list[bytes]) -> Prefetch:  # fmt: skip
@@ -196,26 +200,31 @@ class StorageIO:
         self.host.io_begin(pages)
         self._read(("fetch", p, pages))
 
-    def _on_fetched(self, p: Prefetch, pages: list[int], num_read: int) -> Fetched:
+    def _on_fetched(self, p: Prefetch, pages: list[int], windows: list[bool]) -> Fetched:
         self.host.io_end(pages)
         slots, p.host_slots = p.host_slots, None
         del self._held[id(p)]
-        self.stats.pages_from_storage += num_read * self.per_block
-        self.stats.bytes_from_storage += num_read * self.per_block * self.host.page_nbytes
+        self.stats.pages_from_storage += len(windows) * self.per_block
+        self.stats.bytes_from_storage += self._payload_bytes(windows)
         p.done = True
-        return Fetched(p, slots, num_read)
+        return Fetched(p, slots, windows)
 
-    def _on_written(self, pages: list[int], present: int, sent: int, on_done) -> None:
+    def _on_written(self, pages: list[int], present: int, sent: list[bool], on_done) -> None:
         self.host.io_end(pages)
         self._pending_pages -= len(pages)
-        self.stats.pages_to_storage += sent * self.per_block
-        self.stats.bytes_to_storage += sent * self.per_block * self.host.page_nbytes
+        self.stats.pages_to_storage += len(sent) * self.per_block
+        self.stats.bytes_to_storage += self._payload_bytes(sent)
+        sent = len(sent)
         if on_done is not None and present + sent:
             on_done(present + sent)
 
     def _on_cleared(self, done: threading.Event, result: ClearResult) -> None:
         self._cleared = result
         done.set()
+
+    def _payload_bytes(self, windows: list[bool]) -> int:
+        layout = self.backend.layout
+        return sum(layout.payload_nbytes(w) for w in windows)
 
     def held_host_slots(self) -> torch.Tensor:
         return torch.cat(list(self._held.values())) if self._held else EMPTY_INDICES
@@ -262,13 +271,15 @@ class StorageIO:
         if kind == "fetch":
             p, pages = job[1], job[2]
             blocks = self.host.pages(pages, self.per_block)
-            return ("fetched", p, pages, self.backend.get(p.keys[: len(blocks)], blocks))
+            got = self.backend.get(p.keys[: len(blocks)], blocks)
+            return ("fetched", p, pages, blocks.windows[:got])
         if kind == "write":  # blocks stored already (another instance's) are not sent again
-            _, keys, pages, on_done = job
+            _, keys, pages, windows, on_done = job
             present = self.backend.exists(keys, writing=True)
-            rest = self.host.pages(pages[present * self.per_block :], self.per_block)
+            rest = self.host.pages(pages[present * self.per_block :], self.per_block,
+                                   windows[present:])  # fmt: skip
             sent = self.backend.set(keys[present:], rest)
-            return ("written", pages, present, sent, on_done)
+            return ("written", pages, present, windows[present : present + sent], on_done)
         return ("cleared", job[1], self.backend.clear())
 
     @staticmethod
@@ -277,7 +288,7 @@ class StorageIO:
         if kind == "lookup":
             return ("found", job[1], 0)
         if kind == "fetch":
-            return ("fetched", job[1], job[2], 0)
+            return ("fetched", job[1], job[2], [])
         if kind == "write":
-            return ("written", job[2], 0, 0, job[3])
+            return ("written", job[2], 0, [], job[4])
         return ("cleared", job[1], ClearResult(False, "the KV store failed; see the log"))

@@ -24,7 +24,15 @@ saves what it can. Storage keeps KV in blocks of a fixed number of tokens (64 by
 whatever the page size), keyed by chained hashes from the root: when a node is copied to the
 host, the blocks whose last token is in it are written out; ``start_prefetch`` asks storage
 for the blocks past a waiting request's cached prefix, and ``poll`` hangs what arrived below
-that prefix.
+that prefix. A block already stored is not written again, whatever it holds.
+
+Sliding-window layers kept apart (``window_tree.py``): a block is stored with their KV only
+when every token in it has that KV in its host copy, else with the global layers only
+(``storage.page_format`` explains the choice); blocks read back hang as host nodes whose
+``host_window`` says what was stored, so a match never resumes where the window before it
+would come from a block without it. A tree that keeps every layer in one pool takes the
+leading blocks with window KV only (another instance sharing the store may have written
+blocks without it).
 """
 
 from __future__ import annotations
@@ -217,15 +225,17 @@ class TierController:
             if lo >= hi:
                 return
             path = self._path_to(node, lo)
-        tokens, slots = path
+        tokens, slots, window = path
         keys = chain_page_keys(self._scope, None, tokens[:hi], node.namespace)[lo // b :]
-        self.storage.write(keys, slots[: hi - lo], self._on_stored(node, lo))
+        windows = window[: hi - lo].reshape(-1, b).all(axis=1).tolist()  # one flag a block
+        self.storage.write(keys, slots[: hi - lo], windows, self._on_stored(node, lo))
 
     @staticmethod
-    def _path_to(node: TreeNode, lo: int) -> tuple[np.ndarray, torch.Tensor] | None:
+    def _path_to(node: TreeNode, lo: int) -> tuple[np.ndarray, torch.Tensor, np.ndarray] | None:
         """Every token from the root to the end of ``node``, and the host slots of those from
-        ``lo`` on (None: a node there has no host copy)."""
-        keys, slots, n = [], [], node
+        ``lo`` on with whether each host copy has the window layers' KV (None: a node there
+        has no host copy)."""
+        keys, slots, window, n = [], [], [], node
         while n.parent is not None:
             keys.append(n.key)
             if n.depth > lo:
@@ -233,8 +243,9 @@ class TierController:
                     return None
                 cut = max(0, lo - (n.depth - len(n.key)))
                 slots.append(n.host_value[cut:])
+                window.append(np.full(len(n.key) - cut, n.host_window))
             n = n.parent
-        return np.concatenate(keys[::-1]), torch.cat(slots[::-1])
+        return np.concatenate(keys[::-1]), torch.cat(slots[::-1]), np.concatenate(window[::-1])
 
     def _on_stored(self, node: TreeNode, lo: int):
         """A callback that reports (as KV events) the node's event blocks that lie in storage
@@ -291,11 +302,16 @@ class TierController:
         self._attach(fetched)
 
     def _attach(self, fetched: list[Fetched]) -> None:
+        b = self.storage.block_tokens
         for f in fetched:
-            p, got = f.prefetch, f.num_pages * self.storage.block_tokens
+            windows = f.windows
+            if self.tree.windows is None and not all(windows):  # one pool: full blocks only
+                windows = windows[: windows.index(False)]
+            p, got = f.prefetch, len(windows) * b
             if got:
                 tokens, slots = p.token_ids[: p.start + got], f.host_slots[:got]
-                added = self.tree.attach_host(tokens, p.namespace, p.start, slots)
+                window = np.repeat(np.array(windows, dtype=bool), b)
+                added = self.tree.attach_host(tokens, p.namespace, p.start, slots, window)
                 p.fetched = (p.start + got - added, p.start + got)
             self.host.free(f.host_slots[got:])
 

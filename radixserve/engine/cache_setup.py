@@ -3,7 +3,7 @@ hierarchy.
 
 - a model with sliding-window layers keeps their KV in a pool of its own, sized by
   ``window_kv_share`` (``window_pages.py``, ``window_tree.py``), unless a feature that moves
-  every layer's KV of a slot is on;
+  every layer's KV of a slot is on (``window_share``);
 
 - ``enable_prefix_caching=False``: ``NullCache`` (the A/B baseline);
 - by default: ``RadixCache`` over the device pool;
@@ -72,14 +72,13 @@ def build_allocator(config: EngineConfig, num_slots: int, window: int,
 def window_share(config: EngineConfig, shape: KVShape) -> float:
     """The share of the slots whose sliding-window layers' KV is kept, in a pool of its own
     (``window_kv_share``); 0: one pool for every layer. One pool without window layers or
-    with the prefix cache off (nothing would be dropped), and with a storage tier,
-    disaggregation or a GPU's host tier, which move every layer's KV of a slot whole (at the
-    memory cost of all layers)."""
+    with the prefix cache off (nothing would be dropped), and with disaggregation or a GPU's
+    host tier (a storage tier brings one), which move every layer's KV of a slot whole (at
+    the memory cost of all layers)."""
     if not shape.window_layers or not config.cache.window_kv_share:
         return 0.0
     gpu = torch.device(config.device).type != "cpu"
     others = [name for name, on in (
-        ("the storage tier", config.tiers.kv_storage is not None),
         ("the host tier on a GPU", gpu and is_tiered(config)),
         ("disaggregation", config.disagg.disaggregation_mode != "off"),
     ) if on]  # fmt: skip

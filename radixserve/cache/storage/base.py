@@ -7,10 +7,12 @@ buffer for the j-th key. Contracts:
 * ``exists(keys, writing=False)`` -> how many LEADING keys are stored (stops at the first
   miss); ``writing``: the lookup is the first half of a write-out, so its failure is one.
 * ``get(keys, pages)`` -> how many leading pages were read whole and valid into ``pages``;
-  page j < result holds the stored bytes of ``keys[j]``, pages from the result on are
-  unspecified. A corrupt, truncated or foreign page is refused, counted and deleted.
+  page j < result holds the stored bytes of ``keys[j]`` (with or without window KV, as
+  stored: ``HostPages.has_window``), pages from the result on are unspecified. A corrupt,
+  truncated or foreign page is refused, counted and deleted.
 * ``set(keys, pages)`` -> how many leading pages are now stored (a page already present
-  counts). It stops at the first failure: a page after a gap could never be matched.
+  counts, whatever it holds). It stops at the first failure: a page after a gap could never
+  be matched.
 * ``clear()`` deletes this scope's pages (one model and layout), nothing else in the store,
   and returns a ``ClearResult``: ``cleared`` only when none of them is left.
 * ``stats()`` -> a ``StorageStats`` snapshot.
@@ -37,57 +39,80 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from radixserve.cache.storage.keys import StorageScope
-from radixserve.cache.storage.page_format import PageLayout
+from radixserve.cache.storage.page_format import PageLayout, stored_layers
 
 
 @runtime_checkable
 class HostPages(Protocol):
     """A batch of page buffers in host memory; the host pool implements it.
 
-    Each page's payload is ``page_nbytes`` bytes in the layout of ``page_format`` (layer-major
-    ``[num_layers, 2, num_kv_heads, page_size, head_dim]`` in the KV dtype).
+    Each page holds ``page_nbytes`` bytes in the layout of ``page_format`` (layer-major
+    ``[num_layers, 2, num_kv_heads, page_size, head_dim]`` in the KV dtype). A page of a
+    model with sliding-window layers may lack their KV (``has_window`` False): it is stored,
+    and read back, with its global layers only.
     """
 
     page_nbytes: int
 
     def __len__(self) -> int: ...
 
-    def read_page(self, i: int) -> memoryview:
-        """Page i's payload, C-contiguous (a view is best: the backend copies it once)."""
+    def has_window(self, i: int) -> bool:
+        """Whether page i holds the window layers' KV (always, for a model without them)."""
         ...
 
-    def write_page(self, i: int, data: memoryview) -> None:
-        """Store ``data`` (``page_nbytes`` bytes) as page i's payload."""
+    def read_page(self, i: int) -> memoryview:
+        """Page i's payload as it is stored, C-contiguous: every layer, or the global ones
+        where ``has_window(i)`` is False (a view is best: the backend copies it once)."""
+        ...
+
+    def write_page(self, i: int, data: memoryview, window: bool = True) -> None:
+        """Store ``data`` as page i: every layer's KV (``page_nbytes`` bytes), or (``window``
+        False) the global layers' only; ``has_window(i)`` says which from then on."""
         ...
 
 
 class TensorPages:
     """``HostPages`` over a CPU tensor ``[num_pages, num_layers, 2, kv_heads, page_size,
-    head_dim]``: the reference implementation, used by tests and the benchmark."""
+    head_dim]``: the reference implementation, used by tests and the benchmark.
+    ``window_layers``: the model's sliding-window layers; ``windows``: per page, whether it
+    holds their KV (default: every page does)."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, window_layers: tuple[int, ...] = (),
+                 windows: list[bool] | None = None):  # fmt: skip
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dim() != 6:
             raise ValueError("TensorPages needs a contiguous 6-D CPU tensor")
         self.tensor = tensor
-        self._bytes = tensor.view(tensor.shape[0], -1).view(torch.uint8).numpy()
-        self.page_nbytes = self._bytes.shape[1]
+        self._bytes = tensor.view(tensor.shape[0], tensor.shape[1], -1).view(torch.uint8).numpy()
+        self.page_nbytes = self._bytes[0].size
+        self.window_layers = window_layers
+        self.windows = [True] * len(tensor) if windows is None else list(windows)
 
     @classmethod
     def empty(cls, layout: PageLayout, num_pages: int) -> TensorPages:
         shape = (num_pages, *layout.page_shape)
-        return cls(torch.zeros(shape, dtype=layout.torch_dtype))
+        return cls(torch.zeros(shape, dtype=layout.torch_dtype), layout.window_layers)
 
     def __len__(self) -> int:
         return self._bytes.shape[0]
 
-    def read_page(self, i: int) -> memoryview:
-        return memoryview(self._bytes[i])
+    def has_window(self, i: int) -> bool:
+        return self.windows[i]
 
-    def write_page(self, i: int, data: memoryview) -> None:
-        self._bytes[i] = memoryview(data).cast("B")
+    def read_page(self, i: int) -> memoryview:
+        if self.windows[i]:
+            return memoryview(self._bytes[i]).cast("B")
+        layers = stored_layers(len(self._bytes[i]), self.window_layers, False)
+        return memoryview(np.ascontiguousarray(self._bytes[i][layers])).cast("B")
+
+    def write_page(self, i: int, data: memoryview, window: bool = True) -> None:
+        page = self._bytes[i]
+        layers = stored_layers(len(page), self.window_layers, window)
+        page[layers] = np.frombuffer(data, dtype=np.uint8).reshape(-1, page.shape[1])
+        self.windows[i] = window
 
 
 @dataclass(frozen=True)

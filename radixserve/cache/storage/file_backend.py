@@ -46,7 +46,8 @@ class FileBackend(StorageBackend):
         self.dir = self.root / scope.tag
         self._dirname = str(self.dir)
         self.capacity_bytes = capacity_bytes
-        self._record = record
+        self._record = record  # the largest record; a page without window KV is smaller
+        self._sizes = self.layout.record_sizes
         self._lru: OrderedDict[str, int] = OrderedDict()  # key hex -> file size, oldest first
         self._used = 0
         self._lock = threading.Lock()
@@ -75,7 +76,7 @@ class FileBackend(StorageBackend):
                     if now - st.st_mtime > STALE_TMP_SECONDS:
                         _unlink(entry.path)
                 elif entry.name.endswith(SUFFIX) and entry.name[:2] == sub.name:
-                    if st.st_size == self._record:
+                    if st.st_size in self._sizes:
                         found.append((st.st_mtime, entry.name[: -len(SUFFIX)], st.st_size))
                     else:  # torn by a crash, or another layout: never readable
                         _unlink(entry.path)
@@ -105,13 +106,13 @@ class FileBackend(StorageBackend):
         self._check_batch(keys, pages)
         buf = bytearray(self._record)
         view = memoryview(buf)
-        n = 0
+        n = nbytes = 0
         for key in keys:
             hexkey = key.hex()
             path = self._path(hexkey)
             try:
                 got = self._read(path, view)
-                payload = check_page(self.layout, key, view[:got])
+                payload, window = check_page(self.layout, key, view[:got])
             except FileNotFoundError:
                 self._forget(hexkey)
                 self._count(get_misses=1)
@@ -126,7 +127,8 @@ class FileBackend(StorageBackend):
                 self._warn("read", f"could not read KV page file {path}: {e}")
                 self._count(read_errors=1)
                 break
-            pages.write_page(n, payload)
+            pages.write_page(n, payload, window)
+            nbytes += got
             with self._lock:
                 known = hexkey in self._lru
                 if known:
@@ -134,23 +136,25 @@ class FileBackend(StorageBackend):
             if not known:
                 self._adopt(hexkey)
             n += 1
-        self._count(pages_read=n, bytes_read=n * self._record)
+        self._count(pages_read=n, bytes_read=nbytes)
         return n
 
     def set(self, keys: Sequence[bytes], pages: HostPages) -> int:
         self._check_batch(keys, pages)
-        n = written = 0
+        n = written = nbytes = 0
         for key in keys:
             hexkey = key.hex()
             with self._lock:
                 present = hexkey in self._lru
             if not present:
-                if not self._write(key, hexkey, pages.read_page(n)):
+                size = self._write(key, hexkey, pages.read_page(n), pages.has_window(n))
+                if not size:
                     break
                 written += 1
+                nbytes += size
                 self._adopt(hexkey)  # (unless a concurrent clear() has deleted it already)
             n += 1
-        self._count(pages_written=written, bytes_written=written * self._record)
+        self._count(pages_written=written, bytes_written=nbytes)
         return n
 
     def clear(self) -> ClearResult:
@@ -204,11 +208,14 @@ class FileBackend(StorageBackend):
         return Path(self._dirname, hexkey[:2], hexkey + SUFFIX)
 
     def _read(self, path: Path, view: memoryview) -> int:
-        """Read a whole page file into ``view``; returns its size (checked by the caller)."""
+        """Read a whole page file into ``view`` (room for the largest record); returns its
+        size (its contents are checked by the caller)."""
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            if size != len(view):
-                raise PageFormatError(f"file of {size} bytes, a page record is {len(view)}")
+            if size not in self._sizes:
+                raise PageFormatError(
+                    f"file of {size} bytes, a page record is one of {sorted(self._sizes)}"
+                )
             got = 0
             while got < size:
                 n = f.readinto(view[got:])
@@ -221,23 +228,24 @@ class FileBackend(StorageBackend):
                 pass  # a read-only store still serves pages
         return got
 
-    def _write(self, key: bytes, hexkey: str, payload) -> bool:
+    def _write(self, key: bytes, hexkey: str, payload, window: bool) -> int:
+        """Store one page; its record's size, or 0 when it failed."""
         path = self._path(hexkey)
         tmp = path.with_name(f".{hexkey}.{os.getpid()}.{threading.get_ident()}.tmp")
-        header = pack_header(self.layout, key, payload)
+        header = pack_header(self.layout, key, payload, window)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb", buffering=0) as f:
                 _write_all(f, header)
                 _write_all(f, payload)
             os.replace(tmp, path)
-            return True
+            return len(header) + memoryview(payload).nbytes
         except OSError as e:
             _unlink(tmp)
             kind = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "write failed"
             self._warn(kind, f"KV page not stored in {self.dir} ({kind}: {e})")
             self._count(write_errors=1)
-            return False
+            return 0
 
     def _adopt(self, hexkey: str) -> bool:
         """Index a page file that is on disk now (and evict past the cap); False if none.
@@ -253,7 +261,7 @@ class FileBackend(StorageBackend):
                 size = self._path(hexkey).stat().st_size
             except OSError:
                 return False
-            if size != self._record:
+            if size not in self._sizes:
                 return False
             self._lru[hexkey] = size
             self._used += size

@@ -1,19 +1,35 @@
-"""The byte layout of one stored KV page: a 48-byte header, then the payload.
+"""The byte layout of one stored KV page (a storage block): a 56-byte header, then the payload.
 
-The payload is one page of KV for every layer, C-contiguous, in the KV dtype::
+The payload is one page of KV, C-contiguous, in the KV dtype::
 
-    [num_layers, 2 (K then V), num_kv_heads, page_size, head_dim]
+    [layers, 2 (K then V), num_kv_heads, page_size, head_dim]
 
-Layer-major, so a loader can hand a page to the device layer by layer. The header (little
-endian) lets a reader refuse anything that is not exactly the page it asked for::
+Layer-major, so a loader can hand a page to the device layer by layer. ``layers`` is every
+layer of the model, in order, or, for a model with sliding-window layers
+(``PageLayout.window_layers``), possibly its global layers only: a page written from a host
+copy of a tombstone (a node whose window layers' KV was dropped) has no window KV to store.
+The header's flag says which (``window``).
+
+A page carries one flag, so a storage block is stored with window KV only when every token
+in it has that KV in its host copy; a block spanning a node with window KV and a tombstone's
+copy is stored with its global layers only (its window part does not reach storage), and
+reads back as a tombstone. With a storage tier the default write policy copies every node to
+the host as it is computed (``write_through``), with its window KV, so mixed blocks arise only
+next to copies that lacked it (a ``write_back`` copy of a tombstone, a block read back
+without it). One flag keeps a stored block one record of one of two sizes, whatever the page
+size that wrote or reads it.
+
+The header (little endian) lets a reader refuse anything that is not exactly the page it
+asked for::
 
     magic "RXKV" | format version u16 | header size u16 | layout id 8B | key 16B
-    | payload size u64 | XXH3-64 of the payload u64
+    | payload size u64 | XXH3-64 of the payload u64 | flags u8 (bit 0: window) | 7 zero bytes
 
-A truncated file, a page of another model or layout, a page stored under the wrong name, a
-flipped bit: each fails ``check_page`` with ``PageFormatError`` saying which check failed.
-XXH3-64 guards against corruption, not an adversary; it runs at ~30 GB/s here (zlib's CRC-32
-at 1-3 GB/s took half the time of a page load).
+A truncated file, a page of another format version, model or layout, a page stored under the
+wrong name, a payload whose size is not the one its flag says, a flag that the layout cannot
+have (no window layers), a flipped bit: each fails ``check_page`` with ``PageFormatError``
+saying which check failed. XXH3-64 guards against corruption, not an adversary; it runs at
+~30 GB/s here (zlib's CRC-32 at 1-3 GB/s took half the time of a page load).
 """
 
 from __future__ import annotations
@@ -22,16 +38,19 @@ import functools
 import hashlib
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
 MAGIC = b"RXKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KEY_BYTES = 16
-_HEADER = struct.Struct("<4sHH8s16sQQ")
-HEADER_BYTES = _HEADER.size  # 48
+_HEADER = struct.Struct("<4sHH8s16sQQB7x")
+HEADER_BYTES = _HEADER.size  # 56
+WINDOW_FLAG = 1
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,6 +69,7 @@ class PageLayout:
     head_dim: int
     page_size: int
     dtype: str  # "float32", "bfloat16" or "float16"
+    window_layers: tuple[int, ...] = ()  # sliding-window layers: a page may be stored without
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
@@ -58,12 +78,21 @@ class PageLayout:
                 raise ValueError(f"PageLayout.{name} must be a positive integer, got {value!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"PageLayout.dtype must be one of {sorted(_DTYPES)}: {self.dtype!r}")
+        window = tuple(self.window_layers)
+        if list(window) != sorted(set(window)) or not set(window) <= set(range(self.num_layers)):
+            raise ValueError(
+                f"PageLayout.window_layers must be distinct layer indices in increasing order "
+                f"below {self.num_layers}, got {self.window_layers!r}"
+            )
+        object.__setattr__(self, "window_layers", window)
 
     @classmethod
     def from_shape(cls, shape, page_size: int) -> PageLayout:
-        """From a ``KVShape`` (num_layers, num_kv_heads, head_dim, torch dtype)."""
+        """From a ``KVShape`` (num_layers, num_kv_heads, head_dim, torch dtype, window
+        layers)."""
         dtype = str(shape.dtype).removeprefix("torch.")
-        return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, page_size, dtype)
+        return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, page_size, dtype,
+                   tuple(shape.window_layers))  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,19 +100,31 @@ class PageLayout:
 
     @property
     def page_shape(self) -> tuple[int, ...]:
+        """A page with every layer (what host memory holds)."""
         return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    def stored_layers(self, window: bool) -> slice | np.ndarray:
+        """The layers a payload holds: every one, or (``window`` False) the global ones."""
+        return stored_layers(self.num_layers, self.window_layers, window)
+
+    def payload_nbytes(self, window: bool) -> int:
+        """Size of a payload with every layer, or (``window`` False) the global ones only."""
+        layers = self.num_layers if window else self.num_layers - len(self.window_layers)
+        return self.page_nbytes // self.num_layers * layers
 
     # cached: these are read for every page moved
     @functools.cached_property
     def page_nbytes(self) -> int:
+        """Size of a page with every layer."""
         return math.prod(self.page_shape) * _ELEMENT_BYTES[self.dtype]
 
     @functools.cached_property
     def descriptor(self) -> str:
         """Canonical text naming the layout (and the payload order, via the format version)."""
+        window = f":W{','.join(map(str, self.window_layers))}" if self.window_layers else ""
         return (
             f"rxkv{FORMAT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-            f":P{self.page_size}:{self.dtype}"
+            f":P{self.page_size}:{self.dtype}{window}"
         )
 
     @functools.cached_property
@@ -92,28 +133,53 @@ class PageLayout:
 
     @functools.cached_property
     def record_nbytes(self) -> int:
-        """Size of a stored page: header plus payload."""
+        """Size of a stored page with every layer: header plus payload (the largest)."""
         return HEADER_BYTES + self.page_nbytes
 
+    @functools.cached_property
+    def record_sizes(self) -> frozenset[int]:
+        """The sizes a stored page of this layout can have (with and without window KV)."""
+        return frozenset(HEADER_BYTES + self.payload_nbytes(w) for w in self.flags)
 
-def pack_header(layout: PageLayout, key: bytes, payload) -> bytes:
-    """The header for ``payload`` (any buffer of ``layout.page_nbytes`` bytes) stored as ``key``."""
+    @property
+    def flags(self) -> tuple[bool, ...]:
+        """The ``window`` values a page of this layout can carry."""
+        return (True, False) if self.window_layers else (True,)
+
+
+def stored_layers(num_layers: int, window_layers: Sequence[int],
+                  window: bool) -> slice | np.ndarray:  # fmt: skip
+    """Indices into a page's layer axis: every layer, or (``window`` False) the global ones."""
+    if window:
+        return slice(None)
+    skip = set(window_layers)
+    return np.array([i for i in range(num_layers) if i not in skip], dtype=np.int64)
+
+
+def pack_header(layout: PageLayout, key: bytes, payload, window: bool = True) -> bytes:
+    """The header for ``payload`` stored as ``key``: every layer's KV (``window``), or the
+    global layers' only; ``payload`` is any buffer of ``layout.payload_nbytes(window)``."""
     view = memoryview(payload).cast("B")
-    if len(view) != layout.page_nbytes:
-        raise ValueError(f"a page payload must be {layout.page_nbytes} bytes, got {len(view)}")
+    if window not in layout.flags:
+        raise ValueError("a page without window KV in a layout without window layers")
+    if len(view) != layout.payload_nbytes(window):
+        raise ValueError(
+            f"a page payload must be {layout.payload_nbytes(window)} bytes, got {len(view)}"
+        )
     if len(key) != KEY_BYTES:
         raise ValueError(f"a page key must be {KEY_BYTES} bytes, got {len(key)}")
-    return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.layout_id, key, len(view), _digest(view)
-    )
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.layout_id, key, len(view),
+                        _digest(view), WINDOW_FLAG if window else 0)  # fmt: skip
 
 
-def check_page(layout: PageLayout, key: bytes, record) -> memoryview:
-    """The payload of ``record`` (header + payload) if it is exactly page ``key``; else raise."""
+def check_page(layout: PageLayout, key: bytes, record) -> tuple[memoryview, bool]:
+    """The payload of ``record`` (header + payload) if it is exactly page ``key``, and whether
+    it holds the window layers' KV (every layer); else raise ``PageFormatError``."""
     view = memoryview(record).cast("B")
     if len(view) < HEADER_BYTES:
         raise PageFormatError(f"truncated: {len(view)} bytes, shorter than the header")
-    magic, version, header_size, layout_id, stored_key, size, digest = _HEADER.unpack_from(view)
+    fields = _HEADER.unpack_from(view)
+    magic, version, header_size, layout_id, stored_key, size, digest, flags = fields
     if magic != MAGIC:
         raise PageFormatError("not a radixserve KV page (bad magic)")
     if version != FORMAT_VERSION or header_size != HEADER_BYTES:
@@ -122,14 +188,18 @@ def check_page(layout: PageLayout, key: bytes, record) -> memoryview:
         raise PageFormatError("page of another KV layout")
     if stored_key != key:
         raise PageFormatError("page stored under another key")
-    if size != layout.page_nbytes or len(view) != HEADER_BYTES + size:
+    window = bool(flags & WINDOW_FLAG)
+    if flags & ~WINDOW_FLAG or window not in layout.flags:
+        raise PageFormatError(f"flags {flags:#x} that this layout cannot have")
+    expected = layout.payload_nbytes(window)
+    if size != expected or len(view) != HEADER_BYTES + size:
         raise PageFormatError(
-            f"wrong size: {len(view) - HEADER_BYTES} payload bytes, expected {layout.page_nbytes}"
+            f"wrong size: {len(view) - HEADER_BYTES} payload bytes, expected {expected}"
         )
     payload = view[HEADER_BYTES:]
     if _digest(payload) != digest:
         raise PageFormatError("checksum mismatch (corrupt payload)")
-    return payload
+    return payload, window
 
 
 def _digest(view: memoryview) -> int:

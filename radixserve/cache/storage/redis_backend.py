@@ -89,7 +89,7 @@ class RedisBackend(StorageBackend):
 
     def get(self, keys: Sequence[bytes], pages: HostPages) -> int:
         self._check_batch(keys, pages)
-        n = 0
+        n = nbytes = 0
         for chunk in self._chunks(keys, self._batch_pages):
             names = [self._name(k) for k in chunk]
             values = self._call("read", lambda ns=names: self._client.mget(ns))
@@ -102,38 +102,41 @@ class RedisBackend(StorageBackend):
                     stop = True
                     break
                 try:
-                    payload = check_page(self.layout, key, value)
+                    payload, window = check_page(self.layout, key, value)
                 except PageFormatError as e:
                     self._warn("corrupt", f"refused KV page {self._name(key)!r} in Redis: {e}")
                     self._count(corrupt_pages=1)
                     self._call("delete", lambda k=key: self._client.unlink(self._name(k)))
                     stop = True
                     break
-                pages.write_page(n, payload)
+                pages.write_page(n, payload, window)
+                nbytes += len(value)
                 n += 1
             if stop:
                 break
-        self._count(pages_read=n, bytes_read=n * self.layout.record_nbytes)
+        self._count(pages_read=n, bytes_read=nbytes)
         return n
 
     def set(self, keys: Sequence[bytes], pages: HostPages) -> int:
         self._check_batch(keys, pages)
-        n = 0
+        n = nbytes = 0
         for chunk in self._chunks(keys, self._batch_pages):
             records = []
             for j, key in enumerate(chunk):
-                payload = pages.read_page(n + j)
-                records.append(b"".join((pack_header(self.layout, key, payload), payload)))
+                payload, window = pages.read_page(n + j), pages.has_window(n + j)
+                header = pack_header(self.layout, key, payload, window)
+                records.append(b"".join((header, payload)))
             replies = self._call("write", lambda c=chunk, r=records: self._set_all(c, r))
             if replies is None:
                 break
             lead = next((i for i, ok in enumerate(replies) if ok is not True), len(replies))
+            nbytes += sum(len(r) for r in records[:lead])
             n += lead
             if lead < len(chunk):  # e.g. the server is out of memory with no eviction policy
                 self._warn("refused", f"Redis at {self.address} refused a KV page: {replies[lead]}")
                 self._count(write_errors=1)
                 break
-        self._count(pages_written=n, bytes_written=n * self.layout.record_nbytes)
+        self._count(pages_written=n, bytes_written=nbytes)
         return n
 
     def clear(self) -> ClearResult:
