@@ -95,7 +95,7 @@ def test_the_host_tier_keeps_tombstones_and_windows_apart(make_engine, gemma_loa
     their window KV and come back as they went (a match never resumes where a copy without
     it would be read, on the device or after a partial load): the output is still
     every-layer's. (With write_back and a small window pool, a node is usually a tombstone by
-    the time it is evicted, and its copy without window KV is rarely of use.)"""
+    the time it is evicted, and its copy without window KV is rarely of use: see below.)"""
     tiers = dict(max_total_tokens=256, page_size=16, host_kv_memory=64 << 20,
                  write_policy=write_policy)  # fmt: skip
     whole = make_engine(gemma_loaded, window_kv_share=0, **tiers)
@@ -105,6 +105,22 @@ def test_the_host_tier_keeps_tombstones_and_windows_apart(make_engine, gemma_loa
     stats = split.stats()
     assert stats.window.tombstoned_tokens > 0 and stats.cache.host_hit_tokens > 0
     assert stats.cache.hit_tokens > 0.5 * whole.stats().cache.hit_tokens
+
+
+def test_a_window_pool_smaller_than_a_prompt_and_its_window_serves_every_turn(
+    make_engine, gemma_loaded
+):
+    """A 64-slot window pool (a quarter of the device pool, 4 pages) under prompts of up to
+    100 tokens and a 24-token window: a prompt's chunks are cut to what the window pool holds
+    beside the window its match keeps locked, so every request is served (none waits
+    forever), with every-layer's output."""
+    tiers = dict(max_total_tokens=256, page_size=16, host_kv_memory=64 << 20,
+                 write_policy="write_back")  # fmt: skip
+    whole = make_engine(gemma_loaded, window_kv_share=0, **tiers)
+    split = make_engine(gemma_loaded, window_kv_share=0.25, **tiers)
+    assert split.stats().window.capacity_tokens == 64
+    assert conversations(split) == conversations(whole)
+    assert split.stats().window.tombstoned_tokens > 0 and split.stats().cache.hit_tokens > 0
 
 
 @pytest.mark.parametrize("share", [0, 0.2])
@@ -144,24 +160,33 @@ def test_real_gemma3_270m_conversations_same_output_with_the_window_pool(
     assert hits[0.2] > 0.5 * hits[0]  # in a third of the memory (the branches lose most)
 
 
-def test_a_prompt_longer_than_the_window_pool_is_admitted_and_served(make_engine,
-                                                                     gemma_loaded):  # fmt: skip
+@pytest.mark.parametrize("chunk", [32, None], ids=["chunks-of-32", "default-chunks"])
+def test_a_prompt_longer_than_the_window_pool_is_admitted_and_served(make_engine, gemma_loaded,
+                                                                     chunk):  # fmt: skip
     """A window pool of 80 slots serves a 300-token prompt: computed chunk by chunk, each
     chunk's window KV can be dropped once it is in the tree, so the request needs room for a
-    chunk and the window before it, not for its whole prompt."""
-    engine = make_engine(gemma_loaded, max_total_tokens=400, window_kv_share=0.2,
-                         chunked_prefill_size=32)  # fmt: skip
-    assert engine.stats().window.capacity_tokens == 80
-    engine.add_request("long", list(range(1000, 1300)), GREEDY)
-    engine.add_request("short", list(range(2000, 2020)), GREEDY)
-    done: dict[str, list[int]] = {}
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            done.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert {k: len(v) for k, v in done.items()} == {"long": 6, "short": 6}
-    assert engine.stats().window.tombstoned_tokens > 0
+    chunk and the window before it, not for its whole prompt. Chunks are cut to the window
+    room when the configured chunk is larger (the default); the answers are those of an
+    engine keeping every layer's KV."""
+    options = {} if chunk is None else {"chunked_prefill_size": chunk}
+    answers = []
+    for share in (0.2, 0):
+        engine = make_engine(gemma_loaded, max_total_tokens=400, window_kv_share=share,
+                             **options)  # fmt: skip
+        engine.add_request("long", list(range(1000, 1300)), GREEDY)
+        engine.add_request("short", list(range(2000, 2020)), GREEDY)
+        done: dict[str, list[int]] = {}
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert {k: len(v) for k, v in done.items()} == {"long": 6, "short": 6}
+        answers.append(done)
+        if share:
+            assert engine.stats().window.capacity_tokens == 80
+            assert engine.stats().window.tombstoned_tokens > 0
+    assert answers[0] == answers[1]
 
 
 # ---------------------------------------------------------------------- the storage tier

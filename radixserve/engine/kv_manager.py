@@ -82,15 +82,43 @@ class RequestKV:
         window layers kept apart, no more than the window slots obtainable)."""
         return self.cache.room()
 
-    def can_admit(self, prompt: int, output: int, reserved: int, chunk: int) -> bool:
+    def can_admit(self, prompt: int, output: int, reserved: int) -> bool:
         """Whether a request with ``prompt`` tokens still to compute and ``output`` slots to
-        reserve fits beside the ``reserved`` slots of running requests. In a window pool it
-        needs room for a chunk and the window before it, and its output: each computed chunk
-        enters the tree, where its window KV can be dropped."""
-        main, window = self.cache.obtainable()
-        if prompt + output > main - reserved:
-            return False
-        return window is None or min(prompt, chunk + self.allocator.window) + output <= window
+        reserve fits in the device pool beside the ``reserved`` slots of running requests (a
+        window pool's room is ``prefill_chunk``'s)."""
+        main, _ = self.cache.obtainable()
+        return prompt + output <= main - reserved
+
+    def prefill_chunk(self, req, chunk: int, output: int | None = None) -> int:
+        """How many of the tokens ``req`` still has to compute it computes next: at most
+        ``chunk``, and in a window pool no more than its obtainable slots hold. A request
+        being admitted (``output``: the slots it reserves) also needs room for its output
+        and, unless the chunk ends its prompt, for the window before the next chunk, beyond
+        the window its match already holds locked: each computed chunk enters the tree,
+        where its window KV can be dropped, but for that window. A cut chunk is whole pages;
+        0: no room now."""
+        prompt = req.num_uncomputed
+        n = min(prompt, chunk)
+        _, window = self.cache.obtainable()
+        if window is None:
+            return n
+        room = window
+        if output is not None:
+            room -= output
+            if n < prompt or n > room:  # more chunks follow this one
+                room -= self._window_to_lock(req.kv.cached)
+        if n <= room:
+            return n
+        return max(room - room % self.page_size, 0)
+
+    def _window_to_lock(self, resume: int) -> int:
+        """Window slots a request resuming at ``resume`` (a page boundary, as every point the
+        tree locks at is) will lock beyond those it holds locked now, once it resumes past
+        the window: from the page holding the first token of the window before its resume
+        point (``WindowKeeper.lock``)."""
+        page, reach = self.page_size, self.allocator.window - 1
+        held = resume - max(0, resume - reach) // page * page
+        return max(-(-reach // page) * page - held, 0)
 
     def capacity(self) -> int:
         return self.allocator.num_slots

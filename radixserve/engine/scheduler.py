@@ -110,8 +110,8 @@ class Scheduler:
         for r in sorted((r for r in self.running if not r.is_decoding), key=lambda r: r.arrival):
             if budget == 0:
                 break
-            n = self._chunk(r, budget)
-            if not self.kv.extend(r, n):
+            n = self._chunk(r, self.kv.prefill_chunk(r, budget))
+            if not n or not self.kv.extend(r, n):
                 blocked = True
                 break
             step.prefills.append((r, n))
@@ -156,8 +156,8 @@ class Scheduler:
                 continue  # only loads, which need no prefill budget, can start now
             self.kv.admit(req, match)
             output = self._reserved_output(req)
-            chunk = self.config.chunked_prefill_size
-            if not self.kv.can_admit(req.num_uncomputed, output, reserved, chunk):
+            chunk = self.kv.prefill_chunk(req, self.config.chunked_prefill_size, output)
+            if not chunk or not self.kv.can_admit(req.num_uncomputed, output, reserved):
                 self.kv.release(req)
                 break
             loaded = self.kv.load(req, match)  # the host-tier part, onto the device
@@ -171,7 +171,7 @@ class Scheduler:
                 self.kv.release(req)
                 continue
             else:
-                n = self._chunk(req, budget)
+                n = self._chunk(req, min(budget, chunk))
                 if n > budget and step.prefills:  # a segment prefill goes whole, in its own step
                     self.kv.release(req)
                     continue
