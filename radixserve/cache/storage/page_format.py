@@ -1,4 +1,4 @@
-"""The byte layout of one stored KV page (a storage block): a 56-byte header, then the payload.
+"""The byte layout of one stored KV page (a storage block): a header, then the payload.
 
 The payload is one page of KV, C-contiguous, in the KV dtype::
 
@@ -20,16 +20,21 @@ without it). One flag keeps a stored block one record of one of two sizes, whate
 size that wrote or reads it.
 
 The header (little endian) lets a reader refuse anything that is not exactly the page it
-asked for::
+asked for. A layout without window layers writes format version 1 (48 bytes), one with them
+version 2 (56 bytes, the flag byte added)::
 
     magic "RXKV" | format version u16 | header size u16 | layout id 8B | key 16B
-    | payload size u64 | XXH3-64 of the payload u64 | flags u8 (bit 0: window) | 7 zero bytes
+    | payload size u64 | XXH3-64 of the payload u64
+    [version 2: | flags u8 (bit 0: window) | 7 zero bytes]
+
+The version is part of the layout's name (``descriptor``), so pages of a model without window
+layers keep the keys and bytes they had before version 2 existed.
 
 A truncated file, a page of another format version, model or layout, a page stored under the
 wrong name, a payload whose size is not the one its flag says, a flag that the layout cannot
-have (no window layers), a flipped bit: each fails ``check_page`` with ``PageFormatError``
-saying which check failed. XXH3-64 guards against corruption, not an adversary; it runs at
-~30 GB/s here (zlib's CRC-32 at 1-3 GB/s took half the time of a page load).
+have, a flipped bit: each fails ``check_page`` with ``PageFormatError`` saying which check
+failed. XXH3-64 guards against corruption, not an adversary; it runs at ~30 GB/s here (zlib's
+CRC-32 at 1-3 GB/s took half the time of a page load).
 """
 
 from __future__ import annotations
@@ -46,10 +51,10 @@ import torch
 import xxhash
 
 MAGIC = b"RXKV"
-FORMAT_VERSION = 2
 KEY_BYTES = 16
-_HEADER = struct.Struct("<4sHH8s16sQQB7x")
-HEADER_BYTES = _HEADER.size  # 56
+# format version -> header: version 1 for layouts without window layers, 2 with them
+_HEADERS = {1: struct.Struct("<4sHH8s16sQQ"), 2: struct.Struct("<4sHH8s16sQQB7x")}
+_PREFIX = struct.Struct("<4sH")  # magic, format version
 WINDOW_FLAG = 1
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,13 +123,22 @@ class PageLayout:
         """Size of a page with every layer."""
         return math.prod(self.page_shape) * _ELEMENT_BYTES[self.dtype]
 
+    @property
+    def format_version(self) -> int:
+        """The page format: 1 (no flag, every layer) without window layers, 2 with them."""
+        return 2 if self.window_layers else 1
+
+    @property
+    def header_nbytes(self) -> int:
+        return _HEADERS[self.format_version].size
+
     @functools.cached_property
     def descriptor(self) -> str:
         """Canonical text naming the layout (and the payload order, via the format version)."""
         window = f":W{','.join(map(str, self.window_layers))}" if self.window_layers else ""
         return (
-            f"rxkv{FORMAT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-            f":P{self.page_size}:{self.dtype}{window}"
+            f"rxkv{self.format_version}:L{self.num_layers}:H{self.num_kv_heads}"
+            f":D{self.head_dim}:P{self.page_size}:{self.dtype}{window}"
         )
 
     @functools.cached_property
@@ -134,12 +148,12 @@ class PageLayout:
     @functools.cached_property
     def record_nbytes(self) -> int:
         """Size of a stored page with every layer: header plus payload (the largest)."""
-        return HEADER_BYTES + self.page_nbytes
+        return self.header_nbytes + self.page_nbytes
 
     @functools.cached_property
     def record_sizes(self) -> frozenset[int]:
         """The sizes a stored page of this layout can have (with and without window KV)."""
-        return frozenset(HEADER_BYTES + self.payload_nbytes(w) for w in self.flags)
+        return frozenset(self.header_nbytes + self.payload_nbytes(w) for w in self.flags)
 
     @property
     def flags(self) -> tuple[bool, ...]:
@@ -168,22 +182,33 @@ def pack_header(layout: PageLayout, key: bytes, payload, window: bool = True) ->
         )
     if len(key) != KEY_BYTES:
         raise ValueError(f"a page key must be {KEY_BYTES} bytes, got {len(key)}")
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, layout.layout_id, key, len(view),
-                        _digest(view), WINDOW_FLAG if window else 0)  # fmt: skip
+    version = layout.format_version
+    fields = [MAGIC, version, layout.header_nbytes, layout.layout_id, key, len(view), _digest(view)]
+    if version == 2:
+        fields.append(WINDOW_FLAG if window else 0)
+    return _HEADERS[version].pack(*fields)
 
 
 def check_page(layout: PageLayout, key: bytes, record) -> tuple[memoryview, bool]:
     """The payload of ``record`` (header + payload) if it is exactly page ``key``, and whether
     it holds the window layers' KV (every layer); else raise ``PageFormatError``."""
     view = memoryview(record).cast("B")
-    if len(view) < HEADER_BYTES:
+    header = layout.header_nbytes
+    if len(view) < header:
         raise PageFormatError(f"truncated: {len(view)} bytes, shorter than the header")
-    fields = _HEADER.unpack_from(view)
-    magic, version, header_size, layout_id, stored_key, size, digest, flags = fields
+    magic, version = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise PageFormatError("not a radixserve KV page (bad magic)")
-    if version != FORMAT_VERSION or header_size != HEADER_BYTES:
-        raise PageFormatError(f"page format version {version} (this build reads {FORMAT_VERSION})")
+    if version != layout.format_version:
+        raise PageFormatError(
+            f"page format version {version} (this layout's pages are version "
+            f"{layout.format_version})"
+        )
+    fields = _HEADERS[version].unpack_from(view)
+    header_size, layout_id, stored_key, size, digest = fields[2:7]
+    flags = fields[7] if version == 2 else WINDOW_FLAG  # version 1: every layer, no flag
+    if header_size != header:
+        raise PageFormatError(f"header of {header_size} bytes, expected {header}")
     if layout_id != layout.layout_id:
         raise PageFormatError("page of another KV layout")
     if stored_key != key:
@@ -192,11 +217,10 @@ def check_page(layout: PageLayout, key: bytes, record) -> tuple[memoryview, bool
     if flags & ~WINDOW_FLAG or window not in layout.flags:
         raise PageFormatError(f"flags {flags:#x} that this layout cannot have")
     expected = layout.payload_nbytes(window)
-    if size != expected or len(view) != HEADER_BYTES + size:
-        raise PageFormatError(
-            f"wrong size: {len(view) - HEADER_BYTES} payload bytes, expected {expected}"
-        )
-    payload = view[HEADER_BYTES:]
+    if size != expected or len(view) != header + size:
+        got = len(view) - header
+        raise PageFormatError(f"wrong size: {got} payload bytes, expected {expected}")
+    payload = view[header:]
     if _digest(payload) != digest:
         raise PageFormatError("checksum mismatch (corrupt payload)")
     return payload, window
