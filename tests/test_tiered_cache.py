@@ -427,3 +427,39 @@ def test_pages_from_storage_hang_with_or_without_window_kv():
     assert host.allocator.free_size() == before
     assert cache.match_prefix(tokens[:16]).total_len == 16
     cache.check_integrity(NO_HELD)
+
+
+def test_a_load_longer_than_the_window_room_brings_the_rest_as_tombstones():
+    """A host path of 48 tokens with every layer's KV, a window pool of 32 slots: the load
+    brings all 48 tokens, the last 32 with their window KV and the 16 before as tombstones
+    (their window layers are not written anywhere, the pool's pad slot stays zero), so the
+    request resumes at the end; without this the window pool bounded the load to 32."""
+    from radixserve.cache.window_pages import WindowedAllocator
+
+    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    window_layers=(0,))  # fmt: skip
+    alloc = WindowedAllocator(64, 4, window_slots=32, window=5)
+    pool = KVPool(shape, alloc.num_slots, window_map=alloc.window_map,
+                  window_slots=alloc.window_slots)  # fmt: skip
+    cache = TieredRadixCache(alloc, HostKVPool(pool, 128, 4), "write_back", load_back_min_tokens=4)
+    host = cache.host
+    tokens = list(range(100, 148))
+    slots = host.alloc(48)
+    values = torch.arange(1, 49, dtype=torch.float32)
+    host.data[host.pages_of(slots)] = values.view(12, 1, 1, 1, 4, 1).expand(-1, 2, 2, 1, 4, 2)
+    assert cache.attach_host(tokens, None, 0, slots, np.ones(48, bool)) == 48
+    match = cache.match_prefix(tokens)
+    assert (match.device_len, match.host_len) == (0, 48)
+    loaded = cache.load_back(match)
+    assert loaded.device_len == 48
+    cache.check_integrity(NO_HELD)
+    device = loaded.device_indices
+    assert torch.equal(pool.k[0, 0, device, 0], values)  # the global layer: every token
+    has = alloc.has_windows(device)
+    assert has.tolist() == [False] * 4 + [True] * 8  # pages: 16 tombstoned, 32 with windows
+    tail = pool.to_window(device[16:])
+    assert torch.equal(pool.wk[0, 0, tail, 0], values[16:])
+    assert not pool.wk[0, 0, alloc.window_pad].any() and not pool.wv[0, 0, alloc.window_pad].any()
+    assert cache.match_prefix(tokens).device_len == 48  # resumes at the end
+    assert cache.match_prefix(tokens[:12]).device_len == 0  # not inside the tombstones
+    cache.check_integrity(NO_HELD)

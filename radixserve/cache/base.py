@@ -194,12 +194,14 @@ class PrefixCache(ABC):
         main, window = self.obtainable()
         return main if window is None else min(main, window)
 
-    def make_room(self, num_slots: int) -> None:
+    def make_room(self, num_slots: int, window_slots: int | None = None) -> None:
         """Evict, and drop window KV no request reads, until ``num_slots`` slots can be
-        allocated in the device pool (as far as the tree allows)."""
+        allocated in the device pool, ``window_slots`` of them (default: all) with window
+        pages (as far as the tree allows)."""
         self.evict(num_slots - self.allocator.free_size())
         if self.allocator.windowed:
-            self.evict_windows(num_slots - self.allocator.window_free_size())
+            window = num_slots if window_slots is None else window_slots
+            self.evict_windows(window - self.allocator.window_free_size())
 
     @abstractmethod
     def evictable_size(self) -> int: ...

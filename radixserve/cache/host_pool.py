@@ -147,15 +147,20 @@ class HostKVPool:
         self.stats.pages_to_host += n
         self.stats.bytes_to_host += n * self.page_nbytes
 
-    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Copy the KV of ``host_slots`` into ``device_slots`` (same length, whole pages)."""
+    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
+                windows_from: int = 0) -> None:  # fmt: skip
+        """Copy the KV of ``host_slots`` into ``device_slots`` (same length, whole pages); with
+        the window layers apart, theirs only into ``device_slots[windows_from:]`` (the slots
+        before have no window pages: they are loaded as tombstones)."""
         ps = self.page_size
         pages = self.pages_of(host_slots)
         n = len(pages)
         if self._stream is None:  # one scatter over every layer
             kv = self.data[pages].permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, ps, dim]
             kv = kv.reshape(*kv.shape[:3], n * ps, kv.shape[-1])
-            self._scatter(kv, device_slots)
+            self._scatter(kv, device_slots, windows_from)
+        elif windows_from:
+            raise ValueError("a load without window KV on a GPU: window layers are not apart")
         else:
             self._restore_async(pages, device_slots, n, ps)
         self.stats.pages_to_device += n
@@ -175,17 +180,18 @@ class HostKVPool:
         out[pool.main_layers], out[pool.window_layers] = kv, wkv
         return out
 
-    def _scatter(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    def _scatter(self, kv: torch.Tensor, slots: torch.Tensor, windows_from: int = 0) -> None:
         """Write ``kv`` [layers, 2, heads, n, dim] into the pool at ``slots`` (the window
-        layers at their window slots, which freshly allocated slots all have)."""
+        layers at the window slots of ``slots[windows_from:]``, which have them)."""
         pool = self.device_pool
         main = pool.main_layers if pool.windowed else slice(None)
         pool.k.index_copy_(2, slots, kv[main, 0])
         pool.v.index_copy_(2, slots, kv[main, 1])
         if pool.windowed:
-            window_slots = pool.to_window(slots)
-            pool.wk.index_copy_(2, window_slots, kv[pool.window_layers, 0])
-            pool.wv.index_copy_(2, window_slots, kv[pool.window_layers, 1])
+            window_slots = pool.to_window(slots[windows_from:])
+            window_kv = kv[pool.window_layers][:, :, :, windows_from:]
+            pool.wk.index_copy_(2, window_slots, window_kv[:, 0])
+            pool.wv.index_copy_(2, window_slots, window_kv[:, 1])
 
     def _restore_layer(
         self, kv: torch.Tensor, device_slots: torch.Tensor, layer: int, n: int, ps: int

@@ -37,7 +37,9 @@ blocks without it).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import time
 
 import numpy as np
@@ -142,22 +144,26 @@ class TierController:
         if match.host_len == 0 or match.host_len < self.load_back_min_tokens:
             return match
         with self.tree.pinned(match):
-            room = self.tree.room()  # in the window pool too, where window layers are apart
-            n = min(match.host_len, room - room % self.page_size)
-            slots = self._alloc_device(n) if n >= max(self.load_back_min_tokens, 1) else None
+            n, windowed = self._load_size(match.host_len)
+            if n >= max(self.load_back_min_tokens, 1):
+                slots = self._alloc_load(n, windowed)
+            else:
+                slots = None
         if slots is None:
             self.tiers.load_failures += 1
             return match
-        nodes = self._host_path(match, n)
+        head = n - windowed  # loaded as tombstones: the global layers only
+        nodes = self._host_path(match, n, head)
         start = time.perf_counter()
         try:
-            self.host.restore(torch.cat([node.host_value for node in nodes]), slots)
+            self.host.restore(torch.cat([node.host_value for node in nodes]), slots, head)
         except BaseException:
             self.tree.allocator.free(slots)
             raise
         offset = 0
         for node in nodes:
-            self.tree.set_device(node, slots[offset : offset + len(node.key)], node.host_window)
+            window = node.host_window and offset >= head
+            self.tree.set_device(node, slots[offset : offset + len(node.key)], window)
             offset += len(node.key)
         self.tiers.loads += 1
         self.tiers.partial_loads += n < match.host_len
@@ -171,25 +177,60 @@ class TierController:
             lower_handle=match.lower_handle if n < match.host_len else None,
         )
 
-    def _host_path(self, match: MatchResult, n: int) -> list[TreeNode]:
-        """The nodes holding the first ``n`` tokens of ``match``'s host part, from the top;
-        the last one is split so that it ends exactly there."""
+    def _load_size(self, host_len: int) -> tuple[int, int]:
+        """How many host tokens a load brings (whole pages, as many as the device has room
+        for), and how many of them, at its end, with window pages: with window layers apart,
+        as many as the window pool has room for. Only the window before the load's end needs
+        them (where the request resumes), so when the window pool is short the tokens before
+        are loaded as tombstones, and it does not bound the load."""
+        page = self.page_size
+        main, window = self.tree.obtainable()
+        n = min(host_len, main - main % page)
+        if window is None:
+            return n, n
+        windowed = min(n, window - window % page)
+        reach = -(-(self.tree.allocator.window - 1) // page) * page
+        if windowed < min(n, reach):  # not even the window before the end: a shorter load
+            return windowed, windowed
+        return n, windowed
+
+    def _alloc_load(self, n: int, windowed: int) -> torch.Tensor | None:
+        """Device slots for a load of ``n`` tokens, the last ``windowed`` with window pages."""
+        allocator = self.tree.allocator
+        if windowed == n:
+            return self._alloc_device(n)
+        self.tree.make_room(n, windowed)
+        head = allocator.alloc_without_windows(n - windowed)
+        tail = allocator.alloc(windowed) if head is not None else None
+        if tail is None:
+            if head is not None:
+                allocator.free(head)
+            return None
+        return torch.cat([head, tail])
+
+    def _host_path(self, match: MatchResult, n: int, head: int = 0) -> list[TreeNode]:
+        """The nodes holding the first ``n`` tokens of ``match``'s host part, from the top,
+        split so that one ends exactly at token ``head`` and the last at token ``n``."""
         nodes: list[TreeNode] = []
         node = match.lower_handle
         while node is not match.handle:
             nodes.append(node)
             node = node.parent
         nodes.reverse()
-        taken, cut = 0, 0
-        while taken + len(nodes[cut].key) <= n:
-            taken += len(nodes[cut].key)
-            cut += 1
-            if cut == len(nodes):
-                return nodes
-        if taken < n:
-            nodes[cut] = self.tree.split(nodes[cut], n - taken)
-            cut += 1
-        return nodes[:cut]
+        for at in (head, n):
+            nodes = self._cut(nodes, at)
+        ends = list(itertools.accumulate(len(node.key) for node in nodes))
+        return nodes[: bisect.bisect_left(ends, n) + 1]
+
+    def _cut(self, nodes: list[TreeNode], at: int) -> list[TreeNode]:
+        """``nodes`` (a path from the top) with the one holding token ``at`` split there."""
+        pos = 0
+        for k, node in enumerate(nodes):
+            if pos < at < pos + len(node.key):
+                upper = self.tree.split(node, at - pos)
+                return [*nodes[:k], upper, node, *nodes[k + 1 :]]
+            pos += len(node.key)
+        return nodes
 
     # ------------------------------------------------------------------ host <-> storage
     def attach_storage(self, url: str, model_id: str, capacity_bytes: int | None,

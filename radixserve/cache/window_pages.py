@@ -17,6 +17,8 @@ Contract, beyond ``PagedAllocator``'s:
 - every fresh main page comes with a fresh window page (continuing into a page's unused tail
   keeps the page's window); an allocation fails, taking nothing, when either pool is short;
 - ``free`` returns both pages of each freed page;
+- ``alloc_without_windows(n)``: fresh main pages without window pages (KV loaded back as a
+  tombstone: the global layers only);
 - ``drop_windows(slots)``: the window pages of these whole pages go back, the main pages stay;
 - ``move_windows(src, dst)``: the pages of ``dst`` (without windows) take over the window
   pages of ``src`` (which then have none): a tombstone revived by KV just computed again;
@@ -64,6 +66,11 @@ class WindowedAllocator(PagedAllocator):
         pages = self.pages_of(indices)
         super().free(indices)  # raises on a double free before anything changes
         self._unpair(pages)
+
+    def alloc_without_windows(self, n: int) -> torch.Tensor | None:
+        """``n`` slots in fresh main pages that have no window pages (None: too few free)."""
+        pages = super()._take_pages(-(-n // self.page_size))
+        return None if pages is None else self._pages_to_slots(pages)[:n]
 
     def drop_windows(self, slots: torch.Tensor) -> None:
         """Free the window pages behind these slots' pages (whole pages; each must have one)."""

@@ -99,12 +99,12 @@ class WindowKeeper:
     def on_cached(self, node: TreeNode, window: bool = True) -> None:
         """A node got device slots: with window KV (a new leaf, a host node recomputed, or
         loaded from a host copy that has it), or without (``window`` False: a host copy of a
-        tombstone; the fresh slots' window pages go back). The tree announces its window-less
-        blocks with its device blocks."""
+        tombstone, or a load's part far from its end; the slots' window pages, if any, go
+        back). The tree announces its window-less blocks with its device blocks."""
         node.window = window
         if window:
             self.window_size += len(node.key)
-        else:
+        elif bool(self.allocator.has_windows(node.value).any()):
             self.allocator.drop_windows(node.value)
 
     def on_leave_device(self, node: TreeNode) -> None:
