@@ -189,8 +189,7 @@ class TierController:
         if window is None:
             return n, n
         windowed = min(n, window - window % page)
-        reach = -(-(self.tree.allocator.window - 1) // page) * page
-        if windowed < min(n, reach):  # not even the window before the end: a shorter load
+        if windowed < min(n, self.tree.allocator.window_span):  # a shorter load then
             return windowed, windowed
         return n, windowed
 

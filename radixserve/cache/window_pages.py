@@ -51,6 +51,12 @@ class WindowedAllocator(PagedAllocator):
     def window_free_size(self) -> int:
         return self.windows.free_size()
 
+    @property
+    def window_span(self) -> int:
+        """Slots of the window before a resume point on a page boundary (where the tree
+        resumes and locks): its ``window - 1`` tokens, in whole pages."""
+        return -(-(self.window - 1) // self.page_size) * self.page_size
+
     # ----------------------------------------------------------------- page operations
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
         if num_pages > self.windows.num_free_pages():

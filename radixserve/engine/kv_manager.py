@@ -118,7 +118,7 @@ class RequestKV:
         point (``WindowKeeper.lock``)."""
         page, reach = self.page_size, self.allocator.window - 1
         held = resume - max(0, resume - reach) // page * page
-        return max(-(-reach // page) * page - held, 0)
+        return max(self.allocator.window_span - held, 0)
 
     def capacity(self) -> int:
         return self.allocator.num_slots
