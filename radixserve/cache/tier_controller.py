@@ -189,8 +189,8 @@ class TierController:
         if window is None:
             return n, n
         windowed = min(n, window - window % page)
-        if windowed < min(n, self.tree.allocator.window_span):  # a shorter load then
-            return windowed, windowed
+        if windowed < min(n, self.tree.allocator.window_span):
+            return windowed, windowed  # no room for the window before the end: load less
         return n, windowed
 
     def _alloc_load(self, n: int, windowed: int) -> torch.Tensor | None:
