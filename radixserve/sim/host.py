@@ -44,7 +44,8 @@ class SimHostPool:
         self.stats.pages_to_host += pages
         self.stats.bytes_to_host += pages * self.page_nbytes
 
-    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+    def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor,
+                windows_from: int = 0) -> None:  # fmt: skip
         pages = len(host_slots) // self.page_size
         self.stats.pages_to_device += pages
         self.stats.bytes_to_device += pages * self.page_nbytes
