@@ -327,8 +327,9 @@ class RadixCache(PrefixCache):
         for end in ends:
             if end:
                 parent = self._add_leaf(parent, key[start:end], value[start:end])
+                start = end
             if parent.parent is not None:
-                parent.turn_end, start = True, end
+                parent.turn_end = True
         if start < len(key):
             parent = self._add_leaf(parent, key[start:], value[start:])
         return parent

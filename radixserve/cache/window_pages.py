@@ -51,6 +51,12 @@ class WindowedAllocator(PagedAllocator):
     def window_free_size(self) -> int:
         return self.windows.free_size()
 
+    def window_start(self, resume: int) -> int:
+        """Where the window before resume point ``resume`` starts, rounded down to a page:
+        the first of the ``window - 1`` tokens a local layer reads before it."""
+        start = max(0, resume - (self.window - 1))
+        return start - start % self.page_size
+
     @property
     def window_span(self) -> int:
         """Slots of the window before a resume point on a page boundary (where the tree

@@ -141,8 +141,7 @@ class WindowKeeper:
 
     # ------------------------------------------------------------------ window locks
     def _lock_start(self, node: TreeNode) -> int:
-        a = max(0, node.depth - (self.window - 1))
-        return a - a % self.page_size
+        return self.allocator.window_start(node.depth)
 
     def lock(self, node: TreeNode | None) -> None:
         """Window-lock the nodes from ``node``'s lock start down to ``node``."""

@@ -116,8 +116,7 @@ class RequestKV:
         tree locks at is) will lock beyond those it holds locked now, once it resumes past
         the window: from the page holding the first token of the window before its resume
         point (``WindowKeeper.lock``)."""
-        page, reach = self.page_size, self.allocator.window - 1
-        held = resume - max(0, resume - reach) // page * page
+        held = resume - self.allocator.window_start(resume)
         return max(self.allocator.window_span - held, 0)
 
     def capacity(self) -> int:
