@@ -24,7 +24,8 @@ serve: setup
 	$(BIN)/radixserve serve $(ARGS)
 
 test: setup
-	$(BIN)/ruff check radixserve tests benchmarks
+	$(BIN)/ruff check radixserve tests testing benchmarks
+	$(BIN)/ruff format --check radixserve tests testing benchmarks
 	$(BIN)/lint-imports --no-logo
 	$(BIN)/python -m pytest -q
 
@@ -33,13 +34,13 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m ""
 
 lint: setup
-	$(BIN)/ruff check radixserve tests benchmarks
-	$(BIN)/ruff format --check radixserve tests benchmarks
+	$(BIN)/ruff check radixserve tests testing benchmarks
+	$(BIN)/ruff format --check radixserve tests testing benchmarks
 	$(BIN)/lint-imports --no-logo
 
 format: setup
-	$(BIN)/ruff check --fix radixserve tests benchmarks
-	$(BIN)/ruff format radixserve tests benchmarks
+	$(BIN)/ruff check --fix radixserve tests testing benchmarks
+	$(BIN)/ruff format radixserve tests testing benchmarks
 
 bench: setup
 	$(BIN)/pip install -q -e '.[bench]'

@@ -43,10 +43,10 @@ from radixserve.cache.storage import (
     chain_page_keys,
     open_backend,
 )
-from radixserve.cache.storage.redis_server import RedisServer
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
+from testing.redis_server import RedisServer
 
 
 def median_ms(fn, repeat: int, setup=None) -> float:

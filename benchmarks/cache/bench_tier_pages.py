@@ -27,10 +27,10 @@ from radixserve import SamplingParams
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.storage import FileBackend, PageLayout, StorageScope, chain_page_keys
 from radixserve.cache.storage.redis_backend import RedisBackend
-from radixserve.cache.storage.redis_server import RedisServer
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import load_model
+from testing.redis_server import RedisServer
 
 PAGE = 16
 PAGES = 64

@@ -58,8 +58,8 @@ from benchmarks.cache.tiers_report import print_tables
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import build_workload, words
-from radixserve.cache.storage.redis_server import RedisServer
 from radixserve.engine.step_trace import read_step_trace
+from testing.redis_server import RedisServer
 
 PAGE = 16
 DEFAULT_SYSTEMS = ("unbounded", "device-only", "+host", "+kv-storage")

@@ -40,7 +40,7 @@ from collections import Counter
 import httpx
 
 from radixserve.bench.processes import Proc, read_metrics
-from radixserve.cache.storage.redis_server import RedisServer, free_port
+from testing.redis_server import RedisServer, free_port
 
 TENANT, ADMIN, WORKER_KEY = "fault-tenant", "fault-admin", "fault-worker-admin"
 FIRST_BYTE_TIMEOUT = 10.0
