@@ -15,8 +15,10 @@ Order. Where something arrives (a node cached, loaded, copied) listeners are cal
 ascending ``order``; where something leaves (``on_leave_device``), in descending order. So
 state that others read (a node's window flag) is set before the events that announce it and
 cleared after the events that withdraw it, and the tier controller, which may copy the node
-(and so call back into the tree), hears last. A listener may call the tree back from any
-callback but ``on_leave_device`` and ``on_window``.
+(and so call back into the tree), hears last. A listener may change the tree (copy a node to
+the host, split the path it locks, set a window flag) from ``on_cached``, ``on_hit``,
+``on_lock``, ``on_recomputed`` and ``before_evict``; the other callbacks come in the middle
+of a change and only read it.
 
 Where a cached prefix can be resumed is the one decision a feature makes for the tree:
 ``ResumePoints`` (``EVERY_POINT`` unless window layers are kept apart, where a prefix whose
