@@ -172,8 +172,10 @@ class RadixCache(HostNodes, PrefixCache):
         """The namespace roots (their subtrees are the whole tree), for inspection."""
         return list(self._roots.values())
 
-    def _child_key(self, key: np.ndarray) -> Any:
-        return int(key[0]) if self.page_size == 1 else key[: self.page_size].tobytes()
+    def _child_key(self, key: np.ndarray, pos: int = 0) -> Any:
+        """The key of ``key[pos:]`` among its parent's children: its first token (page)."""
+        p = self.page_size
+        return int(key[pos]) if p == 1 else key[pos : pos + p].tobytes()
 
     def _match_len(self, edge: np.ndarray, key: np.ndarray) -> int:
         n = min(len(edge), len(key))
@@ -188,10 +190,11 @@ class RadixCache(HostNodes, PrefixCache):
 
     def _is_leaf(self, node: TreeNode) -> bool:
         """Whether nothing below ``node`` holds device slots (so evicting it frees a leaf)."""
-        for child in node.children.values():
-            if child.value is not None:
-                return False
-        return True
+        if not node.children:
+            return True
+        if not self._host_size:  # every node is on some tier: here all on the device
+            return False
+        return all(child.value is None for child in node.children.values())
 
     def _mark_leaf(self, node: TreeNode) -> None:
         self._evictable_leaves.add(node)
@@ -342,7 +345,7 @@ class RadixCache(HostNodes, PrefixCache):
         end = len(key) - len(key) % self.page_size
         matched = 0
         while matched < end:
-            child = node.children.get(self._child_key(key[matched:]))
+            child = node.children.get(self._child_key(key, matched))
             if child is None:
                 break
             n = self._match_len(child.key, key[matched:end])
@@ -398,7 +401,7 @@ class RadixCache(HostNodes, PrefixCache):
         end = len(key) - len(key) % self.page_size
         matched, path, nodes = 0, [node.id], []
         while matched < end:
-            child = node.children.get(self._child_key(key[matched:]))
+            child = node.children.get(self._child_key(key, matched))
             if child is None:
                 break
             n = self._match_len(child.key, key[matched:end])
@@ -430,7 +433,7 @@ class RadixCache(HostNodes, PrefixCache):
         pos = 0
         taken_from: int | None = None  # the first position whose slots the tree took over
         while pos < end:
-            child = node.children.get(self._child_key(key[pos:]))
+            child = node.children.get(self._child_key(key, pos))
             if child is None:
                 value = indices[pos:end].to(torch.int64, copy=True)
                 node = self._add_path(node, key[pos:end].copy(), value)
