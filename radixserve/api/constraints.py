@@ -11,8 +11,7 @@ import json
 from typing import Any
 
 from radixserve.api.errors import ApiError
-from radixserve.engine.grammar import check_grammar
-from radixserve.engine.schema_support import UnsupportedSchema
+from radixserve.structured import UnsupportedSchema, check_grammar
 
 # where each constraint field's grammar sits in the request body
 _FIELD_PATH = {"response_format": "response_format.json_schema.schema"}

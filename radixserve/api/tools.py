@@ -25,8 +25,7 @@ from typing import Any
 
 from radixserve.api.constraints import unsupported_error
 from radixserve.api.errors import ApiError
-from radixserve.engine.grammar import check_grammar
-from radixserve.engine.schema_support import UnsupportedSchema
+from radixserve.structured import UnsupportedSchema, check_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)

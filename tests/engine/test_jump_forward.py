@@ -154,8 +154,8 @@ def letters_state(drafter=None):
 
     import xgrammar as xgr
 
-    from radixserve.engine.drafts import Drafter
-    from radixserve.engine.grammar import GrammarState, GrammarStats
+    from radixserve.structured.grammar import GrammarState, GrammarStats
+    from radixserve.structured.jump_forward import Drafter
 
     info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[len(VOCAB) - 1])
     compiled = Future()
@@ -172,7 +172,7 @@ def test_tokenizer_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
     one of which fewer than 2 tokens were kept pauses those drafts for DRAFT_PAUSE draws."""
     import xgrammar as xgr
 
-    from radixserve.engine.drafts import DRAFT_PAUSE, FIRST_DRAFT_TOKENS
+    from radixserve.structured.jump_forward import DRAFT_PAUSE, FIRST_DRAFT_TOKENS
 
     state, _ = letters_state()
     bitmask = xgr.allocate_token_bitmask(64, len(VOCAB))

@@ -16,10 +16,10 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.engine.grammar import check_grammar, exact_schema_text
-from radixserve.engine.schema_forms import UNIQUE_LIMIT
-from radixserve.engine.schema_rewrite import rewrite_schema
-from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
+from radixserve.structured.grammar import check_grammar, exact_schema_text
+from radixserve.structured.schema_forms import UNIQUE_LIMIT
+from radixserve.structured.schema_rewrite import rewrite_schema
+from radixserve.structured.schema_support import UnsupportedSchema, check_schema_support
 
 INT = {"type": "integer"}
 STR = {"type": "string"}

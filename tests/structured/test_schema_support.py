@@ -12,8 +12,8 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from radixserve.engine.grammar import check_grammar
-from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
+from radixserve.structured.grammar import check_grammar
+from radixserve.structured.schema_support import UnsupportedSchema, check_schema_support
 
 OBJ = {"type": "object"}
 INT = {"type": "integer"}

@@ -21,7 +21,7 @@ alternative; see docs/structured-output.md).
   is dropped with its request (finish, abort, failure).
 
 Jump forward: where the grammar forces the next characters (a key, a bracket, a fixed
-string), ``forced_tokens`` proposes tokens for them (``drafts.py``: the model's remembered
+string), ``forced_tokens`` proposes tokens for them (``jump_forward.py``: the model's remembered
 spelling of that text, else the tokenizer's encoding) and the request appends them as a
 *draft* (``Request.add_draft``), computed in the next step with the token before it, a row
 each. ``apply_masks`` fills each row's mask with the matcher moved tentatively over the
@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from radixserve.engine.drafts import Drafter, Drafting
-from radixserve.engine.regex_support import pattern_problem
-from radixserve.engine.schema_rewrite import SchemaRewrite
-from radixserve.engine.schema_support import UnsupportedSchema, check_schema_support
+from radixserve.structured.jump_forward import Drafter, Drafting
+from radixserve.structured.regex_support import pattern_problem
+from radixserve.structured.schema_rewrite import SchemaRewrite
+from radixserve.structured.schema_support import UnsupportedSchema, check_schema_support
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 256

@@ -39,9 +39,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.engine.regex_support import pattern_problem
-from radixserve.engine.schema_rewrite import SchemaRewrite
-from radixserve.engine.schema_types import (
+from radixserve.structured.regex_support import pattern_problem
+from radixserve.structured.schema_rewrite import SchemaRewrite
+from radixserve.structured.schema_types import (
     ALL_TYPES,
     APPLIES,
     SchemaTypes,
