@@ -154,15 +154,21 @@ def letters_state(drafter=None):
 
     import xgrammar as xgr
 
-    from radixserve.structured.grammar import GrammarState, GrammarStats
+    from radixserve.structured.grammar import Compiled, GrammarState, GrammarStats
     from radixserve.structured.jump_forward import Drafter
+    from radixserve.structured.xgrammar_backend import XGrammarMatcher
+
+    class Vocabulary:
+        def matcher(self, grammar):
+            return XGrammarMatcher(grammar)
 
     info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[len(VOCAB) - 1])
     compiled = Future()
-    compiled.set_result(xgr.GrammarCompiler(info).compile_regex(LETTERS))
+    grammar = xgr.GrammarCompiler(info).compile_regex(LETTERS)
+    compiled.set_result(Compiled("xgrammar", grammar, Vocabulary()))
     drafter = drafter or Drafter(Letters(), [len(VOCAB) - 1], [t.encode() for t in VOCAB])
     state = GrammarState(compiled, drafter, GrammarStats())
-    state.matcher.accept_token(0)
+    state.matcher.accept(0)
     return state, drafter
 
 
@@ -191,7 +197,7 @@ def test_tokenizer_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
     for _ in range(DRAFT_PAUSE):  # after a draft cut at its first token: paused
         assert state.forced_tokens(64) == []
         state.fill_rows(bitmask, 0, [])
-        state.settle(0, 0, VOCAB.index(state.matcher.find_jump_forward_string()[0]))
+        state.settle(0, 0, VOCAB.index(state.matcher.forced_bytes().decode()[0]))
     assert len(state.forced_tokens(64)) == 2
 
 
