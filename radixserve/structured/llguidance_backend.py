@@ -160,6 +160,7 @@ class LLGuidanceVocabulary:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         import llguidance.hf
 
+        self._stops = frozenset(stop_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
         )
@@ -174,19 +175,26 @@ class LLGuidanceVocabulary:
         return matcher
 
     def matcher(self, compiled: Any) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy())
+        return LLGuidanceMatcher(compiled.deep_copy(), self._stops)
 
 
 class LLGuidanceMatcher:
-    def __init__(self, matcher: Any):
-        self._m = matcher
+    def __init__(self, matcher: Any, stops: frozenset[int]):
+        self._m, self._stops = matcher, stops
+        self._ended = False  # an end token was accepted (xgrammar's "terminated" too)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         words = bitmask[row]
         self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def accept(self, token: int) -> bool:
-        return self._m.try_consume_tokens([token]) == 1
+        if self._m.is_stopped():  # complete: its try/validate calls refuse even the end here
+            self._ended = token in self._stops and self._m.consume_token(token)
+            return self._ended
+        if self._m.try_consume_tokens([token]) != 1:
+            return False
+        self._ended = token in self._stops
+        return True
 
     def rollback(self, count: int) -> None:
         self._m.rollback(count)
@@ -196,4 +204,4 @@ class LLGuidanceMatcher:
 
     @property
     def terminated(self) -> bool:
-        return self._m.is_stopped()
+        return self._ended
