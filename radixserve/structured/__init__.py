@@ -14,9 +14,9 @@ What the rest of radixserve calls (nothing imports the modules below directly):
 Inside: ``grammar`` (the backend choice, compilation, matcher state, masks), ``backend`` (the
 interface of a grammar engine), ``xgrammar_backend`` and ``llguidance_backend`` (the two
 engines, tried in that order), ``jump_forward`` (grammar-forced tokens proposed as a draft),
-``schema_walk`` (the sub-schemas of a document), ``schema_support`` / ``schema_rewrite`` / ``schema_forms`` /
-``schema_merge`` / ``schema_types`` (which JSON Schemas are enforced exactly, and exact
-rewrites of some that are not), ``regex_support``.
+``schema_walk`` (the sub-schemas of a document), ``schema_support`` / ``schema_rewrite`` /
+``schema_forms`` / ``schema_merge`` / ``schema_types`` (which JSON Schemas xgrammar enforces
+exactly, and exact rewrites of some that it does not), ``regex_support``.
 """
 
 from radixserve.structured.grammar import (

@@ -48,7 +48,7 @@ from radixserve.structured.backend import Backend, Matcher, Vocabulary, allocate
 from radixserve.structured.jump_forward import Drafter, Drafting
 from radixserve.structured.llguidance_backend import LLGuidanceBackend
 from radixserve.structured.schema_support import UnsupportedSchema
-from radixserve.structured.xgrammar_backend import XGrammarBackend, XGrammarVocabulary
+from radixserve.structured.xgrammar_backend import XGrammarBackend
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 DEFAULT_CACHE_SIZE = 256

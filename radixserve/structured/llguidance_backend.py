@@ -41,7 +41,7 @@ KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "ho
 DRAFTS = {f"https://json-schema.org/draft-0{n}/schema": f"http://json-schema.org/draft-0{n}/schema#"
           for n in (4, 6, 7)}  # fmt: skip
 OPTIONS = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False}
-_KEYS = re.compile(r'Unimplemented keys: \[(.*)\]')
+_KEYS = re.compile(r"Unimplemented keys: \[(.*)\]")
 
 
 def _tidy(s: dict) -> dict:

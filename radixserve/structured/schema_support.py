@@ -283,8 +283,10 @@ def repeated_keys_problem(s: dict) -> str | None:
     required = {n for n in s.get("required") or [] if isinstance(n, str) and n in names}
     closed = s.get("additionalProperties") is False and not s.get("patternProperties")
     if _num(low) and not closed and low - len(required) >= 2:
-        return ("minProperties that keys matched by additionalProperties or patternProperties "
-                "must meet is not supported (such a key may repeat)")
+        return (
+            "minProperties that keys matched by additionalProperties or patternProperties "
+            "must meet is not supported (such a key may repeat)"
+        )
     return None
 
 

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 # keywords whose value is one schema / a list of schemas / a map of names to schemas
-ONE = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames", "not",
-       "if", "then", "else", "unevaluatedItems", "unevaluatedProperties", "contentSchema")  # fmt: skip
+ONE = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames",
+       "not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties",
+       "contentSchema")  # fmt: skip
 MANY = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
          "dependencies")  # fmt: skip

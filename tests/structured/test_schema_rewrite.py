@@ -27,6 +27,7 @@ xgrammar_check = XGrammarBackend().prepare  # what xgrammar compiles, or its ref
 def exact_schema_text(text: str) -> str:
     return xgrammar_check("json_schema", text)
 
+
 INT = {"type": "integer"}
 STR = {"type": "string"}
 DEFS_AB = {  # two object shapes told apart by "kind"
