@@ -20,7 +20,8 @@ beside optional properties are errors, not warnings, as long as its ``lenient`` 
   draft's ``$schema`` (which it would try to fetch) is read as that draft.
 
 A refusal names the construct's path in the schema, found from llguidance's message
-(``_locate``). JSON is compact, as with xgrammar.
+(``_refusal``). JSON is written as xgrammar writes it: no free whitespace, ", " and ": "
+between items and after keys.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "ho
                            "ipv4", "ipv6", "uuid", "uri", "unknown"})  # fmt: skip
 DRAFTS = {f"https://json-schema.org/draft-0{n}/schema": f"http://json-schema.org/draft-0{n}/schema#"
           for n in (4, 6, 7)}  # fmt: skip
-OPTIONS = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False}
+# xgrammar's compact separators, so an output reads the same whichever backend wrote it
+OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+           "lenient": False, "coerce_one_of": False}  # fmt: skip
 _KEYS = re.compile(r"Unimplemented keys: \[(.*)\]")
 
 

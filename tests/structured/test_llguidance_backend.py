@@ -91,7 +91,7 @@ def test_repeatable_keys_under_min_properties_are_refused_because_they_repeat(de
     tokenizer = LLGuidanceBackend().vocabulary(default_tokenizer.hf, 49152, [2])._tokenizer
     raw = llg.LLMatcher.grammar_from_json_schema(json.dumps(REPEATED), overrides=OPTIONS)
     matcher = llg.LLMatcher(tokenizer, raw, log_level=0)
-    witness = '{"a":1,"a":2}'  # the grammar takes it, the schema does not (one key once parsed)
+    witness = '{"a": 1, "a": 2}'  # the grammar takes it, the schema does not (one key once parsed)
     assert matcher.try_consume_tokens(tokenizer.tokenize_str(witness)) > 0
     assert matcher.is_accepting()
     with pytest.raises(jsonschema.ValidationError):
@@ -165,11 +165,11 @@ def test_masks_of_draft_rows_are_the_masks_of_single_steps(vocabulary, default_t
     stats = GrammarStats()
     drafter = Drafter(tok, [2], [tok.decode([t]).encode() for t in range(len(tok))])
     state = GrammarState(future, drafter, stats)
-    prefix = tok.encode('{"repository_name":"ab', add_special_tokens=False)
+    prefix = tok.encode('{"repository_name": "ab', add_special_tokens=False)
     for t in prefix:
         state.fill_rows(allocate_bitmask(1, 49152), 0, [])
         state.settle(0, 0, t)
-    draft = tok.encode('c","default_branch_name":"', add_special_tokens=False)
+    draft = tok.encode('c", "default_branch_name": "', add_special_tokens=False)
     mask = allocate_bitmask(len(draft) + 1, 49152)
     state.fill_rows(mask, 0, draft)
     single = compiled(vocabulary, schema).matcher()
@@ -184,6 +184,6 @@ def test_masks_of_draft_rows_are_the_masks_of_single_steps(vocabulary, default_t
     state.settle(len(draft), 2, draft[2])  # two kept, then the third drawn: rolled back to it
     assert stats.drafted_tokens == len(draft) and stats.forced_tokens == 2
     assert stats.llguidance_requests == 1
-    rest = tok.encode('c","default_branch_name":"', add_special_tokens=False)[3:]
+    rest = tok.encode('c", "default_branch_name": "', add_special_tokens=False)[3:]
     assert all(state.matcher.accept(t) for t in rest)
     assert state.matcher.forced_bytes() == b""  # main or trunk: the model chooses
