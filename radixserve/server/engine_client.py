@@ -8,23 +8,24 @@ request, so a rejected one becomes an HTTP 400 before any streaming starts.
 
 If the engine process dies (a crash, ``kill -9``, the OOM killer), every request in flight
 fails at once with ``EngineDeadError`` (a short message; the engine's traceback, if it sent
-one, goes to the log), and a new engine is started after a backoff (0.5 s, doubling). At
-most ``max_restarts`` restarts within ``RESTART_WINDOW_S``; past that the client gives up,
-``dead`` says why, and ``on_give_up`` is called so the server can exit non-zero for a
-supervisor to act. Each engine gets fresh sockets: nothing sent to a dead one reaches the
-next. Sends never block: with no engine to take a message, the request fails at once.
+one, goes to the log), and a new engine is started under ``ENGINE_RESTARTS``
+(``restart_policy.py``: a backoff from 0.5 s, doubling). At most ``max_restarts`` restarts
+within its window; past that the client gives up, ``dead`` says why, and ``on_give_up`` is
+called so the server can exit non-zero for a supervisor to act. Each engine gets fresh
+sockets: nothing sent to a dead one reaches the next. Sends never block: with no engine to
+take a message, the request fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine import StepOutput
 from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.restart_policy import RestartPolicy, Restarts
 from radixserve.server.engine_process import run_engine_process
 from radixserve.server.messages import (
     Abort,
@@ -54,8 +56,8 @@ from radixserve.server.messages import (
 
 log = logging.getLogger("radixserve.server")
 
-RESTART_WINDOW_S = 600.0
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
+ENGINE_RESTARTS = RestartPolicy(backoff_s=0.5, max_backoff_s=30.0, window_s=600.0,
+                                limit_name="--engine-restarts")  # fmt: skip
 POLL_MS = 200
 START_TIMEOUT_S = 600.0
 DIED = "the engine process failed while this request ran; it is being restarted"
@@ -86,12 +88,13 @@ class EngineClient:
         self._pending: dict[Any, asyncio.Future] = {}
         self._calls = itertools.count()
         self._supervisor: asyncio.Task | None = None
-        self._restart_times: deque[float] = deque()
+        self._restarts = Restarts(
+            dataclasses.replace(ENGINE_RESTARTS, max_restarts=max_restarts), "the engine", log
+        )
         self.info: EngineInfo | None = None
         self.pid: int | None = None  # the engine process's, as it reported when ready
         self.state = "starting"  # starting, ready, restarting, dead
         self.dead: str | None = None  # why the client gave up
-        self.num_restarts = 0
 
     # ------------------------------------------------------------------ life cycle
     @property
@@ -176,34 +179,21 @@ class EngineClient:
             if not await self._restart():
                 return
 
+    @property
+    def num_restarts(self) -> int:
+        return self._restarts.count
+
     async def _restart(self) -> bool:
+        cause = "died"
         while True:
-            now = time.monotonic()
-            while self._restart_times and self._restart_times[0] < now - RESTART_WINDOW_S:
-                self._restart_times.popleft()
-            recent = len(self._restart_times)
-            if recent >= self.max_restarts:
-                self.state = "dead"
-                self.dead = (
-                    f"the engine died and {recent} restart(s) within {RESTART_WINDOW_S:.0f} s "
-                    "used up the limit (--engine-restarts); giving up"
-                )
-                log.critical(self.dead)
+            delay = self._restarts.schedule(time.monotonic(), cause)
+            if delay is None:
+                self.state, self.dead = "dead", self._restarts.gave_up
                 if self.on_give_up is not None:
                     self.on_give_up()
                 return False
             self.state = "restarting"
-            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**recent)
-            log.warning(
-                "restarting the engine in %.1f s (restart %d of at most %d within %.0f s)",
-                delay,
-                recent + 1,
-                self.max_restarts,
-                RESTART_WINDOW_S,
-            )
             await asyncio.sleep(delay)
-            self._restart_times.append(time.monotonic())
-            self.num_restarts += 1
             if self._process is not None and self._process.is_alive():
                 self._process.kill()
             if self._process is not None:
@@ -213,6 +203,7 @@ class EngineClient:
                 self.info = await self._wait_ready(START_TIMEOUT_S)
             except EngineDeadError as e:
                 log.error("the restarted engine did not come up: %s", e)
+                cause = "did not come back"
                 continue
             self.state = "ready"
             log.warning("the engine is back (pid %s)", self.pid)

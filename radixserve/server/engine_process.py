@@ -239,7 +239,7 @@ def _leave_shutdown_to_the_server() -> None:
     """Ignore the SIGINT and SIGTERM meant for the whole server: a terminal's Ctrl-C and
     ``kill -TERM -PGID`` signal the process group, systemd's stop the whole cgroup. The
     server drains its running requests (which need this engine) and then sends
-    ``shutdown``. A SIGTERM once the server is gone (``_die_with_parent``) still ends this
+    ``shutdown``. A SIGTERM once the server is gone (``die_with_parent``) still ends this
     process, through the clean-up below."""
     parent = os.getppid()
 
@@ -251,7 +251,7 @@ def _leave_shutdown_to_the_server() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, however it dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -265,7 +265,7 @@ def run_engine_process(
     """Entry point of the spawned process (which inherits no logging set-up: redo it)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(message)s")
     _leave_shutdown_to_the_server()
-    _die_with_parent()
+    die_with_parent()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)

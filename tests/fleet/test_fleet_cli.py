@@ -3,7 +3,7 @@
 import pytest
 
 from radixserve.cli import main
-from radixserve.server.dp_launch import child_argv
+from radixserve.fleet.dp_launch import child_argv
 
 
 @pytest.mark.parametrize(
