@@ -3,8 +3,13 @@
 Starts the engine in its own (spawned) process, connected by two ZeroMQ IPC sockets in a
 private temporary directory (so several servers share a machine). One background task reads
 everything the engine sends and routes it: step outputs to each request's queue, replies to
-waiting futures, stats to the metrics. ``add`` resolves only once the engine accepted the
-request, so a rejected one becomes an HTTP 400 before any streaming starts.
+waiting futures, stats to the metrics. ``add`` sends all the engine requests of one HTTP
+request in one message, so the engine reads them between the same two steps and the
+scheduler admits them together (the choices of ``n`` are prefilled in one step; past the
+scheduler's in-flight prefix threshold, the prompt is computed once and the other choices
+start together one step later, from the cache). It resolves only once the engine took them
+all, so a rejected one becomes an HTTP 400 before any streaming starts, with none of its
+siblings left running. A caller that gives up waiting (cancelled) aborts them all.
 
 If the engine process dies (a crash, ``kill -9``, the OOM killer), every request in flight
 fails at once with ``EngineDeadError`` (a short message; the engine's traceback, if it sent
@@ -233,9 +238,9 @@ class EngineClient:
                         del self._queues[out.request_id]
             self.on_stats(msg.stats, msg.after_step)
         elif isinstance(msg, Added | Rejected):
-            fut = self._pending.pop(("add", msg.request_id), None)
+            fut = self._pending.pop(("add", tuple(msg.request_ids)), None)
             if fut is not None and not fut.done():
-                fut.set_result(msg.message if isinstance(msg, Rejected) else None)
+                fut.set_result(msg if isinstance(msg, Rejected) else None)
         elif isinstance(msg, RpcReply):
             self.on_stats(msg.stats, False)
             fut = self._pending.pop(("rpc", msg.call_id), None)
@@ -270,30 +275,44 @@ class EngineClient:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True
 
-    async def add(self, spec: RequestSpec, queue: asyncio.Queue, tag: Any = None) -> None:
-        """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
-        Raises ``ValueError`` with the engine's message if the engine rejects it, and
-        ``EngineDeadError`` if there is no engine to take it."""
+    async def add(self, specs: list[RequestSpec], queue: asyncio.Queue) -> None:
+        """Queue the engine requests of one HTTP request, together; their outputs arrive in
+        ``queue`` as ``(index in specs, StepOutput)``. Raises ``ValueError`` with the engine's
+        message if it refuses any of them (then none runs), and ``EngineDeadError`` if there
+        is no engine to take them."""
         self._check_ready()
-        rid = spec.request_id
-        # the engine's step trace records when the request left here
+        ids = [spec.request_id for spec in specs]
+        # the engine's step trace records when the requests left here
         sent_at = time.monotonic() if self.config.step_trace else None
         try:
-            data = encode(AddRequest(spec, sent_at))
+            data = encode(AddRequest(specs, sent_at))
         except OverflowError as e:  # an integer past 64 bits: only token ids can be one
             vocab = self.info.vocab_size if self.info is not None else None
             raise ValueError(f"prompt token ids must be in [0, {vocab})") from e
+        key = ("add", tuple(ids))
         fut = asyncio.get_running_loop().create_future()
-        self._pending[("add", rid)] = fut
-        self._queues[rid] = (queue, tag)
+        self._pending[key] = fut
+        for i, rid in enumerate(ids):
+            self._queues[rid] = (queue, i)
         if not self._send(data):
-            self._pending.pop(("add", rid), None)
-            self._queues.pop(rid, None)
+            self._forget(key, ids)
             raise EngineDeadError("the engine is not taking requests; retry shortly")
-        error = await fut
-        if error is not None:
+        try:
+            rejected = await fut
+        except asyncio.CancelledError:  # nobody waits for them any more
+            self._forget(key, ids)
+            for rid in ids if self.ready else ():
+                self._send(Abort(rid, "abort"))  # after the add, on the same socket
+            raise
+        if rejected is not None:
+            self._forget(key, ids)
+            log.debug("request %s refused: %s", ids[rejected.index], rejected.message)
+            raise ValueError(rejected.message)
+
+    def _forget(self, key: tuple, request_ids: list[str]) -> None:
+        self._pending.pop(key, None)
+        for rid in request_ids:
             self._queues.pop(rid, None)
-            raise ValueError(error)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.ready:
