@@ -129,7 +129,19 @@ def _refusal(schema: Any, message: str) -> UnsupportedSchema:
         path = find_keyword(schema, lambda s: "$ref" if _refers(s, target) else None)
         return UnsupportedSchema(path or "", f"a $ref to {target}, outside the schema, is not "
                                  "supported")  # fmt: skip
+    if first.startswith("circular references with sibling keys"):
+        pointer = first.rsplit("#", 1)[-1].strip("/")  # the definition referred to
+        path = find_keyword(schema, lambda s: "$ref" if _points_to(s, pointer) else None)
+        return UnsupportedSchema(path or "", "a $ref with keywords beside it, in a cycle of "
+                                 f"references to #/{pointer}, is not supported")  # fmt: skip
     return UnsupportedSchema("", first)
+
+
+def _points_to(s: dict, pointer: str) -> bool:
+    ref = s.get("$ref")
+    beside = set(s) - {"$ref", "$defs", "definitions", "$schema", "$id", "id", "$comment",
+                       "title", "description", "default", "examples"}  # fmt: skip
+    return isinstance(ref, str) and ref.split("#")[-1].strip("/") == pointer and bool(beside)
 
 
 def _pattern_refusal(schema: Any, message: str) -> UnsupportedSchema:
