@@ -8,14 +8,15 @@ backends together as the server judges it (``choose_backend``: xgrammar, else ll
 A schema is *compiled* (a backend enforces it exactly), *refused* (valid, but no backend
 enforces it: the server's 400, counted by the keyword it names) or *invalid* (the grammar
 engines reject it as a schema). Then, with ``--outputs K`` > 0, the first K schemas of each
-split that the two together compile (under ``--max-schema-bytes``, without a ``$ref`` to
-another document) each get one greedy chat request for a JSON document through one
+split that each backend enforces (of ``--backends``; under ``--max-schema-bytes``, without a
+``$ref`` to another document) each get one greedy chat request for a JSON document through one
 in-process engine (the default model unless ``--model``), ``--streams`` at a time, and
 every completed output (finish "stop") must parse and validate against its schema with
 ``jsonschema`` (formats as annotations, its default); ``max_tokens`` cut-offs are counted
 apart, by backend. Prints one JSON line.
 
-    python -m benchmarks.engine.bench_schema_coverage --outputs 4
+    python -m benchmarks.engine.bench_schema_coverage --outputs 4 --backends xgrammar
+    python -m benchmarks.engine.bench_schema_coverage --outputs 3 --backends llguidance
 """
 
 from __future__ import annotations
@@ -95,11 +96,11 @@ def outputs(args, verdicts) -> dict:
 
     chosen, taken = [], Counter()
     for row, text, both in verdicts:
-        if both not in ("xgrammar", "llguidance") or len(text) > args.max_schema_bytes:
+        if both not in args.backends or len(text) > args.max_schema_bytes:
             continue
-        if '"$ref": "http' in text or taken[row["split"]] >= args.outputs:
+        if '"$ref": "http' in text or taken[row["split"], both] >= args.outputs:
             continue
-        taken[row["split"]] += 1
+        taken[row["split"], both] += 1
         chosen.append((row, text, both))
     engine = Engine(EngineConfig.from_options(model=args.model, load_progress=False,
                                               jump_forward_max_batch=2))  # fmt: skip
@@ -111,7 +112,7 @@ def outputs(args, verdicts) -> dict:
     _, outs, reasons = run_pass(engine, prompts, schemas, args.max_tokens, args.streams, True)
     engine.check_integrity()
     result = {}
-    for backend in ("xgrammar", "llguidance"):
+    for backend in args.backends:
         ids = [i for i, (_, _, b) in enumerate(chosen) if b == backend]
         result[backend] = {"run": len(ids), **check_outputs(
             tok, {i: outs[i] for i in ids}, reasons, schemas)}  # fmt: skip
@@ -121,7 +122,10 @@ def outputs(args, verdicts) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--outputs", type=int, default=0, help="schemas per split to generate for")
+    ap.add_argument("--outputs", type=int, default=0,
+                    help="schemas per split and backend to generate for")  # fmt: skip
+    ap.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"],
+                    help="generate for the schemas these backends enforce")  # fmt: skip
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--max-schema-bytes", type=int, default=8000)
