@@ -2,7 +2,7 @@
 
 A request may carry a grammar (``RequestSpec.grammar``: a ``(kind, text)`` pair, kinds in
 ``GRAMMAR_KINDS``). Two grammar engines stand behind ``backend.Backend``: xgrammar
-(``xgrammar_backend``, every kind, about 50x cheaper masks) and llguidance
+(``xgrammar_backend``, every kind, masks about 15x cheaper) and llguidance
 (``llguidance_backend``, JSON Schemas only). ``choose_backend`` picks, deterministically
 from the grammar alone: xgrammar where it enforces the whole grammar, else llguidance where
 it does, else ``UnsupportedSchema`` naming the construct (never an unconstrained request).
