@@ -39,6 +39,7 @@ from radixserve.server.responses import (
     chat_response,
     completion_response,
 )
+from radixserve.server.responses_api import add_responses_routes
 from radixserve.server.segments import encode_chat_segments, encode_segments
 from radixserve.server.serving import Job, Serving
 
@@ -64,6 +65,7 @@ def create_app(
     add_info_routes(app, client, served_model_name, sampling)
     add_openai_routes(app, serving, tokenizer, served_model_name, sampling.values)
     add_messages_routes(app, serving, tokenizer, served_model_name, sampling.values)
+    add_responses_routes(app, serving, tokenizer, served_model_name, sampling.values)
     add_generate_route(app, serving, tokenizer, sampling.values)
     add_admin_routes(app, client, tokenizer, config, metrics)
     return app
