@@ -45,9 +45,13 @@ def test_the_agent_apis_route_on_the_prompt_the_worker_renders(default_tokenizer
     chat = {"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "Hi"}],
             "tools": [{"type": "function", "function": fn}]}  # fmt: skip
-    messages = {"model": "m", "max_tokens": 5, "system": "Be brief.",
-                "messages": [{"role": "user", "content": "Hi"}],
-                "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}]}
+    messages = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+    }
     responses = {"instructions": "Be brief.", "input": "Hi", "tools": [{"type": "function", **fn}]}
     ids = prompt_ids("/v1/chat/completions", chat, default_tokenizer)
     assert ids and prompt_ids("/v1/messages", messages, default_tokenizer) == ids
