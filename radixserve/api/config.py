@@ -44,7 +44,7 @@ class ServerConfig:
     max_request_sequences: int = 64  # prompts x n in one request
     max_queued_requests: int = 256  # sequences waiting beyond the running batch
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running requests
-    engine_restarts: int = 3  # restarts of a dead engine within RESTART_WINDOW_S, then exit
+    engine_restarts: int = 3  # restarts of a dead engine within ten minutes, then exit
     default_sampling: dict[str, Any] = field(default_factory=dict)  # overrides the model's
     stored_responses: int = 1024  # per tenant, for the Responses API's previous_response_id
 
