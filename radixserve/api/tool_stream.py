@@ -4,9 +4,9 @@ three APIs (chat completions, Messages, Responses), streamed or not.
 With ``tool_choice: auto`` a call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 (the Qwen/Hermes convention ``tools.py`` renders), and text before, between and after calls
 streams as it comes, holding back only what could be the start of ``<tool_call>``. Small
-models often answer with the call alone and no tags, as a bare JSON object or in a ```` ```json````
-fence: an output that is exactly one such object naming a tool in the request is a call too,
-so a tool loop gets a call and not a call dressed as text. A block that does not parse as a
+models often answer with the call and no tags, as a bare JSON object or in a ```` ```json````
+fence: an output that starts with one such object naming a tool in the request makes a call
+too (what follows it stays text), so a tool loop gets a call and not a call dressed as text. A block that does not parse as a
 call (malformed JSON, no name) falls back to text, never an error. Under a grammar
 (``required``, a named tool) the output is the call itself (one JSON object, or an array with
 parallel calls), parsed when it ends; cut short by ``max_tokens`` it is text.
@@ -126,10 +126,10 @@ class ToolStream:
             return calls[: None if self.parallel else 1]
         out: list[Piece] = []
         if self.bare:
-            call = self._bare_call(self.buf)
+            call, rest = self._bare_call(self.buf)
             if call is not None:
-                self.buf = ""
-                return [call]
+                self.buf, self.after_call, self.calls = "", True, 1
+                return [call, *self._text(rest, final=True)]
             self.bare = False
             out = self.feed("")
         text, self.buf = self.buf, ""
@@ -143,9 +143,18 @@ class ToolStream:
             return True
         return any(text[: len(c)] == c[: len(text)] for c in ("```json", "```\n{"))
 
-    def _bare_call(self, text: str) -> Call | None:
-        fenced = _FENCE.match(text.strip())
-        return as_call(_loads(fenced.group(1) if fenced else text), self.names)
+    def _bare_call(self, text: str) -> tuple[Call | None, str]:
+        """The call an output starting with one (bare or fenced) makes, and the text after
+        it (a small model may go on to imagine the tool's result)."""
+        text = text.strip()
+        fenced = _FENCE.match(text)
+        if fenced:
+            return as_call(_loads(fenced.group(1)), self.names), ""
+        try:
+            value, end = json.JSONDecoder().raw_decode(text)
+        except (json.JSONDecodeError, RecursionError):
+            return None, text
+        return as_call(value, self.names), text[end:]
 
     def _call_block(self, body: str, raw: str) -> list[Piece]:
         call = as_call(_loads(body.strip()))
