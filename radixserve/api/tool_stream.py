@@ -6,8 +6,9 @@ With ``tool_choice: auto`` a call is ``<tool_call>{"name": ..., "arguments": {..
 streams as it comes, holding back only what could be the start of ``<tool_call>``. Small
 models often answer with the call and no tags, as a bare JSON object or in a ```` ```json````
 fence: an output that starts with one such object naming a tool in the request makes a call
-too (what follows it stays text), so a tool loop gets a call and not a call dressed as text. A block that does not parse as a
-call (malformed JSON, no name) falls back to text, never an error. Under a grammar
+too (what follows it stays text), so a tool loop gets a call and not a call dressed as text.
+A block that does not parse as a call (malformed JSON, no name) falls back to text, never an
+error. Under a grammar
 (``required``, a named tool) the output is the call itself (one JSON object, or an array with
 parallel calls), parsed when it ends; cut short by ``max_tokens`` it is text.
 
