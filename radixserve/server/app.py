@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from radixserve.api.config import ServerConfig
 from radixserve.api.errors import ApiError, install_error_handlers
@@ -28,7 +28,7 @@ from radixserve.api.protocol import (
 from radixserve.model.generation_defaults import GenerationDefaults
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.admin_routes import add_admin_routes
-from radixserve.server.chat_run import SSE_HEADERS, check_model, request_spec, start
+from radixserve.server.chat_run import check_model, request_spec, sse_response, start
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.messages_api import add_messages_routes
 from radixserve.server.metrics import Metrics
@@ -101,11 +101,7 @@ def add_openai_routes(
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             s = ChatStream(served_model_name, tokenizer, want_lp, include_usage, tools=chat.plan)
-            return StreamingResponse(
-                serving.stream(job, queue, s.chunks, s.final),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return sse_response(serving.stream(job, queue, s.chunks, s.final))
         await serving.wait(job, queue, raw)
         return chat_response(job, served_model_name, tokenizer, want_lp, chat.plan)
 
@@ -122,11 +118,7 @@ def add_openai_routes(
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             s = CompletionStream(served_model_name, tokenizer, want_lp, include_usage, len(prompts))
-            return StreamingResponse(
-                serving.stream(job, queue, s.chunks, s.final),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return sse_response(serving.stream(job, queue, s.chunks, s.final))
         await serving.wait(job, queue, raw)
         return completion_response(job, served_model_name, tokenizer, want_lp, len(prompts))
 
@@ -150,11 +142,7 @@ def add_generate_route(
         spec = request_spec(raw, body.cache_salt, **options)
         job, queue = await serving.submit("gen", [ids], [params], spec)
         if body.stream:
-            return StreamingResponse(
-                serving.stream(job, queue, native_chunks, lambda _: []),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return sse_response(serving.stream(job, queue, native_chunks, lambda _: []))
         await serving.wait(job, queue, raw)
         return native_result(job, full=True)
 

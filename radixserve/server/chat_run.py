@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from radixserve.api.chat_input import ChatInput
 from radixserve.api.errors import ApiError
 from radixserve.api.guard import cache_namespace
+from radixserve.api.tool_stream import Piece, Text, ToolStream
+from radixserve.engine.output import OutputTracker
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
 from radixserve.model.tokenizer import Tokenizer
@@ -80,3 +84,19 @@ def warning_headers(chat: ChatInput) -> dict[str, str]:
     if not chat.notes:
         return {}
     return {WARNING_HEADER: "; ".join(chat.notes).encode("ascii", "replace").decode()}
+
+
+def new_pieces(parser: ToolStream | None, tracker: OutputTracker) -> list[Piece]:
+    """The text and tool calls of what ``tracker`` has not given out yet (all text, with no
+    tools in play); the parser's rest once the output ended."""
+    text = tracker.take_stream_delta()[0]
+    if parser is None:
+        return [Text(text)] if text else []
+    return parser.feed(text) + (parser.finish() if tracker.finished else [])
+
+
+def sse_response(events: AsyncIterator[str], headers: dict[str, str] | None = None):
+    """A streamed answer: server-sent ``events`` (``Serving.stream``)."""
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})}
+    )

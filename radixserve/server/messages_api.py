@@ -20,13 +20,20 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from radixserve.api.anthropic import CountTokensRequest, MessagesRequest
 from radixserve.api.tool_stream import Call, Piece, Text
 from radixserve.api.tools import ToolPlan, call_id
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.chat_run import SSE_HEADERS, check_model, encode, start, warning_headers
+from radixserve.server.chat_run import (
+    check_model,
+    encode,
+    new_pieces,
+    sse_response,
+    start,
+    warning_headers,
+)
 from radixserve.server.serving import Job, Serving, Wire
 
 MESSAGES_PATH = "/v1/messages"
@@ -61,11 +68,7 @@ class MessageEncoder:
         if not self.started:
             self.started = True
             out += [{"type": "message_start", "message": self._body(job, None)}, {"type": "ping"}]
-        text = t.take_stream_delta()[0]
-        if self.parser is None:
-            pieces: list[Piece] = [Text(text)] if text else []
-        else:
-            pieces = self.parser.feed(text) + (self.parser.finish() if t.finished else [])
+        pieces = new_pieces(self.parser, t)
         for piece in pieces:
             out += self._piece(piece)
         if t.finished:
@@ -162,10 +165,8 @@ def add_messages_routes(
         encoder = MessageEncoder(served_model_name, chat.plan)
         headers = warning_headers(chat)
         if body.stream:
-            return StreamingResponse(
-                serving.stream(job, queue, encoder.events, lambda _: [], WIRE),
-                media_type="text/event-stream",
-                headers={**SSE_HEADERS, **headers},
+            return sse_response(
+                serving.stream(job, queue, encoder.events, lambda _: [], WIRE), headers
             )
         await serving.wait(job, queue, raw)
         return JSONResponse(encoder.message(job), headers=headers)

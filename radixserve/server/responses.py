@@ -15,6 +15,7 @@ from radixserve.api.tool_stream import Text, ToolStream
 from radixserve.api.tools import ToolPlan, openai_call
 from radixserve.engine.request import TokenLogprob
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.chat_run import new_pieces
 from radixserve.server.serving import Job
 
 
@@ -219,8 +220,7 @@ class ChatStream(_Stream):
         """Text as it comes and each call once whole (``api/tool_stream.py``)."""
         t = job.trackers[index]
         parser = self.parsers.setdefault(index, self.tools.stream())
-        pieces = parser.feed(t.take_stream_delta()[0])
-        pieces += parser.finish() if t.finished else []
+        pieces = new_pieces(parser, t)
         deltas = []
         for piece in pieces:
             if isinstance(piece, Text):

@@ -20,14 +20,14 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from radixserve.api.errors import ApiError
 from radixserve.api.responses_api import ResponsesRequest
-from radixserve.api.tool_stream import Call, Piece, Text
+from radixserve.api.tool_stream import Call, Text
 from radixserve.api.tools import ToolPlan, call_id
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.chat_run import SSE_HEADERS, check_model, start, warning_headers
+from radixserve.server.chat_run import check_model, new_pieces, sse_response, start, warning_headers
 from radixserve.server.response_store import ResponseStore, StoredResponse
 from radixserve.server.serving import Job, Serving, Wire
 
@@ -102,11 +102,7 @@ class ResponseEncoder:
                 self._event("response.created", response=base),
                 self._event("response.in_progress", response=base),
             ]
-        text = t.take_stream_delta()[0]
-        if self.parser is None:
-            pieces: list[Piece] = [Text(text)] if text else []
-        else:
-            pieces = self.parser.feed(text) + (self.parser.finish() if t.finished else [])
+        pieces = new_pieces(self.parser, t)
         for piece in pieces:
             out += self._text(piece) if isinstance(piece, Text) else self._call(piece)
         if t.finished:
@@ -297,11 +293,7 @@ def add_responses_routes(
                     keep(out[-1]["response"])
                 return out
 
-            return StreamingResponse(
-                serving.stream(job, queue, events, lambda _: [], wire),
-                media_type="text/event-stream",
-                headers={**SSE_HEADERS, **headers},
-            )
+            return sse_response(serving.stream(job, queue, events, lambda _: [], wire), headers)
         await serving.wait(job, queue, raw)
         response = encoder.response(job)
         keep(response)
