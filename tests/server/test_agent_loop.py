@@ -93,15 +93,18 @@ MAX_ROUNDS = 5
 @pytest.mark.slow
 def test_anthropic_sdk_tool_loop_streams_and_ends_with_an_answer(qwen_server):
     """Claude-style: streamed messages with tools through the ``anthropic`` client; a call is
-    forced in the first round, then the model chooses; the session ends with text, every
-    round's prompt served from the cache up to what the previous round sent."""
+    forced in the first round, then the model chooses, and a last round (``none``) asks for
+    the answer, as agents do at their limit; the session ends with text that is not a call,
+    every round's prompt served from the cache up to what the previous round sent."""
     import anthropic
 
     client = anthropic.Anthropic(base_url=qwen_server, api_key="x", max_retries=0, timeout=900)
     messages = [{"role": "user", "content": QUESTION}]
     prompts, cached, calls = [], [], []
     for round_ in range(MAX_ROUNDS):
-        choice = {"type": "any", "disable_parallel_tool_use": True} if round_ == 0 else None
+        # a call forced first, then the model's choice; the last round asks for the answer
+        choice = ({"type": "any", "disable_parallel_tool_use": True} if round_ == 0 else
+                  {"type": "none"} if round_ == MAX_ROUNDS - 1 else None)  # fmt: skip
         with client.messages.stream(
             model="qwen", max_tokens=200, system="You are a travel assistant. Use the tools.",
             messages=messages, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0},
@@ -132,7 +135,9 @@ def test_anthropic_sdk_tool_loop_streams_and_ends_with_an_answer(qwen_server):
     )
     assert counted.input_tokens == prompts[-1]
     text = "".join(b.text for b in out.content if b.type == "text")
-    print(json.dumps({"prompts": prompts, "cached": cached, "calls": calls, "answer": text}))
+    rounds = len(prompts)
+    print(json.dumps({"prompts": prompts, "cached": cached, "calls": calls, "answer": text,
+                      "rounds": rounds}))  # fmt: skip
     assert calls and out.stop_reason == "end_turn" and text.strip()
     assert "<tool_call>" not in text and '"arguments"' not in text
 
@@ -148,7 +153,8 @@ def test_openai_sdk_responses_tool_loop_with_previous_response_id(qwen_server):
         stream = client.responses.create(
             model="qwen", input=new_input, previous_response_id=previous,
             instructions="You are a travel assistant. Use the tools.", tools=RESPONSES_TOOLS,
-            tool_choice="required" if round_ == 0 else "auto", parallel_tool_calls=False,
+            tool_choice=("required", "auto", "auto", "auto", "none")[round_],
+            parallel_tool_calls=False,
             max_output_tokens=200, temperature=0, stream=True,
         )  # fmt: skip
         events = list(stream)
