@@ -5,8 +5,9 @@ With ``tool_choice: auto`` a call is ``<tool_call>{"name": ..., "arguments": {..
 (the Qwen/Hermes convention ``tools.py`` renders), and text before, between and after calls
 streams as it comes, holding back only what could be the start of ``<tool_call>``. Small
 models often answer with the call and no tags, as a bare JSON object or in a ```` ```json````
-fence: an output that starts with one such object naming a tool in the request makes a call
-too (what follows it stays text), so a tool loop gets a call and not a call dressed as text.
+fence: in an output that starts with a JSON object, each top-level object naming a tool in the
+request is a call too (other objects and text stay text), so a tool loop gets a call and not
+a call dressed as text.
 A block that does not parse as a call (malformed JSON, no name) falls back to text, never an
 error. Under a grammar
 (``required``, a named tool) the output is the call itself (one JSON object, or an array with
@@ -127,10 +128,10 @@ class ToolStream:
             return calls[: None if self.parallel else 1]
         out: list[Piece] = []
         if self.bare:
-            call, rest = self._bare_call(self.buf)
-            if call is not None:
-                self.buf, self.after_call, self.calls = "", True, 1
-                return [call, *self._text(rest, final=True)]
+            pieces = self._bare_calls(self.buf)
+            if pieces is not None:
+                self.buf = ""
+                return pieces
             self.bare = False
             out = self.feed("")
         text, self.buf = self.buf, ""
@@ -144,18 +145,31 @@ class ToolStream:
             return True
         return any(text[: len(c)] == c[: len(text)] for c in ("```json", "```\n{"))
 
-    def _bare_call(self, text: str) -> tuple[Call | None, str]:
-        """The call an output starting with one (bare or fenced) makes, and the text after
-        it (a small model may go on to imagine the tool's result)."""
+    def _bare_calls(self, text: str) -> list[Piece] | None:
+        """The pieces of an output of bare JSON objects (or one in a fence), if some of them
+        are calls of known tools: a small model may write a call after echoing the tool's
+        last result, or go on to imagine the next one."""
         text = text.strip()
         fenced = _FENCE.match(text)
-        if fenced:
-            return as_call(_loads(fenced.group(1)), self.names), ""
-        try:
-            value, end = json.JSONDecoder().raw_decode(text)
-        except (json.JSONDecodeError, RecursionError):
-            return None, text
-        return as_call(value, self.names), text[end:]
+        call = as_call(_loads(fenced.group(1)), self.names) if fenced else None
+        if call is not None:
+            return [call]
+        out: list[Piece] = []
+        pos, decoder = 0, json.JSONDecoder()
+        while pos < len(text):
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except (json.JSONDecodeError, RecursionError):
+                out.append(Text(text[pos:]))
+                break
+            call = as_call(value, self.names)
+            if call is None:
+                out.append(Text(text[pos:end]))
+            elif self.parallel or not self.calls:
+                self.calls += 1
+                out.append(call)
+            pos = end + len(text[end:]) - len(text[end:].lstrip())
+        return out if self.calls else None
 
     def _call_block(self, body: str, raw: str) -> list[Piece]:
         call = as_call(_loads(body.strip()))

@@ -36,6 +36,7 @@ def run(text: str, step: int, constrained: bool = False, parallel: bool = True):
         (CALL, [Call("get", ARGS)]),
         (f"```json\n{CALL}\n```", [Call("get", ARGS)]),
         (f"{CALL}\n{{\"temp\": 3}}", [Call("get", ARGS), Text('{"temp": 3}')]),
+        (f"{{\"temp\": 3}}\n{CALL}", [Text('{"temp": 3}'), Call("get", ARGS)]),
         ('{"answer": 3}', [Text('{"answer": 3}')]),  # not a call of a known tool
         ('{"name": "other", "arguments": {}}', [Text('{"name": "other", "arguments": {}}')]),
         ("```python\nprint(1)\n```", [Text("```python\nprint(1)\n```")]),
