@@ -35,7 +35,6 @@ from radixserve.engine.cache_setup import build_cache, build_pool, window_share
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
-from radixserve.engine.grammar import GrammarCompiler, GrammarStats
 from radixserve.engine.hooks import Feature, KVTransfer
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
@@ -45,6 +44,7 @@ from radixserve.engine.segments import SegmentBlender
 from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineInfo, EngineStats, WindowStats
 from radixserve.model import LoadedModel, load_model, native
+from radixserve.structured import GrammarCompiler, GrammarStats
 from radixserve.utils import default_kv_cache_bytes
 
 __all__ = ["Engine", "StepOutput"]

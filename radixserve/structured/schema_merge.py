@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.engine.schema_types import ASSERTIONS, expand, type_of, value_key
+from radixserve.structured.schema_types import ASSERTIONS, expand, type_of, value_key
 
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")

@@ -33,9 +33,9 @@ from functools import reduce
 from typing import Any
 from urllib.parse import unquote
 
-from radixserve.engine.schema_forms import one_of_closed, unique_arrays
-from radixserve.engine.schema_merge import NotExact, assertions, merge_flat
-from radixserve.engine.schema_types import ASSERTIONS, SchemaTypes
+from radixserve.structured.schema_forms import one_of_closed, unique_arrays
+from radixserve.structured.schema_merge import NotExact, assertions, merge_flat
+from radixserve.structured.schema_types import ASSERTIONS, SchemaTypes
 
 COMBINED_LIMIT = 16  # branches of a combinator merged with another
 MERGE_BUDGET = 1_000  # merges per document (real schemas need a dozen), then no more

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from radixserve.engine import SamplingParams
-from radixserve.engine.grammar import GrammarCompiler, check_grammar
+from radixserve.structured.grammar import GrammarCompiler, check_grammar
 
 SCHEMA = {
     "type": "object",

@@ -16,8 +16,8 @@ import itertools
 import math
 from typing import Any
 
-from radixserve.engine.schema_merge import assertions
-from radixserve.engine.schema_types import expand, type_of, value_key
+from radixserve.structured.schema_merge import assertions
+from radixserve.structured.schema_types import expand, type_of, value_key
 
 UNIQUE_LIMIT = 100
 _ARRAY_KEYS = {"type", "uniqueItems", "items", "minItems", "maxItems"}
