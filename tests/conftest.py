@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
-from testing.tiny_model import save_tiny_hf_model
-
+# Idle OpenMP threads sleep instead of spinning. The suite runs several processes on few cores
+# (the test, a server's HTTP and engine processes, a client): a spinning thread holds a core
+# that another process needs, and on 2 shared cores a tiny model's decode step took 0.3 s
+# instead of 6 ms. Read by libgomp when torch loads it, so set before anything imports torch;
+# the servers the tests start inherit it. Threads and kernels are the same as without it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from testing.tiny_model import save_tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
