@@ -19,7 +19,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
-from radixserve.cli_options import add_engine_args, engine_config_from_args
+from radixserve.cli_options import (
+    add_engine_args,
+    add_zmq_args,
+    engine_config_from_args,
+    zmq_options,
+)
 from radixserve.config import EngineConfig
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options
 
@@ -61,6 +66,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_limit_args(p)
     add_engine_args(p)
     add_fleet_args(p)
+    add_zmq_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
 
 
@@ -202,7 +208,13 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
     config = engine_config_from_args(
-        parser, args, step_trace=step_trace_path(parser, args), **kv_event_options(parser, args)
+        parser,
+        args,
+        step_trace=step_trace_path(parser, args),
+        **kv_event_options(parser, args),
+        **zmq_options(
+            parser, args, used=bool(args.kv_events_endpoint) or args.disaggregation_mode != "off"
+        ),  # fmt: skip
     )
     server_config = server_config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
