@@ -23,6 +23,7 @@ from radixserve.config import (
     LinkConfig,
     TierConfig,
 )
+from radixserve.links.tls import ServerTLS
 from radixserve.model.quant import QUANTIZATIONS
 
 ENGINE_FLAGS = {
@@ -303,3 +304,22 @@ def zmq_options(
     except ValueError as e:
         parser.error(f"ZeroMQ keys (--zmq-key, --zmq-allow, $RADIXSERVE_ZMQ_KEY): {e}")
     return options
+
+
+def add_tls_args(parser: argparse.ArgumentParser) -> None:
+    """HTTPS on the process's HTTP front (``links/tls.py``)."""
+    g = parser.add_argument_group("HTTPS")
+    g.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key")
+    g.add_argument("--ssl-certfile", metavar="FILE", help="... and this certificate (chain)")
+    g.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        help="require a client certificate signed by a CA in this file of every caller",
+    )
+
+
+def tls_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerTLS:
+    try:
+        return ServerTLS(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
+    except ValueError as e:
+        parser.error(str(e))

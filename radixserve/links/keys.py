@@ -29,6 +29,7 @@ public key (the shared fleet key pair).
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -148,6 +149,9 @@ def write_key_files(keys: CurveKeys, base: str | Path) -> tuple[Path, Path]:
     """``BASE.key`` (the public key, to hand out) and ``BASE.key_secret`` (the pair, mode
     0600); refuses to overwrite either."""
     public, secret = Path(f"{base}.key"), Path(f"{base}.key_secret")
+    for path in (public, secret):
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(path))
     when = datetime.datetime.now().isoformat(timespec="seconds")
     pub = keys.public_key.decode()
     body = f'metadata\ncurve\n    public-key = "{pub}"\n'

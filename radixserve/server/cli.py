@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
 from radixserve.cli_options import (
     add_engine_args,
+    add_tls_args,
     add_zmq_args,
     engine_config_from_args,
+    tls_from_args,
     zmq_options,
 )
 from radixserve.config import EngineConfig
+from radixserve.links.tls import ServerTLS
 from radixserve.server.fleet_args import add_fleet_args, kv_event_options
 
 if TYPE_CHECKING:
@@ -67,6 +70,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_fleet_args(p)
     add_zmq_args(p)
+    add_tls_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
 
 
@@ -217,6 +221,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ),  # fmt: skip
     )
     server_config = server_config_from_args(parser, args)
+    tls = tls_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
@@ -227,7 +232,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
         return cmd_dp(parser, args, sock)
     try:
-        code = asyncio.run(serve(config, server_config, sock, args.log_level))
+        code = asyncio.run(serve(config, server_config, sock, args.log_level, tls))
     except KeyboardInterrupt:
         code = 0
     except SystemExit as e:  # SIGTERM, once the server has drained and closed the engine
@@ -242,11 +247,16 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 async def serve(
-    config: EngineConfig, server_config: ServerConfig, sock: socket.socket, log_level: str
+    config: EngineConfig,
+    server_config: ServerConfig,
+    sock: socket.socket,
+    log_level: str,
+    tls: ServerTLS | None = None,
 ) -> int:
     from radixserve.model.loader import ModelNotFoundError, resolve_model_path
     from radixserve.server.engine_client import EngineClient, EngineDeadError
 
+    tls = tls or ServerTLS()
     try:
         model_path = resolve_model_path(config.model)
     except ModelNotFoundError as e:
@@ -300,12 +310,13 @@ async def serve(
             log_level=log_level,
             access_log=False,
             timeout_graceful_shutdown=server_config.shutdown_timeout,
+            **tls.uvicorn_options(),
         )
     )
     # uvicorn shuts down gracefully on SIGTERM, then raises it again; let that end in an
     # exception (not a hard kill) so the engine process and its sockets are cleaned up below.
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    print(f"radixserve listening on http://{host}:{port}", flush=True)
+    print(f"radixserve listening on {tls.scheme}://{host}:{port}", flush=True)
     watchdog = asyncio.create_task(_exit_when(gave_up, server))
     try:
         await server.serve(sockets=[sock])

@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from radixserve.kvevents.subscriber import EventSubscriber
+from radixserve.links.keys import load_security
 from radixserve.router.policy import Policy, PolicyConfig, Route, RouteRequest, make_policy
 
 WORKER_HEADER = "x-radixserve-worker"
@@ -63,6 +64,8 @@ class CacheAwareRequestRouter(RequestRouter):
             stats.get("kv_events_replay_endpoint"),
             on_events=lambda events: self.policy.apply_events(worker, events),
             on_reset=lambda: self.policy.worker_lost_events(worker),
+            security=load_security(),
+            server_key=stats.get("kv_events_public_key"),
         )
         self._subscriptions[worker] = asyncio.get_running_loop().create_task(sub.run())
         getattr(self.policy, "set_has_events", lambda *_: None)(worker, True)
@@ -140,6 +143,7 @@ class RadixServeReplica:
         return {
             "kv_events_endpoint": self.info.kv_events_endpoint,
             "kv_events_replay_endpoint": self.info.kv_events_replay_endpoint,
+            "kv_events_public_key": self.info.kv_events_public_key,
         }
 
     async def handle(

@@ -14,8 +14,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
+from radixserve.cache.kv_pool import KVPool, KVShape
+from radixserve.disagg import KVLayout
 from testing.fleet import start_router, stopping
 from testing.server import started_server
 
@@ -206,6 +209,54 @@ def test_naming_a_prefill_to_an_instance_not_in_decode_mode_is_a_400(prefill):
         headers={"X-Radixserve-Prefill": "tcp://127.0.0.1:9"},
     )
     assert r.status_code == 400 and "not a decode instance" in r.text
+
+
+def refused(url: str, link: str) -> dict[str, float]:
+    """The server's ``zmq_refused_connections`` counters of one link, by reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "zmq_refused_connections_total" and sample.labels["link"] == link:
+                out[sample.labels["reason"]] = sample.value
+    return out
+
+
+def test_a_decode_side_without_the_key_gets_nothing_from_the_prefill_instance(prefill, decode):
+    """A stranger's receiver asks the real prefill instance for KV of a prompt; nothing
+    comes, the prefill side never starts the request, counts the refusal in /metrics and
+    goes on serving the decode instance that holds the key."""
+    from radixserve.disagg import TransferState
+    from radixserve.disagg.zmq_receiver import ZmqKVReceiver
+    from radixserve.links.keys import CurveKeys
+    from testing.transfer_peer import untouched, wait_end
+
+    info = httpx.get(decode + "/disagg/info").json()
+    before = refused(prefill, "kv_transfer").get("key", 0)
+    layout = KVLayout.from_dict(info["layout"])
+    pool = KVPool(KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                          layout.torch_dtype), 64)  # fmt: skip
+    pool.k.zero_()
+    pool.v.zero_()
+    stranger = ZmqKVReceiver(pool, layout, security=CurveKeys.generate(),
+                             heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
+    try:
+        ids = np.arange(100, 140, dtype=np.int32)  # a prompt, as a decode instance asks
+        meta = {"skip": 0, "namespace": None}
+        tid = stranger.request(kv_endpoint(prefill), torch.arange(39), meta, ids.tobytes(), 5.0)
+        status = wait_end(stranger, tid)
+        assert status.state is TransferState.FAILED and status.tokens == 0
+        assert untouched(pool)
+    finally:
+        stranger.close()
+    assert refused(prefill, "kv_transfer").get("key", 0) > before
+    assert httpx.get(prefill + "/disagg/info").json()["stats"]["refused"]["key"] > before
+    ids = random_ids(np.random.default_rng(7), 60)  # the keyed pair works as before
+    moved = moved_bytes(decode)
+    generate(decode, ids)
+    assert moved_bytes(decode) > moved
+    assert_intact(prefill, decode)
 
 
 def wait_running(url: str, timeout: float = 60.0) -> None:
