@@ -10,6 +10,7 @@ never each other.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -302,8 +303,14 @@ def zmq_options(
         if used:
             links.security()
     except ValueError as e:
-        parser.error(f"ZeroMQ keys (--zmq-key, --zmq-allow, $RADIXSERVE_ZMQ_KEY): {e}")
+        parser.error(zmq_error(e))
     return options
+
+
+def zmq_error(e: ValueError) -> str:
+    """A ``links`` config error in the flags' names."""
+    message = re.sub(r"\bzmq_(\w+)", lambda m: flag("zmq_" + m.group(1)), str(e))
+    return f"ZeroMQ keys (--zmq-key, --zmq-allow, $RADIXSERVE_ZMQ_KEY): {message}"
 
 
 def add_tls_args(parser: argparse.ArgumentParser) -> None:

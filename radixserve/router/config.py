@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.api.config import TENANT_HEADER, ServerConfig
-from radixserve.cli_options import flag
+from radixserve.cli_options import flag, zmq_error
 from radixserve.config import LinkConfig, parse_bytes
 from radixserve.links.keys import ZmqSecurity
 from radixserve.links.tls import ClientTLS, ServerTLS
@@ -177,7 +177,7 @@ def router_config_from_args(
     try:
         config.zmq_security()
     except ValueError as e:
-        parser.error(f"ZeroMQ keys (--zmq-key, $RADIXSERVE_ZMQ_KEY): {e}")
+        parser.error(zmq_error(e))
     try:
         config.tls = ServerTLS(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
         config.worker_tls = ClientTLS(*(getattr(args, f"worker_{n}", None)

@@ -38,6 +38,14 @@ def pki(tmp_path_factory):
     return files
 
 
+def trusting(ca: str, cert: tuple[str, str] | None = None) -> ssl.SSLContext:
+    """A client context that checks servers against ``ca`` and shows ``cert`` if given."""
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        ctx.load_cert_chain(*cert)
+    return ctx
+
+
 def tls_flags(pki, client_certs: bool) -> list[str]:
     cert, key = pki["server"]
     flags = ["--ssl-keyfile", key, "--ssl-certfile", cert]
@@ -58,13 +66,13 @@ def worker(tiny_model_dir, pki):
 
 def test_the_server_speaks_https_to_callers_it_can_check(worker, pki):
     assert worker.startswith("https://127.0.0.1:")
-    ok = httpx.Client(verify=pki["server_ca"], cert=pki["client"])
+    ok = httpx.Client(verify=trusting(pki["server_ca"], pki["client"]))
     r = ok.post(worker + "/v1/completions", json=BODY, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
         httpx.get(worker + "/health", timeout=10)  # the system's CAs do not know ours
     with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
-        httpx.get(worker + "/health", verify=pki["server_ca"], timeout=10)  # no client cert
+        httpx.get(worker + "/health", verify=trusting(pki["server_ca"]), timeout=10)  # no cert
     with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
         httpx.get(worker.replace("https://", "http://") + "/health", timeout=10)
     assert ok.get(worker + "/health", timeout=10).status_code == 200  # and it goes on
@@ -78,7 +86,7 @@ def test_the_router_reaches_https_workers_and_serves_https(tiny_model_dir, worke
     )  # fmt: skip
     with stopping(router):
         assert router.url.startswith("https://")
-        client = httpx.Client(verify=pki["server_ca"])
+        client = httpx.Client(verify=trusting(pki["server_ca"]))
         r = client.post(router.url + "/v1/completions", json=BODY, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"]
