@@ -86,6 +86,7 @@ class EngineLoop:
         engine.record_step_shape = trace is not None
         self._streaming: set[str] = set()  # traced requests that have had a token
         self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
+        self._refused: tuple[dict, dict] = ({}, {})  # refused connections reported so far
 
     def stats(self) -> EngineStats:
         """The engine's stats, with the connections the KV-event sockets turned away."""
@@ -93,6 +94,15 @@ class EngineLoop:
         if self.events is None:
             return stats
         return dataclasses.replace(stats, kv_events_refused=self.events.publisher.refused())
+
+    def _report_refusals(self) -> None:
+        """Connections the ZeroMQ sockets turned away change without a step: an idle engine
+        reports new ones within ``IDLE_POLL_MS`` (for ``/metrics``)."""
+        transfer = self.engine.disagg.stats().refused if self.engine.disagg is not None else {}
+        events = self.events.publisher.refused() if self.events is not None else {}
+        if (events, transfer) != self._refused:
+            self._refused = (events, transfer)
+            self.push.send_pyobj(Outputs([], self.stats(), False))
 
     def handle(self, msg: ToEngine) -> None:
         if isinstance(msg, AddRequest):
@@ -238,6 +248,7 @@ class EngineLoop:
                 self.step()
             else:
                 self.engine.apply_finished_transfers()
+                self._report_refusals()
             if self.events is not None:
                 self.events.sync()
 
