@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import parse_bytes
+from radixserve.links.tls import ServerTLS
 
 TENANT_HEADER = "x-radixserve-tenant"  # a router's caller, trusted from the admin key only
 SAMPLING_DEFAULT_KEYS = (
@@ -43,8 +44,9 @@ class ServerConfig:
     max_request_sequences: int = 64  # prompts x n in one request
     max_queued_requests: int = 256  # sequences waiting beyond the running batch
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running requests
-    engine_restarts: int = 3  # restarts of a dead engine within RESTART_WINDOW_S, then exit
+    engine_restarts: int = 3  # restarts of a dead engine within ten minutes, then exit
     default_sampling: dict[str, Any] = field(default_factory=dict)  # overrides the model's
+    tls: ServerTLS = field(default_factory=ServerTLS)  # HTTPS (links/tls.py); default: HTTP
 
     def __post_init__(self) -> None:
         self.max_request_bytes = parse_bytes(self.max_request_bytes)

@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
 from radixserve.cli_options import (
@@ -28,8 +28,7 @@ from radixserve.cli_options import (
     zmq_options,
 )
 from radixserve.config import EngineConfig
-from radixserve.links.tls import ServerTLS
-from radixserve.server.fleet_args import add_fleet_args, kv_event_options
+from radixserve.server.event_args import add_kv_event_args, kv_event_options
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,7 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixserve")
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``serve`` command of one server (``fleet.cli`` adds ``--dp`` to it)."""
     p = sub.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
@@ -68,10 +68,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_security_args(p)
     add_limit_args(p)
     add_engine_args(p)
-    add_fleet_args(p)
+    add_kv_event_args(p)
     add_zmq_args(p)
     add_tls_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
+    return p
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -186,8 +187,9 @@ def server_config_from_args(
         SamplingParams(**sampling)  # the values themselves, checked where requests are
     except ValueError as e:
         parser.error(f"--default-sampling: {e}")
+    tls = tls_from_args(parser, args)
     try:
-        return ServerConfig.from_options(**options, default_sampling=sampling)
+        return ServerConfig.from_options(**options, default_sampling=sampling, tls=tls)
     except ValueError as e:
         message = str(e)
         for name in SERVER_FLAGS:
@@ -198,8 +200,6 @@ def server_config_from_args(
 def step_trace_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     if args.step_trace is None:
         return None
-    if args.dp > 1:
-        parser.error("--step-trace traces one engine; it cannot be combined with --dp")
     try:
         with open(args.step_trace, "a"):
             pass
@@ -209,30 +209,40 @@ def step_trace_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    config, server_config, sock = checked_serve_args(parser, args)
+    return run_server(config, server_config, sock, args.log_level)
+
+
+def checked_serve_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[EngineConfig, ServerConfig, socket.socket]:
+    """Every flag checked (errors name the flag), logging set up, the port bound."""
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
     config = engine_config_from_args(
         parser,
         args,
         step_trace=step_trace_path(parser, args),
-        **kv_event_options(parser, args),
+        **kv_event_options(args),
         **zmq_options(
             parser, args, used=bool(args.kv_events_endpoint) or args.disaggregation_mode != "off"
         ),  # fmt: skip
     )
     server_config = server_config_from_args(parser, args)
-    tls = tls_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
-    if args.dp > 1:
-        from radixserve.server.dp_launch import cmd_dp
+    return config, server_config, sock
 
-        return cmd_dp(parser, args, sock)
+
+def run_server(
+    config: EngineConfig, server_config: ServerConfig, sock: socket.socket, log_level: str
+) -> NoReturn:
+    """Serve on ``sock`` until SIGTERM or Ctrl-C, then end the process with the exit code."""
     try:
-        code = asyncio.run(serve(config, server_config, sock, args.log_level, tls))
+        code = asyncio.run(serve(config, server_config, sock, log_level))
     except KeyboardInterrupt:
         code = 0
     except SystemExit as e:  # SIGTERM, once the server has drained and closed the engine
@@ -247,16 +257,12 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 async def serve(
-    config: EngineConfig,
-    server_config: ServerConfig,
-    sock: socket.socket,
-    log_level: str,
-    tls: ServerTLS | None = None,
+    config: EngineConfig, server_config: ServerConfig, sock: socket.socket, log_level: str
 ) -> int:
     from radixserve.model.loader import ModelNotFoundError, resolve_model_path
     from radixserve.server.engine_client import EngineClient, EngineDeadError
 
-    tls = tls or ServerTLS()
+    tls = server_config.tls
     try:
         model_path = resolve_model_path(config.model)
     except ModelNotFoundError as e:

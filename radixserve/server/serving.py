@@ -1,9 +1,11 @@
 """Running HTTP requests through the engine: fan-out to sub-requests, streaming, aborts.
 
 One HTTP request becomes one engine request per (prompt, choice) pair (``n`` choices of
-several prompts). Their outputs share one queue; ``OutputTracker`` turns them into text and
-applies stop strings (which abort the engine request). If the client goes away, streaming or
-not, every unfinished sub-request is aborted, so its locks and slots are released at once.
+several prompts), all sent in one message: the engine reads them between the same two steps
+and takes all or none (``engine_client.py``). Their outputs share one queue;
+``OutputTracker`` turns them into text and applies stop strings (which abort the engine
+request). If the client goes away, streaming or not, every unfinished sub-request is
+aborted, so its locks and slots are released at once.
 
 Admission: at most ``max_request_sequences`` sub-requests per request (400 beyond), and at
 most ``max_queued_requests`` waiting beyond the engine's running batch (503 with
@@ -139,18 +141,18 @@ class Serving:
         job = Job(
             kind=kind, prompts=prompts, trackers=[], request_ids=[], response_id=f"{kind}-{base}"
         )
+        specs = []
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"{base}-{i}"
+            job.trackers.append(OutputTracker(rid, self.tokenizer, p))
+            job.request_ids.append(rid)
+            specs.append(spec.with_prompt(rid, ids, p))
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-                rid = f"{base}-{i}"
-                job.trackers.append(OutputTracker(rid, self.tokenizer, p))
-                job.request_ids.append(rid)
-                await self.client.add(spec.with_prompt(rid, ids, p), queue, tag=i)
+        try:  # all of them, or (refused, no engine) none
+            await self.client.add(specs, queue)
         except ValueError as e:
-            await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e
         except EngineDeadError as e:
-            await self.abort_unfinished(job)
             raise unavailable(str(e)) from e
         return job, queue
 
