@@ -8,7 +8,9 @@ the peer's pool into ours: the decode side asks, the peer pushes it in one call 
 the wire, scatter in the decode engine's thread, as in serving), and the time runs from the
 request to the DONE status. The two kinds alternate (plain, curve, plain, ...) for
 ``--rounds`` rounds after one warm-up transfer each, so drift on a shared machine hits both
-alike; the figure is the median over rounds of each kind, and the ratio of the medians.
+alike; the figure is the median over rounds of each kind, and the ratio of the medians. The
+CPU seconds both processes spent per transfer (their own accounting, ``/proc``, all threads:
+ZeroMQ's I/O threads encrypt and decrypt) are the figure that a busy machine moves least.
 Every transfer is checked byte for byte against the peer's pool.
 
 Usage: ``python -m benchmarks.fleet.bench_transfer_keys [--tokens 4096] [--rounds 7]
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import select
 import statistics
@@ -71,6 +74,12 @@ def landed_whole(got: KVPool, want: KVPool, n: int) -> bool:
     return all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in ((got.k, want.k), (got.v, want.v)))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads (``/proc/PID/stat``)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_transfer(receiver, endpoint: str, tokens: int) -> float:
     t0 = time.perf_counter()
     tid = receiver.request(endpoint, torch.arange(tokens), {}, b"", 120.0)
@@ -105,15 +114,19 @@ def main() -> None:
                                             security=keys)}  # fmt: skip
         source = pool_of(args.tokens, args.dtype, seed=7)
         times: dict[str, list[float]] = {m: [] for m in endpoints}
+        cpu: dict[str, list[float]] = {m: [] for m in endpoints}
         for r in range(args.rounds + 1):
             for mode in ("plain", "curve"):
                 pools[mode].k.zero_()
                 pools[mode].v.zero_()
+                cpu0 = cpu_seconds(os.getpid()) + cpu_seconds(proc.pid)
                 took = one_transfer(receivers[mode], endpoints[mode], args.tokens)
+                spent = cpu_seconds(os.getpid()) + cpu_seconds(proc.pid) - cpu0
                 if not landed_whole(pools[mode], source, args.tokens):
                     raise RuntimeError(f"{mode}: the KV that landed differs from the source")
                 if r:  # round 0 warms both up (connections, handshakes, page faults)
                     times[mode].append(took)
+                    cpu[mode].append(spent)
         for rx in receivers.values():
             rx.close()
     finally:
@@ -128,6 +141,7 @@ def main() -> None:
         **{f"{m}_s": round(med[m], 4) for m in med},
         **{f"{m}_mb_per_s": round(nbytes / med[m] / 1e6, 1) for m in med},
         "curve_over_plain_throughput": round(med["plain"] / med["curve"], 3),
+        **{f"{m}_cpu_s": round(statistics.median(c), 3) for m, c in cpu.items()},
         "rounds": args.rounds,
         "all_s": {m: [round(t, 4) for t in ts] for m, ts in times.items()},
         "cpu": cpu_model(),
