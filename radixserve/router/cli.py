@@ -16,7 +16,8 @@ import signal
 import socket
 import sys
 
-from radixserve.cli_options import add_tls_args, add_zmq_args, flag
+from radixserve.cli_options import flag
+from radixserve.links.flags import add_tls_args, add_zmq_args
 from radixserve.router.config import RouterConfig, add_router_access_args, router_config_from_args
 from radixserve.router.policy import POLICIES, PolicyConfig
 

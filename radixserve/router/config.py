@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.api.config import TENANT_HEADER, ServerConfig
-from radixserve.cli_options import flag, zmq_error
+from radixserve.cli_options import flag
 from radixserve.config import LinkConfig, parse_bytes
+from radixserve.links.flags import zmq_error
 from radixserve.links.keys import ZmqSecurity
 from radixserve.links.tls import ClientTLS, ServerTLS
 

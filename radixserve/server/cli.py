@@ -19,15 +19,9 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
-from radixserve.cli_options import (
-    add_engine_args,
-    add_tls_args,
-    add_zmq_args,
-    engine_config_from_args,
-    tls_from_args,
-    zmq_options,
-)
+from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
+from radixserve.links.flags import add_tls_args, add_zmq_args, tls_from_args, zmq_options
 from radixserve.server.event_args import add_kv_event_args, kv_event_options
 
 if TYPE_CHECKING:
