@@ -211,11 +211,16 @@ def default_key_path(env: Mapping[str, str] | None = None) -> Path:
 def _default_keys(env: Mapping[str, str]) -> CurveKeys:
     path = default_key_path(env)
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_key_files(CurveKeys.generate(), str(path).removesuffix(".key_secret"))
         except FileExistsError:
             pass  # another process of this user made it first: use that one
+        except OSError as e:
+            raise LinkKeyError(
+                f"cannot make the default key file {path} ({e.strerror}): give --zmq-key or "
+                f"${KEY_ENV}"
+            ) from e
     return read_key_file(path)
 
 

@@ -109,3 +109,10 @@ def test_serve_names_the_flag_of_a_bad_key(capsys):
               "--zmq-key", "/nonexistent.key_secret"])  # fmt: skip
     assert e.value.code == 2
     assert "--zmq-key" in capsys.readouterr().err
+
+
+def test_a_default_key_file_that_cannot_be_made_is_an_error_naming_it(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "file")}  # its radixserve/ cannot be made
+    with pytest.raises(LinkKeyError, match="cannot make the default key file .* --zmq-key"):
+        load_security(env=env)
