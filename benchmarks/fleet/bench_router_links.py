@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -70,6 +71,12 @@ def fleet_flags(d: Path) -> dict[str, tuple[list[str], list[str], str | bool]]:
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads (``/proc/PID/stat``)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_fleets(model: list[str], d: Path) -> tuple[dict, list[Proc]]:
     flags = fleet_flags(d)
     procs: list[Proc] = []
@@ -87,7 +94,7 @@ def start_fleets(model: list[str], d: Path) -> tuple[dict, list[Proc]]:
                        "--worker", workers[name].url, *router_flags],
                       "radixserve router listening on").wait(600)  # fmt: skip
         procs.append(router)
-        urls[name] = (workers[name].url, router.url, verify)
+        urls[name] = (workers[name].url, router.url, verify, router.proc.pid)
     return urls, procs
 
 
@@ -106,23 +113,25 @@ def subscribed(client: httpx.Client, router: str) -> bool:
 
 
 def measure(urls: dict, rounds: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
-    clients = {name: httpx.Client(verify=verify) for name, (_, _, verify) in urls.items()}
+    clients = {name: httpx.Client(verify=u[2]) for name, u in urls.items()}
     worker, client = urls["plain"][0], clients["plain"]
     served = client.get(worker + "/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": served, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
-    for name, (_, router, _) in urls.items():
+    for name, (_, router, *_) in urls.items():
         if not subscribed(clients[name], router):
             raise RuntimeError(f"{name}: the router has no KV events from its worker")
-    times = {name: {"direct": [], "router": []} for name in urls}
+    times = {name: {"direct": [], "router": [], "router_cpu": []} for name in urls}
     order = list(urls)
     for r in range(rounds + 5):  # 5 warm-up rounds: connections, the prompt cached
         for name in order if r % 2 else order[::-1]:
-            worker, router, _ = urls[name]
+            worker, router, _, pid = urls[name]
             direct = timed(clients[name], worker, body)
+            cpu0 = cpu_seconds(pid)
             routed = timed(clients[name], router, body)
             if r >= 5:
                 times[name]["direct"].append(direct)
                 times[name]["router"].append(routed)
+                times[name]["router_cpu"].append(cpu_seconds(pid) - cpu0)
     for c in clients.values():
         c.close()
     return times
@@ -137,9 +146,11 @@ def summary(times: dict[str, dict[str, list[float]]]) -> dict:
         out[f"{name}_overhead_ms_p50"] = round(1e3 * statistics.median(overhead), 3)
         q = statistics.quantiles(overhead, n=4)
         out[f"{name}_overhead_ms_iqr"] = [round(1e3 * q[0], 3), round(1e3 * q[2], 3)]
-    out["secure_minus_plain_overhead_ms"] = round(
-        out["secure_overhead_ms_p50"] - out["plain_overhead_ms_p50"], 3
-    )
+        out[f"{name}_router_cpu_ms_per_request"] = round(1e3 * statistics.mean(t["router_cpu"]), 3)
+    for figure in ("overhead_ms_p50", "router_cpu_ms_per_request"):
+        out[f"secure_minus_plain_{figure}"] = round(
+            out[f"secure_{figure}"] - out[f"plain_{figure}"], 3
+        )
     return out
 
 

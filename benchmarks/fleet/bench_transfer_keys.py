@@ -14,7 +14,7 @@ ZeroMQ's I/O threads encrypt and decrypt) are the figure that a busy machine mov
 Every transfer is checked byte for byte against the peer's pool.
 
 Usage: ``python -m benchmarks.fleet.bench_transfer_keys [--tokens 4096] [--rounds 7]
-[--dtype float32|bfloat16]``; prints one JSON line.
+[--dtype float32|bfloat16] [--message-bytes N]``; prints one JSON line.
 """
 
 from __future__ import annotations
@@ -52,13 +52,14 @@ def layout(pool: KVPool) -> KVLayout:
     return KVLayout.of_pool(pool, "bench", 1)
 
 
-def peer(reports, tokens: int, dtype: str, keys: CurveKeys) -> None:
+def peer(reports, tokens: int, dtype: str, keys: CurveKeys, message_bytes: int | None) -> None:
     """The prefill side: push every requested transfer whole, from slots 0..tokens-1."""
     from radixserve.disagg.zmq_sender import ZmqKVSender
 
     pool = pool_of(tokens, dtype, seed=7)
-    senders = {"plain": ZmqKVSender(pool, layout(pool), security=PLAIN),
-               "curve": ZmqKVSender(pool, layout(pool), security=keys)}  # fmt: skip
+    size = {} if message_bytes is None else {"message_bytes": message_bytes}
+    senders = {"plain": ZmqKVSender(pool, layout(pool), security=PLAIN, **size),
+               "curve": ZmqKVSender(pool, layout(pool), security=keys, **size)}  # fmt: skip
     reports.put({name: s.endpoint for name, s in senders.items()})
     src = torch.arange(tokens)
     while True:
@@ -99,11 +100,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--message-bytes", type=int, default=None,
+                   help="the senders' DATA message size (default: the sender's own)")  # fmt: skip
     args = p.parse_args()
     keys = CurveKeys.generate()
     reports = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(
-        target=peer, args=(reports, args.tokens, args.dtype, keys), daemon=True
+        target=peer, args=(reports, args.tokens, args.dtype, keys, args.message_bytes), daemon=True
     )
     proc.start()
     try:
@@ -137,6 +140,7 @@ def main() -> None:
     out = {
         "tokens": args.tokens,
         "dtype": args.dtype,
+        "message_bytes": args.message_bytes,
         "mb_per_transfer": round(nbytes / 1e6, 1),
         **{f"{m}_s": round(med[m], 4) for m in med},
         **{f"{m}_mb_per_s": round(nbytes / med[m] / 1e6, 1) for m in med},
