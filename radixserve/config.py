@@ -7,9 +7,9 @@ group checks its own values and ``EngineConfig`` the rules across groups, raisin
 ``ValueError`` that names the option. Nothing rewrites itself after construction.
 
 The groups: ``cache`` (the device pool and the radix tree), ``scheduler``, ``kv_events``,
-``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation) and
-``segments`` (RAG segments). Readers use the nested name (``config.cache.page_size``); the flat
-names are only the builder's input.
+``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation),
+``segments`` (RAG segments) and ``links`` (the keys of the ZeroMQ sockets). Readers use the
+nested name (``config.cache.page_size``); the flat names are only the builder's input.
 
 The KV pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such
 as ``"2GiB"``); with neither, by a share of the device's free memory. The hierarchical cache
@@ -39,6 +39,7 @@ from radixserve.config_checks import (
     check_positive,
     parse_bytes,
 )
+from radixserve.links.keys import ZmqSecurity, load_security
 from radixserve.model.quant import QUANTIZATIONS
 
 __all__ = ["EngineConfig", "parse_bytes"]
@@ -198,6 +199,28 @@ class SegmentConfig:
         check_int("segment_prefix_tokens", self.segment_prefix_tokens, 0)
 
 
+@dataclass(frozen=True)
+class LinkConfig:
+    """Who may use the engine's ZeroMQ sockets (KV events, KV transfer; ``links/keys.py``):
+    CurveZMQ with this process's key pair (``zmq_key``: a secret key file; None:
+    ``$RADIXSERVE_ZMQ_KEY``, else the user's default key file), accepting clients with that
+    key or one of ``zmq_allow`` (keys, key files, directories); or, only when
+    ``zmq_unauthenticated``, plain sockets that admit anyone."""
+
+    zmq_key: str | None = None
+    zmq_allow: tuple[str, ...] = ()
+    zmq_unauthenticated: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zmq_allow", tuple(self.zmq_allow or ()))
+        if self.zmq_unauthenticated and (self.zmq_key or self.zmq_allow):
+            raise ValueError("zmq_unauthenticated takes no zmq_key or zmq_allow")
+
+    def security(self) -> ZmqSecurity:
+        """The keys, read now (``LinkKeyError``, a ValueError, names what is wrong)."""
+        return load_security(self.zmq_key, self.zmq_allow, self.zmq_unauthenticated)
+
+
 GROUPS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
@@ -205,6 +228,7 @@ GROUPS = {
     "tiers": TierConfig,
     "disagg": DisaggConfig,
     "segments": SegmentConfig,
+    "links": LinkConfig,
 }
 # flat option name -> its group (every option name is unique across the groups)
 OPTION_GROUP = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
@@ -228,6 +252,7 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     segments: SegmentConfig = field(default_factory=SegmentConfig)
+    links: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)

@@ -31,6 +31,7 @@ class EngineInfo:
     kv_events_block_size: int = 0  # 0: no KV events (no prefix cache)
     kv_events_endpoint: str | None = None  # bound by the engine process's publisher
     kv_events_replay_endpoint: str | None = None
+    kv_events_public_key: bytes | None = None  # the publisher's CurveZMQ key; None: plain
     disaggregation: Any = None  # disagg.engine_side.DisaggInfo: mode, KV layout, endpoint
 
 
@@ -62,6 +63,9 @@ class EngineStats:
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
     grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
     window: WindowStats | None = None  # None: no window pool
+    # connections the KV-event sockets turned away, by reason (links/guard.py); the engine
+    # process fills it in (its publisher is not the engine's)
+    kv_events_refused: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.api.config import ServerConfig
 from radixserve.api.errors import ApiError, unavailable
 from radixserve.engine.stats import EngineStats
+from radixserve.links.keys import split_endpoint
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.metrics import Metrics
@@ -65,6 +66,8 @@ def add_admin_routes(
             {
                 "endpoint": info.kv_events_endpoint,
                 "replay_endpoint": info.kv_events_replay_endpoint,
+                # a subscriber expects this server key (links/keys.py); None: plain sockets
+                "curve_public_key": _text(info.kv_events_public_key),
                 "block_size": info.kv_events_block_size,
                 "page_size": info.page_size,
                 "format": "vllm",
@@ -84,7 +87,8 @@ def add_admin_routes(
         stats: EngineStats = await engine_call(client, "stats")
         return {
             "mode": info.mode,
-            "endpoint": info.endpoint,
+            "endpoint": info.endpoint,  # with ?curve=KEY, its server key, under CurveZMQ
+            "curve_public_key": _text(split_endpoint(info.endpoint or "")[1]),
             "layout": dataclasses.asdict(info.layout),
             "stats": dataclasses.asdict(stats.kv_transfer),
         }
@@ -105,6 +109,10 @@ async def engine_call(client: EngineClient, name: str, **kwargs: object) -> obje
         return await client.call(name, **kwargs)
     except EngineDeadError as e:
         raise unavailable(str(e)) from e
+
+
+def _text(key: bytes | None) -> str | None:
+    return key.decode() if key is not None else None
 
 
 def token_digest(token_ids: list[int]) -> str:
