@@ -52,6 +52,20 @@ class Pin:
     head: list[int] = field(default_factory=list)  # its first tokens, for listings
 
 
+@dataclass(frozen=True)
+class PinInfo:
+    """One pin as ``/admin/pins`` and ``/cache`` list it (it crosses the process boundary)."""
+
+    id: int
+    tenant: str
+    namespace: Namespace
+    tokens: int
+    ttl: float
+    expires_in: float
+    idle: float  # seconds since it was last used
+    head_token_ids: list[int]
+
+
 @dataclass
 class PinStats:
     """What ``/metrics`` and ``/cache`` show: sizes now, and monotonic counters."""
@@ -230,6 +244,23 @@ class PinTable(TreeListener):
     def pins(self) -> list[Pin]:
         """The pins, least recently used first."""
         return list(self._pins.values())
+
+    def listing(self) -> list[PinInfo]:
+        """The pins as plain values, most recently used first."""
+        now = self.clock()
+        return [
+            PinInfo(
+                p.id,
+                p.tenant,
+                p.namespace,
+                p.tokens,
+                p.ttl,
+                p.expires_at - now,
+                now - p.last_used,
+                list(p.head),
+            )  # fmt: skip
+            for p in reversed(self._pins.values())
+        ]
 
     def snapshot(self) -> PinStats:
         s = self.stats

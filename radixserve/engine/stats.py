@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.base import CacheStats
+from radixserve.cache.pins import PinStats
 from radixserve.cache.tier_stats import TierStats
 from radixserve.engine.segments import SegmentStats
 from radixserve.structured import GrammarStats
@@ -32,6 +33,7 @@ class EngineInfo:
     kv_events_endpoint: str | None = None  # bound by the engine process's publisher
     kv_events_replay_endpoint: str | None = None
     disaggregation: Any = None  # disagg.engine_side.DisaggInfo: mode, KV layout, endpoint
+    pin_budget_tokens: int = 0  # 0: nothing is pinned (cache/pins.py)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class EngineStats:
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
     grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
     window: WindowStats | None = None  # None: no window pool
+    pins: PinStats | None = None  # None: pins are off
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:
