@@ -29,7 +29,7 @@ import torch
 from radixserve.cache import KVEventQueue
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
-from radixserve.cache.pins import PinInfo
+from radixserve.cache.pins import PinInfo, PinStats
 from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache, build_pool, pin_table, window_share
@@ -247,7 +247,7 @@ class Engine:
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
             window=self._window_stats(),
-            pins=self.pins.snapshot() if self.pins is not None else None,
+            pins=self._pin_stats(),
         )
 
     def _window_stats(self) -> WindowStats | None:
@@ -269,9 +269,18 @@ class Engine:
     def check_integrity(self) -> None:
         self.core.check_integrity()
 
+    def _pin_stats(self) -> PinStats | None:
+        if self.pins is None:
+            return None
+        self.pins.expire()  # an idle engine runs no step that would
+        return self.pins.snapshot()
+
     def pin_listing(self) -> list[PinInfo]:
         """The pinned prefixes (empty when pins are off)."""
-        return self.pins.listing() if self.pins is not None else []
+        if self.pins is None:
+            return []
+        self.pins.expire()
+        return self.pins.listing()
 
     def unpin(self, token_ids: list[int] | None = None, namespace: str | None = None,
               tenant: str | None = None, pin_id: int | None = None) -> int:  # fmt: skip
