@@ -79,7 +79,7 @@ def test_cache_control_pins_the_system_prompt_through_eviction_pressure(url):
     miss = post_messages(url, messages_body(plain, "another question"))
     assert hit["cache_read_input_tokens"] >= system_tokens
     assert miss["cache_read_input_tokens"] < 50  # evicted (a few template tokens may match)
-    metrics = httpx.get(url + "/metrics", timeout=10).text
+    metrics = httpx.get(url + "/metrics", headers=OPENAI, timeout=10).text
     assert f'radix_pinned_tokens_by_tenant{{model_name="tiny",tenant="{TENANT}"}} ' in metrics
     assert f'radix_pinned_tokens{{model_name="tiny"}} {float(system_tokens)}' in metrics
     cache = httpx.get(url + "/cache", headers=ADMIN, timeout=30).json()
@@ -99,8 +99,8 @@ def test_chat_completions_cache_pin_expires_on_time(url):
     assert pin["ttl"] == 2.0 and 0 < pin["expires_in"] <= 2.0 and pin["tokens"] > 100
     time.sleep(2.2)
     assert pins(url)["pins"] == []
-    metrics = httpx.get(url + "/metrics", timeout=10).text
-    assert 'radix_pin_events_total{event="expired",model_name="tiny"}' in metrics
+    metrics = httpx.get(url + "/metrics", headers=OPENAI, timeout=10).text
+    assert 'radix_pin_events_total{event="expired",model_name="tiny"} 1.0' in metrics
     assert_whole(url)
 
 
@@ -132,8 +132,9 @@ def test_admin_pins_a_text_prefix_lists_and_unpins_it(url):
 @pytest.mark.parametrize(
     "path, body, headers, status, words",
     [
-        ("/v1/messages", messages_body([{"type": "text", "text": "x", "cache_control": {
-            "type": "ephemeral", "ttl": "10m"}}], "q"), ANTHROPIC, 400, "ttl"),
+        ("/v1/messages", {**messages_body("s", "q"), "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "q", "cache_control": {"type": "ephemeral", "ttl": "10m"}}]}]},
+         ANTHROPIC, 400, "ttl"),
         ("/v1/messages", messages_body([{"type": "text", "text": f"s{i}", "cache_control": {
             "type": "ephemeral"}} for i in range(5)], "q"), ANTHROPIC, 400, "maximum of 4"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
