@@ -10,7 +10,8 @@ a system prompt and the conversation that grows after it, share their common par
 tenant's count is the same over that tenant's pins. Both are kept per node in O(path): a pin
 adds itself to the owner counts of its path's nodes. A new pin longer than a budget is
 refused (``refused_budget``); one that fits but puts a total over its budget demotes the
-least recently used other pins (of the tenant, then of the server) until both hold again.
+least recently used other pins (of the tenant, then of the server) until both hold again;
+so does a request that could never run beside the pins (``give_way``).
 A demoted pin is unlocked, and with a host tier its path is copied there first, so the
 prefix leaves the device (when the device needs room) for the host instead of vanishing.
 
@@ -189,6 +190,15 @@ class PinTable(TreeListener):
                               if p.tenant == new.tenant and p is not new))  # fmt: skip
         while s.pinned_tokens > s.budget_tokens:
             self._demote(next(p for p in self._pins.values() if p is not new))
+
+    def give_way(self, num_slots: int) -> int:
+        """Demote pins, least recently used first, until ``num_slots`` device slots are
+        obtainable (free or evictable) or no pin is left; how many were demoted."""
+        demoted = 0
+        while self._pins and self.tree.room() < num_slots:
+            self._demote(next(iter(self._pins.values())))
+            demoted += 1
+        return demoted
 
     def _demote(self, pin: Pin) -> None:
         """Unpin ``pin``; with a host tier, copy its path there first, so that when the device

@@ -90,6 +90,7 @@ class Engine:
         self.pins = pin_table(config, self.cache, self.tiers)
         if self.pins is not None:
             features.append(PinRequests(self.pins))
+            self.kv.pins = self.pins
         vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
         limits = Limits(self.max_model_len, vocab, eos)
         source = self.disagg and self.disagg.kv_source
