@@ -8,8 +8,8 @@ Method:
    ``--output-len``-token answers), on a device pool of ``--device-tokens`` (page size 16),
    far smaller than the live set.
 2. Two agents beside it, each visiting every ``--visit-interval`` seconds while the load runs
-   (and once more after it): one chat request of a fixed system prompt of
-   ``--agent-prompt-chars`` characters (about 4K tokens by default) and a new short question
+   (and once more after it): one chat request of a fixed system prompt of about
+   ``--agent-prompt-tokens`` tokens (4,096 by default) and a new short question
    (one output token). The ``pinned`` agent asks for its system prompt to be pinned
    (``cache_pin``: the first message, for an hour); the ``unpinned`` agent, with another
    system prompt of the same length, does not.
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -44,8 +45,17 @@ from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import words
 
 
-def agent_prompt(seed: int, chars: int) -> str:
-    return " ".join(words(random.Random(seed), chars // 4 + 1))[:chars]
+async def agent_prompt(client, url: str, model: str, seed: int, tokens: int) -> str:
+    """Fixed words cut to about ``tokens`` tokens, measured by the server's tokenizer
+    (``/v1/messages/count_tokens``: nothing is computed)."""
+    text = " ".join(words(random.Random(seed), tokens * 2))
+    chars = tokens * 3
+    for _ in range(3):
+        body = {"model": model, "messages": [{"role": "user", "content": text[:chars]}]}
+        r = await client.post(url + "/v1/messages/count_tokens", json=body)
+        r.raise_for_status()
+        chars = int(chars * tokens / r.json()["input_tokens"])
+    return text[:chars]
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -75,12 +85,12 @@ async def visit(client, url: str, model: str, system: str, pin: bool, n: int) ->
 
 
 async def agents(url: str, args, done: asyncio.Event) -> dict:
-    prompts = {True: agent_prompt(1, args.agent_prompt_chars),
-               False: agent_prompt(2, args.agent_prompt_chars)}  # fmt: skip
     visits: dict[bool, list[dict]] = {True: [], False: []}
     samples: list[dict] = []
     async with httpx.AsyncClient(timeout=args.request_timeout) as client:
         model = await api.check_server(client, url)
+        prompts = {pin: await agent_prompt(client, url, model, seed, args.agent_prompt_tokens)
+                   for pin, seed in ((True, 1), (False, 2))}  # fmt: skip
         n = 0
         while True:
             last = done.is_set()
@@ -165,15 +175,17 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=0, help="0: every conversation at once")
     p.add_argument("--dataset-path", default=None, help="ShareGPT file; default the package")
     p.add_argument("--max-model-len", type=int, default=6144)
-    p.add_argument("--device-tokens", type=int, default=12000, help="the device pool")
-    p.add_argument("--pin-budget", type=float, default=0.4)
+    p.add_argument("--device-tokens", type=int, default=10000, help="the device pool")
+    p.add_argument("--pin-budget", type=float, default=0.45)
     p.add_argument("--host-kv-memory", default="2GiB", help="the +host system's host tier")
-    p.add_argument("--agent-prompt-chars", type=int, default=16000)
+    p.add_argument("--agent-prompt-tokens", type=int, default=4096)
     p.add_argument("--visit-interval", type=float, default=20.0)
     p.add_argument("--agent-head-start", type=float, default=5.0)
     p.add_argument("--systems", default="device-only,+host")
     p.add_argument("--request-timeout", type=float, default=900.0)
     args = p.parse_args()
+    # SIGTERM unwinds like an exception, so the servers started here are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     args.workload = "chat"  # what bench_tiers.drive and make_workload read
     workload = make_workload(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pins-"))
