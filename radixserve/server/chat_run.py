@@ -95,13 +95,14 @@ def pin_ends(
     conversation through that message rendered alone, as far as it agrees with the prompt
     (a template may render a turn differently once others follow it)."""
     conversation, tools = chat.render(tokenizer.template_has_tools)
+    shift = len(conversation) - len(chat.messages)  # a system turn listing the tools, first
     ends: dict[int, float] = {}
     for point in chat.cache_points:
         ends[point.message] = max(ends.get(point.message, 0.0), point.seconds)
     out = []
     prompt = np.asarray(ids)
     for message, ttl in sorted(ends.items()):
-        text = tokenizer.render_chat(conversation[: message + 1], False, tools)
+        text = tokenizer.render_chat(conversation[: message + 1 + shift], False, tools)
         head = np.asarray(tokenizer.encode(text, add_special_tokens=False)[: len(ids)])
         differs = np.flatnonzero(head != prompt[: len(head)])
         end = int(differs[0]) if len(differs) else len(head)
