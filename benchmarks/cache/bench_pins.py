@@ -189,7 +189,10 @@ def main() -> None:
     args.workload = "chat"  # what bench_tiers.drive and make_workload read
     workload = make_workload(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pins-"))
-    rows = [run_system(s, workload.conversations, args, log_dir) for s in args.systems.split(",")]
+    rows = []
+    for name in args.systems.split(","):
+        rows.append(run_system(name, workload.conversations, args, log_dir))
+        print(json.dumps(rows[-1]), file=sys.stderr)  # each system as it ends
     print(json.dumps({"params": vars(args), "systems": rows}))
 
 
