@@ -2,8 +2,9 @@
 
 - ``POST /admin/pins``: a prefix given as ``token_ids``, ``text`` (tokenized as a completion
   prompt is) or chat ``messages`` (rendered with the chat template, without the turn that
-  asks for an answer, as the start of a chat prompt renders), in a tenant's space (``tenant``,
-  the name ``/metrics`` shows, and ``cache_salt``), for ``ttl`` ("5m", "1h" or seconds). The
+  asks for an answer, as the start of a chat prompt renders), for ``ttl`` ("5m", "1h" or
+  seconds), counted against ``tenant``'s budget (the name ``/metrics`` shows) and in the cache
+  namespace that tenant's requests with ``cache_salt`` use. The
   prefix is computed if it is not cached (a one-token request), then pinned; the answer is
   the pin. A prefix longer than the budget is a 400; one that could not be pinned (evicted
   again before the pin was taken) a 409.
@@ -57,9 +58,10 @@ class PrefixBody(BaseModel):
         text = tokenizer.render_chat(self.messages or [], add_generation_prompt=False)
         return tokenizer.encode(text, add_special_tokens=False)
 
-    @property
-    def namespace(self) -> str | None:
-        return cache_namespace(self.tenant, self.cache_salt)
+    def namespace(self, config: ServerConfig) -> str | None:
+        """The cache namespace the tenant's requests with this ``cache_salt`` use (its own
+        only under ``--salt-from-api-key``)."""
+        return cache_namespace(self.tenant if config.salt_from_api_key else None, self.cache_salt)
 
 
 class PinBody(PrefixBody):
@@ -123,13 +125,13 @@ def add_pin_routes(
             raise ApiError(400, f"the prefix has {len(ids)} tokens; the pin budget is {budget}")
         ttl = float(TTLS[body.ttl] if isinstance(body.ttl, str) else body.ttl)
         spec = request_spec(raw, None, pins=((len(ids), ttl),), tenant=body.tenant)
-        spec = msgspec.structs.replace(spec, namespace=body.namespace)
+        spec = msgspec.structs.replace(spec, namespace=body.namespace(config))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         job, queue = await serving.submit("pin", [ids], [params], spec)
         await serving.wait(job, queue, raw)
         page = client.info.page_size
         for p in await engine_call(client, "pin_listing"):
-            held = p.tenant == (body.tenant or "") and p.namespace == body.namespace
+            held = p.tenant == (body.tenant or "") and p.namespace == body.namespace(config)
             if held and p.tokens == len(ids) // page * page:
                 return pin_json(p, tokenizer, config.debug_cache_text)
         raise ApiError(409, "the prefix was computed but evicted before it could be pinned")
@@ -139,6 +141,6 @@ def add_pin_routes(
         ids = None
         if body.given():
             ids = await serving.off_loop(body.tokens, tokenizer)
-        n = await engine_call(client, "unpin", token_ids=ids, namespace=body.namespace,
+        n = await engine_call(client, "unpin", token_ids=ids, namespace=body.namespace(config),
                               tenant=body.tenant, pin_id=body.id)  # fmt: skip
         return {"unpinned": n}

@@ -41,7 +41,7 @@ def test_a_pinned_prefix_outlives_the_load_and_expires_on_the_clock(make_engine)
     assert stats.pinned_tokens == 300 and stats.tenant_tokens == {"a": 300}
     now[0] = 61.0
     assert engine.stats().pins.pins == 0 and engine.stats().pins.expired == 1
-    for i in range(12):
+    for i in range(7):
         run(engine, f"after{i}", [(i * 41 + j * 13) % 250 + 3 for j in range(200)])
     assert cached(engine, system) < 300  # unpinned: evicted like the rest
 
