@@ -19,7 +19,11 @@ Method:
    ``radix_pinned_tokens`` seen against ``radix_pin_budget_tokens`` (``--pin-budget`` of the
    pool), the tokens evicted, and the pin events.
 4. Systems: ``device-only`` (the device pool alone) and ``+host`` (with a host tier of
-   ``--host-kv-memory``), each a fresh ``radixserve serve``.
+   ``--host-kv-memory``), each a fresh ``radixserve serve`` of the default model, or with
+   ``--tiny-model`` of a tiny random Llama (2 layers, width 64) with the default model's
+   tokenizer and chat template: the same token streams through the same cache at a small
+   fraction of the compute (hit rates and pins are properties of the cache; the answers, and
+   so the histories, are the random model's).
 
 Prints one JSON line. Usage: ``python -m benchmarks.cache.bench_pins [--conversations 48]``.
 """
@@ -157,12 +161,25 @@ def run_system(name: str, conversations, args, log_dir: Path) -> dict:
              "--pin-budget", str(args.pin_budget)]  # fmt: skip
     if name == "+host":
         flags += ["--host-kv-memory", args.host_kv_memory]
+    if args.model:
+        flags += ["--model", args.model]
     settings = ServerSettings(log_dir=log_dir, startup_timeout=900)
     with ManagedServer(name, serve_argv(flags), settings) as server:
         start = time.perf_counter()
         load, found = asyncio.run(run_load_and_agents(server.base_url, conversations, args))
         elapsed = time.perf_counter() - start
     return {"system": name, "flags": " ".join(flags), "wall_s": elapsed} | summarize(found, load)
+
+
+def tiny_model(path: Path, context: int) -> str:
+    """A tiny random Llama with the default model's tokenizer, saved at ``path``."""
+    from radixserve.model.loader import default_model_path
+    from radixserve.model.tokenizer import Tokenizer
+    from testing.tiny_model import save_tiny_hf_model
+
+    save_tiny_hf_model(path, max_position_embeddings=context)
+    Tokenizer.from_model_path(default_model_path(), eos_token_ids=[2]).hf.save_pretrained(path)
+    return str(path)
 
 
 def main() -> None:
@@ -182,6 +199,7 @@ def main() -> None:
     p.add_argument("--visit-interval", type=float, default=20.0)
     p.add_argument("--agent-head-start", type=float, default=5.0)
     p.add_argument("--systems", default="device-only,+host")
+    p.add_argument("--tiny-model", action="store_true", help="serve a tiny random Llama")
     p.add_argument("--request-timeout", type=float, default=900.0)
     args = p.parse_args()
     # SIGTERM unwinds like an exception, so the servers started here are stopped
@@ -189,6 +207,7 @@ def main() -> None:
     args.workload = "chat"  # what bench_tiers.drive and make_workload read
     workload = make_workload(args)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-pins-"))
+    args.model = tiny_model(log_dir / "tiny", args.max_model_len) if args.tiny_model else None
     rows = []
     for name in args.systems.split(","):
         rows.append(run_system(name, workload.conversations, args, log_dir))
