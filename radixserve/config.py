@@ -49,6 +49,18 @@ DISAGGREGATION_MODES = ("off", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+MAX_PIN_SHARE = 0.9  # the rest of the pool stays for running requests
+
+
+def check_pin_share(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number in [0, {MAX_PIN_SHARE}], got {value!r}")
+    if not 0 <= value <= MAX_PIN_SHARE:
+        raise ValueError(
+            f"{name} must be in [0, {MAX_PIN_SHARE}] (a share of the device pool), got {value!r}"
+        )
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     enable_prefix_caching: bool = True
@@ -62,9 +74,16 @@ class CacheConfig:
     # share of the main pool's, dropped where no request can read it (cache/window_tree.py);
     # 0: every layer's KV for every cached token, in one pool
     window_kv_share: float = 0.2
+    # pins (cache/pins.py): at most this share of the device pool pinned, in all and per
+    # tenant (None: the same as in all); 0: nothing is pinned
+    pin_budget: float = 0.25
+    pin_tenant_budget: float | None = None
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 1)
+        check_pin_share("pin_budget", self.pin_budget)
+        if self.pin_tenant_budget is not None:
+            check_pin_share("pin_tenant_budget", self.pin_tenant_budget)
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if self.cache_threshold is not None:
             check_cache_threshold(self.cache_threshold)

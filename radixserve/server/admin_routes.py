@@ -2,7 +2,8 @@
 paths: ``api/guard.py`` asks for the admin key there).
 
 ``/cache`` shows counts and hashes of the cached prefixes, their text only with
-``debug_cache_text``: who sent what stays private.
+``debug_cache_text``: who sent what stays private; and the pins (``pin_routes.py``): their
+budgets, totals, counters and the most recently used ones.
 """
 
 from __future__ import annotations
@@ -135,6 +136,12 @@ async def cache_listing(
         else:  # who sent what stays private: a digest tells prefixes apart, nothing more
             prefixes.append({**prefix, "head_hash": token_digest(head)})
     stats: EngineStats = await engine_call(client, "stats")
+    pins = None
+    if stats.pins is not None:
+        listed = await engine_call(client, "pin_listing")
+        pins = {**dataclasses.asdict(stats.pins), "listed": [
+            {"id": p.id, "tenant": p.tenant, "tokens": p.tokens, "expires_in": p.expires_in,
+             "head_hash": token_digest(p.head_token_ids)} for p in listed[:top]]}  # fmt: skip
     return {
         "num_nodes": summary.num_nodes,
         "cached_tokens": summary.cached_tokens,
@@ -143,4 +150,5 @@ async def cache_listing(
         "evictable_tokens": stats.evictable_tokens,
         "stats": dataclasses.asdict(stats.cache),
         "tiers": cache_tiers(stats),
+        "pins": pins,
     }

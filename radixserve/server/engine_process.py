@@ -235,6 +235,12 @@ class EngineLoop:
     def rpc_stats(self) -> EngineStats:
         return self.stats()
 
+    def rpc_pin_listing(self) -> list:
+        return self.engine.pin_listing()
+
+    def rpc_unpin(self, **kwargs: Any) -> int:
+        return self.engine.unpin(**kwargs)
+
     def rpc_check_integrity(self) -> bool:
         self.engine.check_integrity()
         return True

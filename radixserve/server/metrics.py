@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.stats import EngineInfo, EngineStats
-from radixserve.server.tier_metrics import tier_families
+from radixserve.server.tier_metrics import pin_families, tier_families
 
 WINDOW_SECONDS = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -101,6 +101,7 @@ class Metrics:
         yield from self._grammar_families()
         yield self._refused_family()
         yield from tier_families(self.stats, self.model_name)
+        yield from pin_families(self.stats, self.model_name)
 
     def _cache_families(self):
         s, cache, m = self.stats, self.stats.cache, self.model_name
