@@ -14,8 +14,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import zmq  # noqa: E402
 
 from testing.tiny_model import save_tiny_hf_model  # noqa: E402
+
+# The ZeroMQ links are authenticated in every test, as by default: one fleet key pair for the
+# session (servers started by tests inherit it), so no test reads or writes the user's key.
+os.environ["RADIXSERVE_ZMQ_KEY"] = zmq.curve_keypair()[1].decode()
+os.environ.pop("RADIXSERVE_ZMQ_ALLOW", None)
 
 
 @pytest.fixture(scope="session")
