@@ -242,6 +242,11 @@ class PrefixCache(ABC):
         """A snapshot of the lower tiers (``TierStats``), or None without them."""
         return None
 
+    def eviction_stats(self) -> Any:
+        """The eviction policy's predictions and outcomes (``EvictionStats``), or None when
+        it predicts nothing."""
+        return None
+
     def clear_storage(self) -> ClearResult | None:
         """Delete every page in the storage tier: whether none is left (else why not), or
         None when there is no storage tier."""

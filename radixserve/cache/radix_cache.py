@@ -786,6 +786,9 @@ class RadixCache(PrefixCache):
     def tier_stats(self) -> Any:
         return self.controller.stats() if self.controller is not None else None
 
+    def eviction_stats(self) -> Any:
+        return self._heap.policy.stats()
+
     def clear_storage(self) -> ClearResult | None:
         return self.controller.clear_storage() if self.controller is not None else None
 

@@ -241,6 +241,7 @@ class Engine:
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
             window=self._window_stats(),
+            eviction=self.cache.eviction_stats(),
         )
 
     def _window_stats(self) -> WindowStats | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.base import CacheStats
+from radixserve.cache.eviction_base import EvictionStats
 from radixserve.cache.tier_stats import TierStats
 from radixserve.engine.segments import SegmentStats
 from radixserve.structured import GrammarStats
@@ -62,6 +63,7 @@ class EngineStats:
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
     grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
     window: WindowStats | None = None  # None: no window pool
+    eviction: EvictionStats | None = None  # None: the eviction policy predicts nothing
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

@@ -20,6 +20,7 @@ from radixserve.api.errors import ApiError, unavailable
 from radixserve.engine.stats import EngineStats
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.eviction_metrics import cache_eviction
 from radixserve.server.metrics import Metrics
 from radixserve.server.tier_metrics import cache_tiers
 
@@ -135,4 +136,5 @@ async def cache_listing(
         "evictable_tokens": stats.evictable_tokens,
         "stats": dataclasses.asdict(stats.cache),
         "tiers": cache_tiers(stats),
+        "eviction": cache_eviction(stats),
     }
