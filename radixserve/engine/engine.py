@@ -249,6 +249,7 @@ class Engine:
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
             window=self._window_stats(),
             pins=self._pin_stats(),
+            eviction=self.cache.eviction_stats(),
         )
 
     def _window_stats(self) -> WindowStats | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.base import CacheStats
+from radixserve.cache.eviction_base import EvictionStats
 from radixserve.cache.pins import PinStats
 from radixserve.cache.tier_stats import TierStats
 from radixserve.engine.segments import SegmentStats
@@ -69,6 +70,7 @@ class EngineStats:
     # process fills it in (its publisher is not the engine's)
     kv_events_refused: dict[str, int] = field(default_factory=dict)
     pins: PinStats | None = None  # None: pins are off
+    eviction: EvictionStats | None = None  # None: the eviction policy predicts nothing
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

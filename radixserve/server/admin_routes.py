@@ -22,6 +22,7 @@ from radixserve.engine.stats import EngineStats
 from radixserve.links.keys import split_endpoint
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.eviction_metrics import cache_eviction
 from radixserve.server.metrics import Metrics
 from radixserve.server.tier_metrics import cache_tiers
 
@@ -151,4 +152,5 @@ async def cache_listing(
         "stats": dataclasses.asdict(stats.cache),
         "tiers": cache_tiers(stats),
         "pins": pins,
+        "eviction": cache_eviction(stats),
     }

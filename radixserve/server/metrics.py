@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.server.eviction_metrics import eviction_families
 from radixserve.server.tier_metrics import pin_families, tier_families
 
 WINDOW_SECONDS = 60.0
@@ -102,6 +103,7 @@ class Metrics:
         yield self._refused_family()
         yield from tier_families(self.stats, self.model_name)
         yield from pin_families(self.stats, self.model_name)
+        yield from eviction_families(self.stats, self.model_name)
 
     def _cache_families(self):
         s, cache, m = self.stats, self.stats.cache, self.model_name
