@@ -15,9 +15,9 @@ import contextlib
 
 import numpy as np
 import pytest
-from conftest import save_tiny_hf_model
 
 from radixserve import SamplingParams
+from testing.tiny_model import save_tiny_hf_model
 
 WINDOW = 24
 GEMMA = dict(
