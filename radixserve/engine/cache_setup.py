@@ -33,6 +33,7 @@ from radixserve.cache import (
 )
 from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVShape
 from radixserve.cache.tiered_cache import TieredRadixCache
 from radixserve.cache.window_pages import WindowedAllocator
@@ -100,12 +101,14 @@ def build_cache(
     tiers = config.tiers
     if not is_tiered(config):
         return device_cache(config, allocator, events)
-    slots = host_slots(config, allocator.num_slots, pool.shape.bytes_per_token())
-    cache = tiered_cache(config, allocator, HostKVPool(pool, slots, allocator.page_size), events)
+    fmt = KVFormat.of("int8") if tiers.kv_tier_dtype == "int8" else pool.format
+    slots = host_slots(config, allocator.num_slots, pool.shape.with_format(fmt).bytes_per_token())
+    host_pool = HostKVPool(pool, slots, allocator.page_size, fmt)
+    cache = tiered_cache(config, allocator, host_pool, events)
     host = cache.host
-    log.info("host KV tier: %d tokens (%.2f GiB%s), write policy %s", host.num_slots,
+    log.info("host KV tier: %d tokens (%.2f GiB%s, %s), write policy %s", host.num_slots,
              host.nbytes() / 2**30, "" if tiers.host_kv_memory else ", sized by default",
-             tiers.write_policy)  # fmt: skip
+             fmt.name, tiers.write_policy)  # fmt: skip
     if tiers.kv_storage is not None:
         cache.attach_storage(
             tiers.kv_storage, model_identity(model_path, model_name),
