@@ -15,7 +15,7 @@ from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.kv_format import KV_CACHE_DTYPES
-from radixserve.cache.tiered_cache import WRITE_POLICIES
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import (
     DISAGGREGATION_MODES,
     DTYPES,

@@ -14,7 +14,7 @@ request's KV ledger. It never runs a model: an *executor* does (``ModelExecutor`
 so whatever runs the step, the bookkeeping is this one. Features that need to act around
 it (KV transfer, the step trace) attach as ``Feature`` hooks (``hooks.py``). A constrained
 request whose grammar forces its next tokens gets them appended as a draft (jump forward,
-``grammar.py``); the step that computes it keeps what the sampler verified, commits that
+``structured/``); the step that computes it keeps what the sampler verified, commits that
 KV and frees the rest.
 
 ``add`` validates a ``RequestSpec`` (clear ``ValueError``s for empty, out-of-vocabulary,

@@ -7,7 +7,7 @@ only ``RequestKV`` writes; ``num_computed`` reads it.
 
 A constrained request may carry a *draft*: the ``num_draft`` last tokens, which its grammar
 forces and which are computed in the next step but count as output only once the
-sampler has checked that the model would have drawn each of them (``grammar.py``).
+sampler has checked that the model would have drawn each of them (``structured/``).
 
 States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
 then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its output.
@@ -108,7 +108,7 @@ class Request:
         self.num_retractions = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
-        self.grammar: Any = None  # its GrammarState (grammar.py) when the spec has a grammar
+        self.grammar: Any = None  # its GrammarState (structured/) when the spec has a grammar
         self.num_draft = 0  # trailing tokens the grammar forces, appended but not yet verified
 
     # ------------------------------------------------------------------ the spec

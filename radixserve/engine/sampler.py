@@ -1,7 +1,7 @@
 """Sampler: next tokens for a batch of requests, each with its own SamplingParams.
 
 Order of processing: logit bias, grammar masks (a constrained request's forbidden tokens
-get ``-inf``, ``grammar.py``), penalties (repetition over prompt + output, frequency and
+get ``-inf``, ``structured/``), penalties (repetition over prompt + output, frequency and
 presence over output) -> greedy rows take the argmax -> other rows: temperature, then
 top-k, top-p and min-p masks over one sort, then a draw. Each request draws with its own
 ``torch.Generator`` (seeded from ``seed`` or from the engine's seed sequence), via the
@@ -9,7 +9,7 @@ exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not dep
 else is in the batch.
 Logprobs are of the model's distribution (raw logits, before penalties and temperature).
 Each constrained request's matcher then accepts the token drawn for it. A request with a
-grammar draft (``grammar.py``) has one row per draft token plus one; it keeps the draft up
+grammar draft (``structured/``) has one row per draft token plus one; it keeps the draft up
 to the first row whose token differs from it and takes that row's token as its next.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixserve.engine.grammar import apply_masks
 from radixserve.engine.request import Request, TokenLogprob
 from radixserve.model import native
+from radixserve.structured import apply_masks
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request], first: list[int]) -> None:

@@ -8,7 +8,7 @@ per field), since a decoded message is only as good as its sender.
 
 ``namespace`` is the tenant's cache namespace (the API's ``cache_salt``, hashed): requests in
 different namespaces never share cached tokens. ``None`` is the shared namespace.
-``grammar`` constrains the output (``grammar.py``); the edge has checked that it parses.
+``grammar`` constrains the output (``structured/``); the edge has checked that it parses.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import msgspec
 
 from radixserve.cache.base import Namespace
-from radixserve.engine.grammar import GRAMMAR_KINDS
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.structured import GRAMMAR_KINDS
 
 __all__ = ["Namespace", "RequestSpec"]
 
@@ -35,7 +35,7 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     # decode peer and samples nothing
     prefill_peer: str | None = None
     prefill_only: bool = False
-    # constrained decoding: (kind, text), kinds in engine/grammar.py's GRAMMAR_KINDS
+    # constrained decoding: (kind, text), kinds in structured/'s GRAMMAR_KINDS
     grammar: tuple[str, str] | None = None
 
     def check(self) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 from radixserve.cache.base import CacheStats
 from radixserve.cache.tier_stats import TierStats
-from radixserve.engine.grammar import GrammarStats
 from radixserve.engine.segments import SegmentStats
+from radixserve.structured import GrammarStats
 
 
 @dataclass(frozen=True)

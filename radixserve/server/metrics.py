@@ -188,6 +188,14 @@ class Metrics:
         yield counter(m, "grammar_forced_tokens",
                       "Output tokens taken from grammar drafts, without a decode step each",
                       g.forced_tokens)  # fmt: skip
+        backends = CounterMetricFamily(
+            "grammar_backend_requests", "Constrained requests by the grammar engine enforcing "
+            "them (xgrammar first, llguidance where xgrammar would not enforce the schema)",
+            labels=["model_name", "backend"],
+        )  # fmt: skip
+        backends.add_metric([m, "xgrammar"], g.xgrammar_requests)
+        backends.add_metric([m, "llguidance"], g.llguidance_requests)
+        yield backends
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

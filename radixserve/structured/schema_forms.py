@@ -1,0 +1,95 @@
+"""Equivalent forms of two constructs the grammar engine does not enforce as written.
+
+- ``one_of_closed``: a ``oneOf`` of closed objects (``additionalProperties: false``) that
+  differ only in what they require, as ``anyOf`` branches no value meets two of (the
+  grammar compiles ``oneOf`` as ``anyOf``, so overlapping branches would let through a
+  value that meets two).
+- ``unique_arrays``: an array with ``uniqueItems`` whose items take a few listed values, as
+  the list of every array it allows (for an ``enum``), at most ``UNIQUE_LIMIT`` of them.
+
+Each returns None where its form does not apply; both are exact where they return.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from radixserve.structured.schema_merge import assertions
+from radixserve.structured.schema_types import expand, type_of, value_key
+
+UNIQUE_LIMIT = 100
+_ARRAY_KEYS = {"type", "uniqueItems", "items", "minItems", "maxItems"}
+
+
+def one_of_closed(branches: list) -> list[tuple[dict, dict]] | None:
+    """``anyOf`` branches for a ``oneOf`` of closed objects that differ only in what they
+    require (None where that is not the case): branch i can hold alone only without the key
+    each other branch j requires beyond it, so that key leaves branch i's properties (closed
+    out); a branch another one implies cannot hold alone and goes. Each branch gets
+    ``type: object``: a value of another type meets every branch, so ``oneOf`` refuses it."""
+    shapes = set()
+    for b in branches:
+        if not (isinstance(b, dict) and b.get("additionalProperties") is False):
+            return None
+        required, props = b.get("required", []), b.get("properties", {})
+        if "patternProperties" in b or not isinstance(props, dict):
+            return None
+        if not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+            return None
+        rest = {k: v for k, v in assertions(b).items() if k != "required"}
+        if "type" in rest and "object" not in expand(rest["type"]):
+            return None
+        shapes.add(value_key(rest))
+    if len(shapes) != 1 or len(branches) < 2:
+        return None
+    out = []
+    for i, b in enumerate(branches):
+        mine = set(b.get("required", []))
+        extra = [set(o.get("required", [])) - mine for j, o in enumerate(branches) if j != i]
+        if not all(extra):
+            continue  # another branch holds wherever this one does
+        gone = set().union(*(e for e in extra if len(e) == 1))
+        if any(not e & gone for e in extra):
+            return None  # "one of these keys absent": not one schema
+        props = {k: v for k, v in b.get("properties", {}).items() if k not in gone}
+        out.append((b, {**b, "type": "object", "properties": props}))
+    return out
+
+
+def unique_arrays(s: dict, items: Any) -> list[list] | None:
+    """Every array ``s`` (``type: array`` with ``uniqueItems`` and no keyword but ``items``,
+    ``minItems``, ``maxItems``) allows, given its ``items`` schema made flat (None where
+    the items are not listed or the arrays are more than ``UNIQUE_LIMIT``)."""
+    if "type" not in s or expand(s["type"]) != {"array"} or set(assertions(s)) - _ARRAY_KEYS:
+        return None
+    values = listed_values(items)
+    if values is None:
+        return None
+    low, high = s.get("minItems", 0), s.get("maxItems", len(values))
+    if not all(type(v) is int for v in (low, high)):
+        return None
+    high = min(high, len(values))
+    if not 0 < sum(math.perm(len(values), k) for k in range(low, high + 1)) <= UNIQUE_LIMIT:
+        return None
+    return [list(p) for k in range(low, high + 1) for p in itertools.permutations(values, k)]
+
+
+def listed_values(flat: Any) -> list | None:
+    """The distinct values a flat schema allows, where it lists them (``enum``, ``const``,
+    or only booleans and null), else None."""
+    if not isinstance(flat, dict):
+        return None
+    keys = set(assertions(flat))
+    kinds = expand(flat["type"]) if "type" in flat else None
+    if keys == {"type"} and kinds and kinds <= {"null", "boolean"}:
+        values = [v for v in (None, False, True) if type_of(v) in kinds]
+    elif keys in ({"enum"}, {"const"}, {"type", "enum"}, {"type", "const"}):
+        values = flat["enum"] if "enum" in flat else [flat["const"]]
+        if not isinstance(values, list):
+            return None
+        values = [v for v in values if kinds is None or type_of(v) in kinds]
+    else:
+        return None
+    return list({value_key(v): v for v in values}.values())
