@@ -29,9 +29,10 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
 class Runner:
     """Drives our model through prefill / decode steps with slots 0, 1, 2, ... per sequence."""
 
-    def __init__(self, model, num_slots: int = 512):
+    def __init__(self, model, num_slots: int = 512, kv_format=None):
         self.model = model
-        self.pool = KVPool(model.kv_shape(), num_slots)
+        shape = model.kv_shape()
+        self.pool = KVPool(shape if kv_format is None else shape.with_format(kv_format), num_slots)
 
     def step(self, decode=(), prefill=(), all_logits: bool = False) -> torch.Tensor:
         batch = build_forward_batch(
