@@ -105,11 +105,14 @@ def run_garbage_peer(reports, layout: dict) -> None:
     from radixserve.disagg.zmq_sender import ZmqKVSender
 
     theirs = KVLayout.from_dict(layout)
-    shape = KVShape(theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.torch_dtype)
+    fmt = theirs.format
+    dtype = torch.float32 if fmt.quantized else fmt.storage_dtype  # the values' dtype
+    shape = KVShape(theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, dtype,
+                    kv_format=fmt)  # fmt: skip
     pool = KVPool(shape, 4096)
     g = torch.Generator().manual_seed(0)
-    pool.k.copy_(torch.randn(pool.k.shape, generator=g) * 50)
-    pool.v.copy_(torch.randn(pool.v.shape, generator=g) * 50)
+    for t in (pool.k, pool.v):
+        t.copy_(fmt.encode(torch.randn((*t.shape[:-1], theirs.head_dim), generator=g) * 50))
     sender = ZmqKVSender(pool, theirs)
     reports.put(sender.endpoint)
     while True:
