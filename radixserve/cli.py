@@ -1,4 +1,5 @@
-"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``pull``, ``bench``, ``simulate``.
+"""The ``radixserve`` command: ``generate``, ``chat``, ``serve``, ``pull``, ``bench``, ``simulate``,
+``keys``.
 
 The options shared by several commands (every engine option as a flag, the sampling flags)
 live in ``cli_options``; each sub-command's parser comes from its own package's CLI module.
@@ -99,7 +100,9 @@ def stream_answer(llm, history: list[dict[str, str]], params):
     return tracker
 
 
-COMMANDS = ("generate", "chat", "pull", "serve", "router", "ray-serve", "bench", "simulate")
+COMMANDS = (
+    "generate", "chat", "pull", "serve", "router", "ray-serve", "bench", "simulate", "keys",
+)  # fmt: skip
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -130,6 +133,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from radixserve.sim.cli import add_sim_parser
 
         add_sim_parser(sub)
+    if "keys" in wanted:
+        from radixserve.links.cli import add_keys_parser
+
+        add_keys_parser(sub)
     return parser
 
 

@@ -82,6 +82,16 @@ ENGINE_FLAGS = {
         "the cached tokens only, the rest dropped where no request can read it (0: keep every "
         "layer's KV for every cached token); default %(default)s",
     ),
+    "pin_budget": dict(
+        type=float,
+        default=0.25,
+        help="share of the device KV pool that pinned prefixes may hold (cache_control, "
+        "cache_pin, /admin/pins; docs/caching.md), at most 0.9; 0: no pins; default %(default)s",
+    ),
+    "pin_tenant_budget": dict(
+        type=float,
+        help="share of the device KV pool one tenant's pins may hold; default: --pin-budget",
+    ),
     "max_running_requests": dict(
         type=int, default=64, help="most requests decoding at once; default %(default)s"
     ),

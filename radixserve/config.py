@@ -7,9 +7,9 @@ group checks its own values and ``EngineConfig`` the rules across groups, raisin
 ``ValueError`` that names the option. Nothing rewrites itself after construction.
 
 The groups: ``cache`` (the device pool and the radix tree), ``scheduler``, ``kv_events``,
-``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation) and
-``segments`` (RAG segments). Readers use the nested name (``config.cache.page_size``); the flat
-names are only the builder's input.
+``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation),
+``segments`` (RAG segments) and ``links`` (the keys of the ZeroMQ sockets). Readers use the
+nested name (``config.cache.page_size``); the flat names are only the builder's input.
 
 The KV pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such
 as ``"2GiB"``); with neither, by a share of the device's free memory. The hierarchical cache
@@ -40,6 +40,7 @@ from radixserve.config_checks import (
     check_positive,
     parse_bytes,
 )
+from radixserve.links.keys import ZmqSecurity, load_security
 from radixserve.model.quant import QUANTIZATIONS
 
 __all__ = ["EngineConfig", "parse_bytes"]
@@ -47,6 +48,18 @@ __all__ = ["EngineConfig", "parse_bytes"]
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 DISAGGREGATION_MODES = ("off", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+MAX_PIN_SHARE = 0.9  # the rest of the pool stays for running requests
+
+
+def check_pin_share(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number in [0, {MAX_PIN_SHARE}], got {value!r}")
+    if not 0 <= value <= MAX_PIN_SHARE:
+        raise ValueError(
+            f"{name} must be in [0, {MAX_PIN_SHARE}] (a share of the device pool), got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -65,10 +78,17 @@ class CacheConfig:
     # how the device pool stores KV: auto (the model's dtype) or int8 (codes with float16
     # scales per group of channels: cache/kv_format.py)
     kv_cache_dtype: str = "auto"
+    # pins (cache/pins.py): at most this share of the device pool pinned, in all and per
+    # tenant (None: the same as in all); 0: nothing is pinned
+    pin_budget: float = 0.25
+    pin_tenant_budget: float | None = None
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 1)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_pin_share("pin_budget", self.pin_budget)
+        if self.pin_tenant_budget is not None:
+            check_pin_share("pin_tenant_budget", self.pin_tenant_budget)
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if self.cache_threshold is not None:
             check_cache_threshold(self.cache_threshold)
@@ -207,6 +227,28 @@ class SegmentConfig:
         check_int("segment_prefix_tokens", self.segment_prefix_tokens, 0)
 
 
+@dataclass(frozen=True)
+class LinkConfig:
+    """Who may use the engine's ZeroMQ sockets (KV events, KV transfer; ``links/keys.py``):
+    CurveZMQ with this process's key pair (``zmq_key``: a secret key file; None:
+    ``$RADIXSERVE_ZMQ_KEY``, else the user's default key file), accepting clients with that
+    key or one of ``zmq_allow`` (keys, key files, directories); or, only when
+    ``zmq_unauthenticated``, plain sockets that admit anyone."""
+
+    zmq_key: str | None = None
+    zmq_allow: tuple[str, ...] = ()
+    zmq_unauthenticated: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zmq_allow", tuple(self.zmq_allow or ()))
+        if self.zmq_unauthenticated and (self.zmq_key or self.zmq_allow):
+            raise ValueError("zmq_unauthenticated takes no zmq_key or zmq_allow")
+
+    def security(self) -> ZmqSecurity:
+        """The keys, read now (``LinkKeyError``, a ValueError, names what is wrong)."""
+        return load_security(self.zmq_key, self.zmq_allow, self.zmq_unauthenticated)
+
+
 GROUPS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
@@ -214,6 +256,7 @@ GROUPS = {
     "tiers": TierConfig,
     "disagg": DisaggConfig,
     "segments": SegmentConfig,
+    "links": LinkConfig,
 }
 # flat option name -> its group (every option name is unique across the groups)
 OPTION_GROUP = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
@@ -237,6 +280,7 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     segments: SegmentConfig = field(default_factory=SegmentConfig)
+    links: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)

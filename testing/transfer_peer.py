@@ -19,6 +19,7 @@ import torch
 from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVPool, KVShape
 from radixserve.disagg.transfer import KVLayout
+from radixserve.links.keys import CurveKeys, load_security
 
 HEARTBEAT = dict(heartbeat_interval=0.1, heartbeat_timeout=0.8)
 
@@ -48,6 +49,32 @@ def layout_of(pool: KVPool, page_size: int = 1) -> KVLayout:
     return KVLayout.of_pool(pool, "test-model", page_size)
 
 
+def poll_until(fn, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if out := fn():
+            return out
+        time.sleep(0.01)
+    raise AssertionError(f"{fn.__name__} returned nothing in {timeout} s")
+
+
+def wait_end(receiver, tid: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for key, status in receiver.progress():
+            if key == tid:
+                return status
+        time.sleep(0.01)
+    raise AssertionError(f"transfer {tid} did not end in {timeout} s")
+
+
+def untouched(pool, except_slots: torch.Tensor | None = None) -> bool:
+    mask = torch.ones(pool.k.shape[2], dtype=torch.bool)
+    if except_slots is not None:
+        mask[except_slots] = False
+    return not pool.k[:, :, mask].any() and not pool.v[:, :, mask].any()
+
+
 # The two senders one peer process runs: (dtype, page size, target message bytes). The
 # float32 one uses tiny messages, so a transfer goes out as several token pieces and layer
 # groups.
@@ -65,7 +92,9 @@ def run_prefill_peer(reports, seed: int) -> None:
     for name, (dtype, page_size, message_bytes) in PEER_LAYOUTS.items():
         pool = seeded_pool(256, dtype, seed)
         layout = layout_of(pool, page_size)
-        senders[name] = ZmqKVSender(pool, layout, message_bytes=message_bytes, **HEARTBEAT)
+        senders[name] = ZmqKVSender(
+            pool, layout, security=load_security(), message_bytes=message_bytes, **HEARTBEAT
+        )
     reports.put({name: s.endpoint for name, s in senders.items()})
     late: list[tuple[float, str, torch.Tensor, ZmqKVSender]] = []
     while True:
@@ -98,9 +127,11 @@ def run_prefill_peer(reports, seed: int) -> None:
                     reports.put((tid, "push_refused", str(e)))
 
 
-def run_garbage_peer(reports, layout: dict) -> None:
+def run_garbage_peer(reports, layout: dict, fleet_key: bool = True) -> None:
     """A prefill peer that passes the handshake of a real decode instance (its ``layout``,
-    from ``/disagg/info``) and answers every transfer with random KV."""
+    from ``/disagg/info``) and answers every transfer with random KV. With ``fleet_key``
+    False it holds a key pair of its own, not the fleet's: it reports its address without
+    its key (where a decode instance expects the fleet's server key)."""
     from radixserve.cache.kv_pool import KVShape
     from radixserve.disagg.zmq_sender import ZmqKVSender
 
@@ -113,8 +144,13 @@ def run_garbage_peer(reports, layout: dict) -> None:
     g = torch.Generator().manual_seed(0)
     for t in (pool.k, pool.v):
         t.copy_(fmt.encode(torch.randn((*t.shape[:-1], theirs.head_dim), generator=g) * 50))
-    sender = ZmqKVSender(pool, theirs)
-    reports.put(sender.endpoint)
+    if fleet_key:
+        sender = ZmqKVSender(pool, theirs, security=load_security())
+        reports.put(sender.endpoint)
+    else:
+        own = CurveKeys.generate()
+        sender = ZmqKVSender(pool, theirs, security=own)
+        reports.put(sender.endpoint.partition("?")[0])
     while True:
         select.select([sender.fileno()], [], [], 0.05)
         for req in sender.incoming():

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
-from testing.tiny_model import save_tiny_hf_model
-
+# Idle OpenMP threads sleep instead of spinning. The suite runs several processes on few cores
+# (the test, a server's HTTP and engine processes, a client): a spinning thread holds a core
+# that another process needs, and on 2 shared cores a tiny model's decode step took 0.3 s
+# instead of 6 ms. Read by libgomp when torch loads it, so set before anything imports torch;
+# the servers the tests start inherit it. Threads and kernels are the same as without it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import zmq  # noqa: E402
+
+from testing.tiny_model import save_tiny_hf_model  # noqa: E402
+
+# The ZeroMQ links are authenticated in every test, as by default: one fleet key pair for the
+# session (servers started by tests inherit it), so no test reads or writes the user's key.
+os.environ["RADIXSERVE_ZMQ_KEY"] = zmq.curve_keypair()[1].decode()
+os.environ.pop("RADIXSERVE_ZMQ_ALLOW", None)
 
 
 @pytest.fixture(scope="session")

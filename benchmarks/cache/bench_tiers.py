@@ -53,7 +53,7 @@ import httpx
 import torch
 
 from benchmarks.cache import process_cpu
-from benchmarks.cache.bench_tier_pages import page_costs
+from benchmarks.cache.tier_page_costs import page_costs
 from benchmarks.cache.tiers_report import print_tables
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings

@@ -80,6 +80,7 @@ def engine_modes(rounds: int = 2) -> dict:
     from radixserve.config import EngineConfig
     from radixserve.engine import Engine, SamplingParams
     from radixserve.kvevents.publisher import KVEventPublisher
+    from radixserve.links.keys import CurveKeys
     from radixserve.server.event_bridge import EventBridge
 
     engine = Engine(
@@ -88,16 +89,18 @@ def engine_modes(rounds: int = 2) -> dict:
     words = " ".join(f"word{i}" for i in range(150))
     prompts = [engine.tokenizer.encode(f"{i} {words} {i}") for i in range(12)]
     results: dict[str, list[float]] = {"no-publisher": [], "no-subscriber": [], "subscriber": []}
+    keys = CurveKeys.generate()  # as served: CurveZMQ on the event sockets
     for r in range(rounds):
         for mode in results:
             engine.flush_cache()
             pub = bridge = sub = None
             if mode != "no-publisher":
-                pub = KVEventPublisher("tcp://127.0.0.1:0")
+                pub = KVEventPublisher("tcp://127.0.0.1:0", security=keys)
                 endpoint, _ = pub.start()
                 bridge = EventBridge(engine, pub)
             if mode == "subscriber":
                 sub = zmq.Context.instance().socket(zmq.SUB)
+                keys.client(sub)
                 sub.connect(endpoint)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 while not pub.subscribed:

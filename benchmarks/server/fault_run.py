@@ -5,6 +5,9 @@ Setup (all on free loopback ports): a valkey server as the shared ``--kv-storage
 tier, ``--admin-key``) and a router in front (``--api-key``, ``--admin-key``,
 ``--worker-api-key``, ``--first-byte-timeout`` 10 s). Each worker is a plain ``serve``
 process; the script plays the operator's supervisor and restarts a killed worker on its port.
+The workers publish KV events to the router, and every ZeroMQ link (events, their replay, KV
+transfers) runs CurveZMQ with a fleet key pair drawn for the run (``$RADIXSERVE_ZMQ_KEY``), as
+by default; afterwards no instance may have turned a connection away.
 
 Phases, each with 8 clients running 3-turn chats (greedy, streamed or not) while it injects:
 
@@ -40,11 +43,16 @@ from collections import Counter
 import httpx
 
 from radixserve.bench.processes import Proc, read_metrics
+from radixserve.links.keys import CurveKeys
 from testing.redis_server import RedisServer, free_port
 
 TENANT, ADMIN, WORKER_KEY = "fault-tenant", "fault-admin", "fault-worker-admin"
 FIRST_BYTE_TIMEOUT = 10.0
 WORDS = "radix tree cache prefix token slot page engine request batch stream model".split()
+
+
+EVENTS = ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",
+          "tcp://127.0.0.1:0"]  # fmt: skip
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -224,12 +232,20 @@ def settled(url: str, timeout: float = 90) -> dict:
     check = httpx.get(url + "/debug/check_integrity", headers=headers, timeout=60)
     integrity = "ok" if check.status_code == 200 else check.text[:200]
     running = m["num_running_reqs"] + m["num_queue_reqs"]
-    return {"integrity": integrity, "running": running, "held_tokens": held}
+    return {"integrity": integrity, "running": running, "held_tokens": held,
+            "zmq_refused": refused_connections(url, headers)}  # fmt: skip
+
+
+def refused_connections(url: str, headers: dict[str, str]) -> int:
+    """All connections the instance's ZeroMQ sockets turned away (a key that did not fit)."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("zmq_refused_connections_total{")))  # fmt: skip
 
 
 def fleet_phases(args, out: dict) -> None:
     with RedisServer() as valkey:
-        tiers = ["--host-kv-memory", "256MiB", "--kv-storage", valkey.url]
+        tiers = ["--host-kv-memory", "256MiB", "--kv-storage", valkey.url, *EVENTS]
         ports = [free_port(), free_port()]
         workers = [start_worker(p, *tiers) for p in ports]
         router = None
@@ -277,9 +293,10 @@ def fleet_phases(args, out: dict) -> None:
 
 
 def pd_phase(args, out: dict) -> None:
-    prefill = Proc(worker_args(0, "--disaggregation-mode", "prefill"), "radixserve listening on")
+    prefill = Proc(worker_args(0, "--disaggregation-mode", "prefill", *EVENTS),
+                   "radixserve listening on")  # fmt: skip
     decode = Proc(worker_args(0, "--disaggregation-mode", "decode", "--remote-prefill-min-tokens",
-                              "1"), "radixserve listening on")  # fmt: skip
+                              "1", *EVENTS), "radixserve listening on")  # fmt: skip
     router = None
     try:
         prefill.wait(), decode.wait()
@@ -317,7 +334,9 @@ def main() -> int:
         help="seconds past --first-byte-timeout before a request counts as hung",
     )
     args = p.parse_args()
-    out: dict = {"first_byte_timeout_s": FIRST_BYTE_TIMEOUT,
+    # the fleet's key pair, inherited by every process this run starts
+    os.environ["RADIXSERVE_ZMQ_KEY"] = CurveKeys.generate().secret_key.decode()
+    out: dict = {"first_byte_timeout_s": FIRST_BYTE_TIMEOUT, "zmq_links": "CurveZMQ",
                  "request_limit_s": FIRST_BYTE_TIMEOUT + args.margin}  # fmt: skip
     t0 = time.monotonic()
     fleet_phases(args, out)
@@ -326,7 +345,7 @@ def main() -> int:
     print(json.dumps(out), flush=True)
     bad = sum(v.get("bad", 0) for v in out.values() if isinstance(v, dict))
     clean = all(c["integrity"] == "ok" and not c["running"] and not c["held_tokens"]
-                for c in out["fleet_after"] + out["pd_after"])  # fmt: skip
+                and not c["zmq_refused"] for c in out["fleet_after"] + out["pd_after"])  # fmt: skip
     return 0 if bad == 0 and clean else 1
 
 

@@ -8,14 +8,19 @@ a ``system`` role inside ``messages``, custom ``tools`` and ``tool_choice`` (``a
 ``top_p``, ``top_k``, ``max_tokens`` (lowered to the context left after the prompt),
 ``output_config.format`` (a JSON Schema the output is constrained to).
 
-Accepted as advice, since a model without thinking has nothing to apply them to:
-``thinking`` ``adaptive`` or ``disabled`` (an adaptive model may choose not to think),
+Accepted as advice, since a model without thinking has nothing to apply them to: ``thinking``
+``adaptive`` or ``disabled`` (an adaptive model may choose not to think),
 ``output_config.effort``, ``context_management`` edits that clear thinking (there is none to
-clear), ``metadata`` (the router's session key), ``service_tier``, ``cache_control`` (kept on
-the ``ChatInput`` as cache points), thinking blocks in the history (dropped: they are another
-model's). Claude Code's attribution block (a system text block starting
-``x-anthropic-billing-header:``) is dropped: it names the client build and would change the
-first tokens of every prompt, which no cache could then reuse.
+clear), ``metadata`` (the router's session key), ``service_tier``, thinking blocks in the
+history (dropped: they are another model's). Claude Code's attribution block (a system text
+block starting ``x-anthropic-billing-header:``) is dropped: it names the client build and would
+change the first tokens of every prompt, which no cache could then reuse.
+
+``cache_control`` (on system, tool, text, tool_use and tool_result blocks, and top level): the
+prefix through that block becomes a cache point (``ChatInput.cache_points``) which the server
+pins for its ``ttl`` (``5m`` by default, or ``1h``); a tool's point is the end of the first
+turn, where chat templates render the tools. More than four points is a 400 as in Anthropic's
+API; TTLs in any order are taken (each prefix for its own); with pins off it is advice.
 
 Refused with a 400: ``thinking`` forced on (``enabled``), image and document blocks (this
 server's models read text), a final assistant turn (prefill), context edits other than
@@ -31,7 +36,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from radixserve.api.body import STRICT, Body, build_params
-from radixserve.api.chat_input import CachePoint, ChatInput
+from radixserve.api.chat_input import MAX_CACHE_POINTS, CachePoint, ChatInput
 from radixserve.api.constraints import schema_grammar
 from radixserve.api.errors import ApiError
 from radixserve.api.tools import ToolPlan
@@ -158,8 +163,11 @@ class MessagesBase(Body):
         self._check_advice()
         messages, points = self._conversation()
         plan, notes = self._tool_plan()
+        # the chat template puts the tools in the first turn (with the system prompt)
+        points[:0] = [CachePoint(0, c.ttl) for c in self._tool_cache_controls()]
         if self.cache_control is not None:  # automatic: the last cacheable block
             points.append(CachePoint(len(messages) - 1, self.cache_control.ttl))
+        check_cache_points(points)
         fmt = self.output_config.format if self.output_config else None
         where = "output_config.format.schema"
         grammar = schema_grammar(fmt.schema_, where, "output_config") if fmt else None
@@ -225,6 +233,13 @@ class MessagesBase(Body):
             )
         return out, points
 
+    def _tool_cache_controls(self) -> list[CacheControl]:
+        return [
+            CacheControl.model_validate(t["cache_control"])
+            for t in self.tools or []
+            if isinstance(t, dict) and t.get("cache_control") is not None
+        ]
+
     def _tool_plan(self) -> tuple[ToolPlan | None, list[str]]:
         functions, notes = [], []
         for i, tool in enumerate(self.tools or []):
@@ -244,6 +259,17 @@ class MessagesBase(Body):
         )
         parallel = not choice.disable_parallel_tool_use
         return ToolPlan.build(functions or None, openai_choice, parallel), notes
+
+
+def check_cache_points(points: list[CachePoint]) -> None:
+    """At most four breakpoints, as in Anthropic's API. Their order of time to live is not
+    checked (Anthropic's wants 1h ones first): each prefix is pinned for its own."""
+    if len(points) > MAX_CACHE_POINTS:
+        raise ApiError(
+            400,
+            f"A maximum of {MAX_CACHE_POINTS} blocks with cache_control may be provided. "
+            f"Found {len(points)}.",
+        )
 
 
 class MessagesRequest(MessagesBase):

@@ -12,10 +12,11 @@ defaults, so a bad value is a 400 naming the field as the client wrote it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from radixserve.api.chat_input import CachePoint
 from radixserve.api.constraints import grammar_from, parse_logit_bias
 from radixserve.api.errors import ApiError
 from radixserve.engine.sampling_params import SEED_MAX, SamplingParams
@@ -74,6 +75,26 @@ class Body(BaseModel):
         if where is not None:
             raise ValueError(f"{where} holds a lone surrogate, which is not valid Unicode")
         return data
+
+
+class CachePin(BaseModel):
+    """The ``cache_pin`` extension of the OpenAI-style APIs: pin the prompt's prefix through
+    its first ``messages`` messages (all of them when left out) for ``ttl`` ("5m", "1h" or
+    seconds, at most an hour), as ``cache_control`` does in the Messages API."""
+
+    model_config = STRICT
+    ttl: Literal["5m", "1h"] | Annotated[int, Field(ge=1, le=3600)] = "5m"
+    messages: int | None = Field(default=None, ge=1)
+
+    def points(self, num_messages: int) -> tuple[CachePoint, ...]:
+        n = num_messages if self.messages is None else self.messages
+        if n > num_messages:
+            raise ApiError(
+                400,
+                f"cache_pin.messages is {n} but the conversation has {num_messages} messages",
+                "cache_pin",
+            )
+        return (CachePoint(n - 1, self.ttl),)
 
 
 class StreamOptions(BaseModel):

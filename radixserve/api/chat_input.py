@@ -4,16 +4,18 @@ everything below (the chat template, tools, grammars, tenants, limits, the engin
 ``RequestSpec``) is shared, so the APIs differ in their bodies, responses, streams and error
 shapes only.
 
-``messages`` are in chat completions' form, the one the chat template takes: roles
-``system``, ``user``, ``assistant`` (with ``tool_calls`` in OpenAI's shape) and ``tool`` (with
-the ``tool_call_id`` it answers), content as text. Every tool result must answer a call made
-earlier in the conversation (a 400 names the id otherwise). ``cache_points`` are the
-``cache_control`` breakpoints of a Messages request, parsed and validated: the prefix through
-message ``message`` is to stay cached for ``ttl``. Nothing acts on them yet: pinning reads them
-here. ``notes`` are what the edge left out (a hosted tool this server does not have), for a
-warning header and the log. ``fit_max_tokens``: a ``max_tokens`` larger than the context left
-after the prompt is lowered to what remains (the Messages and Responses APIs, whose clients
-send their own model's output limit) instead of refused.
+``messages`` are in chat completions' form, the one the chat template takes: roles ``system``,
+``user``, ``assistant`` (with ``tool_calls`` in OpenAI's shape) and ``tool`` (with the
+``tool_call_id`` it answers), content as text. Every tool result must answer a call made
+earlier in the conversation (a 400 names the id otherwise). ``cache_points`` are the prefixes
+to pin (``cache/pins.py``): the ``cache_control`` breakpoints of a Messages request, or the
+``cache_pin`` extension of the OpenAI-style APIs; the prefix through message ``message`` is to
+stay on the device for ``ttl``. ``pins_asked``: the points were asked for explicitly (the
+extension), so a server with pins off refuses them; ``cache_control`` is advice there (every
+prefix is cached anyway). ``notes`` are what the edge left out (a hosted tool this server does
+not have), for a warning header and the log. ``fit_max_tokens``: a ``max_tokens`` larger than
+the context left after the prompt is lowered to what remains (the Messages and Responses APIs,
+whose clients send their own model's output limit) instead of refused.
 """
 
 from __future__ import annotations
@@ -29,10 +31,17 @@ from radixserve.engine.sampling_params import SamplingParams
 TTLS = {"5m": 300, "1h": 3600}  # cache_control's time to live, in seconds
 
 
+MAX_CACHE_POINTS = 4  # as in Anthropic's API
+
+
 @dataclass(frozen=True)
 class CachePoint:
     message: int  # index into ChatInput.messages: the prefix through this message
-    ttl: str  # a key of TTLS
+    ttl: str | int  # a key of TTLS, or seconds
+
+    @property
+    def seconds(self) -> float:
+        return float(TTLS[self.ttl] if isinstance(self.ttl, str) else self.ttl)
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class ChatInput:
     salt: str | None = None
     fit_max_tokens: bool = False
     cache_points: tuple[CachePoint, ...] = ()
+    pins_asked: bool = False
     notes: tuple[str, ...] = ()
 
     @classmethod

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import parse_bytes
+from radixserve.links.tls import ServerTLS
 
 TENANT_HEADER = "x-radixserve-tenant"  # a router's caller, trusted from the admin key only
 SAMPLING_DEFAULT_KEYS = (
@@ -47,6 +48,7 @@ class ServerConfig:
     engine_restarts: int = 3  # restarts of a dead engine within ten minutes, then exit
     default_sampling: dict[str, Any] = field(default_factory=dict)  # overrides the model's
     stored_responses: int = 1024  # per tenant, for the Responses API's previous_response_id
+    tls: ServerTLS = field(default_factory=ServerTLS)  # HTTPS (links/tls.py); default: HTTP
 
     def __post_init__(self) -> None:
         self.max_request_bytes = parse_bytes(self.max_request_bytes)

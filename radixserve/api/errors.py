@@ -96,7 +96,9 @@ def _from_validation_error(e: RequestValidationError) -> ApiError:
     # a list of typed blocks: the block's unknown or missing type says more than the other
     # shapes the field could have taken
     tags = (x for x in same if x.get("type") in ("union_tag_invalid", "union_tag_not_found"))
-    err = next(ours, None) or next(tags, errors[0])
+    # else the failure deepest inside the value (a block's bad field), not a shape it was not
+    deepest = max(same, key=lambda x: len(x.get("loc", ())), default=errors[0])
+    err = next(ours, None) or next(tags, None) or deepest
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None  # the top-level field the client sent
     if err.get("type") == "json_invalid":

@@ -25,7 +25,7 @@ from radixserve.api.errors import ApiError
 
 OPEN_PATHS = ("/health",)
 # /kv_events leads to a stream of every tenant's prompt token ids: as sensitive as the prompts
-ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/", "/kv_events")
+ADMIN_PATHS = ("/flush_cache", "/clear_kv_storage", "/cache", "/debug/", "/kv_events", "/admin/")
 
 
 def key_tenant(key: str) -> str:

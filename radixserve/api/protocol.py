@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, model_validator
 from radixserve.api.body import (
     STRICT,
     Body,
+    CachePin,
     Sampling,
     TokenId,
     build_params,
@@ -85,6 +86,7 @@ class ChatCompletionRequest(Sampling):
     parallel_tool_calls: bool | None = None
     # extension, with reusable content parts (RAG segments): share of their tokens recomputed
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    cache_pin: CachePin | None = None  # extension: pin the prompt's prefix (body.py)
 
     def _unsupported(self) -> dict[str, Any]:
         return {
@@ -131,8 +133,10 @@ class ChatCompletionRequest(Sampling):
         """This request in the form the three chat APIs share (``chat_input.py``)."""
         params = self.choice_params(defaults)
         messages = self.conversation(mark_reusable)
+        points = self.cache_pin.points(len(messages)) if self.cache_pin else ()
         return ChatInput.build(messages, self.tool_plan(), self.grammar(), params,
-                               salt=self.cache_salt)  # fmt: skip
+                               salt=self.cache_salt, cache_points=points,
+                               pins_asked=bool(points))  # fmt: skip
 
     def tool_plan(self) -> ToolPlan | None:
         """What ``tools`` and ``tool_choice`` ask for (None: no tools in play)."""

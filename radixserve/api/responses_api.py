@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from radixserve.api.body import STRICT, Body, build_params
+from radixserve.api.body import STRICT, Body, CachePin, build_params
 from radixserve.api.chat_input import ChatInput
 from radixserve.api.constraints import grammar_from, schema_grammar
 from radixserve.api.errors import ApiError
@@ -92,6 +92,7 @@ class ResponsesRequest(Body):
     background: bool = False
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
+    cache_pin: CachePin | None = None  # extension: pin the prompt's prefix (body.py)
 
     def to_chat_input(
         self, defaults: dict[str, Any], history: list[dict[str, Any]]
@@ -112,6 +113,7 @@ class ResponsesRequest(Body):
             "top_p": self.top_p,
         }
         params = [build_params(fields, defaults)]
+        points = self.cache_pin.points(len(messages)) if self.cache_pin else ()
         chat = ChatInput.build(
             messages,
             plan,
@@ -120,6 +122,8 @@ class ResponsesRequest(Body):
             param="input",
             salt=self.cache_salt,
             fit_max_tokens=True,
+            cache_points=points,
+            pins_asked=bool(points),
             notes=tuple(notes),
         )
         return chat, namespaces

@@ -20,7 +20,7 @@ Settings, and why:
 - ``--ubatch``: llama.cpp's micro-batch (``n_ubatch``, default 512 tokens). ``1`` sends every
   prompt token through the one-token (decode) kernels, one micro-batch each: llama.cpp picks
   its matmul kernels by the number of rows, so on a quantized model its logits depend on it
-  (``benchmarks/engine/llamacpp_self_agreement.py`` measures by how much).
+  (docs/benchmarks.md, *Gemma 3 270M against llama.cpp*, says by how much).
 - ``--flash-attn`` (``auto``, ``on``, ``off``) and ``--kv-type`` (``f16``, ``f32``): its
   attention kernel and KV cache type (defaults ``auto`` and ``f16``), to see which of its
   numerics an answer depends on.

@@ -39,6 +39,7 @@ class PagedAllocator:
         self._top = self.num_pages
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self._seen = torch.zeros(self.num_pages, dtype=torch.int32)  # free()'s duplicate count
 
     # ----------------------------------------------------------------- sizes (in tokens)
     def free_size(self) -> int:
@@ -108,11 +109,19 @@ class PagedAllocator:
             return
         pages = self.pages_of(indices)
         k = pages.numel()
-        if bool(self._is_free[pages].any()) or (k > 1 and torch.unique(pages).numel() != k):
+        if bool(self._is_free[pages].any()) or (k > 1 and self._listed_twice(pages)):
             raise RuntimeError("double free: a page is already free or listed twice")
         self._is_free[pages] = True
         self._stack[self._top : self._top + k] = pages
         self._top += k
+
+    def _listed_twice(self, pages: torch.Tensor) -> bool:
+        # counts in a scratch array, O(pages) (a sort, as unique does, is O(k log k) and
+        # dominated the eviction of long prefixes)
+        self._seen.index_put_((pages,), torch.ones(len(pages), dtype=torch.int32), accumulate=True)
+        twice = bool((self._seen[pages] > 1).any())
+        self._seen[pages] = 0
+        return twice
 
     # ----------------------------------------------------------------- for integrity checks
     def free_pages(self) -> torch.Tensor:

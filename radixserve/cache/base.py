@@ -216,6 +216,11 @@ class PrefixCache(ABC):
     def summary(self, top: int = 10) -> TreeSummary:
         return TreeSummary(num_nodes=0, cached_tokens=self.total_size())
 
+    def eviction_stats(self) -> Any:
+        """The eviction policy's predictions and outcomes (``EvictionStats``), or None when
+        it predicts nothing."""
+        return None
+
     # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
     event_block_size: int = 0
     events: Any = None  # the queue events go to while they are on; None while off

@@ -36,8 +36,9 @@ from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any
 
-from radixserve.cache.eviction_base import EvictableNode, EvictionPolicy
+from radixserve.cache.eviction_base import EvictableNode, EvictionPolicy, EvictionStats
 from radixserve.cache.eviction_odds import ReturnOddsPolicy
+from radixserve.cache.eviction_reuse import ReusePolicy
 
 # Per-token prefill cost grows linearly with context: cost(depth) ~ 1 + depth / SCALE. SCALE is
 # the context length at which attention doubles a token's cost; measured on this engine's CPU
@@ -196,8 +197,11 @@ class ThresholdPolicy(EvictionPolicy):
     def on_evict(self, node: Any, priority: tuple) -> None:
         self.base.on_evict(node, priority[1:])
 
+    def stats(self) -> EvictionStats | None:
+        return self.base.stats()
 
-EVICTION_POLICIES = ("lru", "lfu", "slru", "cost-aware", "return-odds")
+
+EVICTION_POLICIES = ("lru", "lfu", "slru", "cost-aware", "return-odds", "reuse")
 
 
 def make_policy(
@@ -218,6 +222,8 @@ def make_policy(
         policy = CostAwarePolicy()
     elif name == "return-odds":
         policy = ReturnOddsPolicy()
+    elif name == "reuse":
+        policy = ReusePolicy(touch_clock)
     else:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {EVICTION_POLICIES}")
     if cache_threshold is not None:

@@ -6,6 +6,7 @@ builds on this one.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -18,6 +19,27 @@ class EvictableNode(Protocol):
     depth: int  # tokens from the root to the end of this node's edge
     created: int  # admission count when the node was cached
     policy_state: Any  # owned by the policy; None until it first sees the node
+
+
+@dataclass
+class EvictionStats:
+    """What a predicting policy expected of the leaves it evicted and what became of them
+    (monotonic counters, except the last two).
+
+    ``predicted_returns / evicted_leaves`` is the mean chance it gave an evicted leaf of being
+    used again within the horizon; ``returned_leaves / evicted_leaves`` is how often one was
+    (a request cached the same prefix again below the same parent), ``returned_tokens`` what
+    that cost in recomputed tokens. ``reused_leaves`` counts ranked leaves used again while
+    cached."""
+
+    policy: str
+    evicted_leaves: int = 0
+    predicted_returns: float = 0.0
+    returned_leaves: int = 0
+    returned_tokens: int = 0
+    reused_leaves: int = 0
+    horizon: int = 0  # touches of the tree within which a use counts as a return
+    eviction_age: float = 0.0  # mean idle age of evicted leaves, in touches
 
 
 class EvictionPolicy:
@@ -42,3 +64,7 @@ class EvictionPolicy:
 
     def on_evict(self, node: Any, priority: tuple) -> None:
         """``node`` (which had ``priority``) leaves the tree."""
+
+    def stats(self) -> EvictionStats | None:
+        """Predictions and outcomes, for a policy that predicts (None: it does not)."""
+        return None

@@ -11,6 +11,7 @@ The engine holds its ``LowerTiers`` beside its prefix cache: a ``TierController`
   request: an opaque ticket with ``done``, ``expired(now)``, ``give_up()`` and
   ``tokens_from_storage(lo, hi)`` (``storage_io.Prefetch``), or None when there is nothing
   worth fetching;
+- ``backup`` copies a device node to the host tier now (a demoted pin, ``pins.py``);
 - ``poll`` applies finished transfers, waiting up to ``timeout`` seconds for one;
 - ``stats`` is a snapshot (``TierStats``), ``clear_storage`` deletes every page of the
   storage tier, ``close`` finishes pending writes and stops the I/O threads.
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 from radixserve.cache.base import MatchResult, Namespace, TokenIds
 from radixserve.cache.storage import ClearResult
 from radixserve.cache.tier_stats import TierStats
+from radixserve.cache.tree_node import TreeNode
 
 
 class LowerTiers(Protocol):
@@ -34,6 +36,9 @@ class LowerTiers(Protocol):
 
     def poll(self, timeout: float = 0.0) -> None:
         """Apply finished transfers between tiers (wait up to ``timeout`` s for one)."""
+
+    def backup(self, node: TreeNode) -> bool:
+        """Copy a device node's KV to the host tier now; whether it is there."""
 
     def stats(self) -> TierStats | None:
         """A snapshot of the lower tiers, or None without them."""
@@ -57,6 +62,9 @@ class NoTiers:
 
     def poll(self, timeout: float = 0.0) -> None:
         return None
+
+    def backup(self, node: TreeNode) -> bool:
+        return False
 
     def stats(self) -> None:
         return None

@@ -548,6 +548,9 @@ class RadixCache(HostNodes, PrefixCache):
     def summary(self, top: int = 10) -> TreeSummary:
         return tree_summary(self, self.total_size(), top)
 
+    def eviction_stats(self) -> Any:
+        return self._heap.policy.stats()
+
     def nodes(self):
         """Every non-root node with its depth in tokens (a walk of the whole tree)."""
         return walk(self)

@@ -24,6 +24,7 @@ from radixserve.disagg.peer_health import PeerHealth
 from radixserve.disagg.transfer import KVReceiver, TransferState
 from radixserve.engine.kv_source import KVSource
 from radixserve.engine.request import Request
+from radixserve.links.keys import split_endpoint
 
 log = logging.getLogger("radixserve.disagg")
 PREFILL_HERE = "local"  # a request's prefill peer that means: compute the prompt here
@@ -47,9 +48,11 @@ class RemotePrefill(KVSource):
 
     @staticmethod
     def check_peer(peer: str) -> None:
-        """A request's prefill peer: ``tcp://HOST:PORT`` or ``PREFILL_HERE``; else ValueError."""
+        """A request's prefill peer: ``tcp://HOST:PORT`` (with ``?curve=KEY``, its server key,
+        or not) or ``PREFILL_HERE``; else ValueError."""
         if peer != PREFILL_HERE and not peer.startswith("tcp://"):
             raise ValueError(f"name a prefill instance tcp://HOST:PORT, not {peer!r}")
+        split_endpoint(peer)  # a key it carries must be one
 
     def plan(self, req: Request, cached: int) -> int:
         peer = req.spec.prefill_peer or self.default_peer

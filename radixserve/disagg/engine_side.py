@@ -68,19 +68,22 @@ class Disaggregation(KVTransfer):
         )
         self.kv_source: KVSource | None = None
         self.service: PrefillService | None = None
+        self.sender: ZmqKVSender | None = None
+        security = config.links.security()
         if self.mode == "prefill":
             self.sender = ZmqKVSender(
                 engine.pool,
                 self.layout,
                 config.disagg.kv_transfer_host,
                 config.disagg.kv_transfer_port,
+                security=security,
                 **beat,
             )
             self.endpoint: str | None = self.sender.endpoint
             self.service = PrefillService(self.sender)
             self.link = self.sender
         else:
-            self.receiver = ZmqKVReceiver(engine.pool, self.layout, **beat)
+            self.receiver = ZmqKVReceiver(engine.pool, self.layout, security=security, **beat)
             self.endpoint = None
             self.kv_source = RemotePrefill(
                 self.receiver,
@@ -123,7 +126,10 @@ class Disaggregation(KVTransfer):
         return DisaggInfo(self.mode, self.layout, self.endpoint)
 
     def stats(self) -> TransferStats:
-        return self.link.stats.copy()
+        stats = self.link.stats.copy()
+        if self.sender is not None:
+            stats.refused = self.sender.refused()
+        return stats
 
     def close(self) -> None:
         self.link.close()

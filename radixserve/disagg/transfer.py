@@ -134,6 +134,8 @@ class TransferStats:
     tokens: int = 0
     bytes: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # by kind: timeout, peer_lost, ...
+    # a sender's: connections its socket turned away, by reason (links/guard.py)
+    refused: dict[str, int] = field(default_factory=dict)
 
     def count_failure(self, kind: str) -> None:
         self.transfers_failed += 1
@@ -141,7 +143,12 @@ class TransferStats:
 
     def copy(self) -> TransferStats:
         return TransferStats(
-            self.transfers_done, self.transfers_failed, self.tokens, self.bytes, dict(self.failures)
+            self.transfers_done,
+            self.transfers_failed,
+            self.tokens,
+            self.bytes,
+            dict(self.failures),
+            dict(self.refused),
         )
 
 

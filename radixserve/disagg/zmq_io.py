@@ -8,6 +8,9 @@ thread talks to it through two queues:
 - commands in (``command``): the thread wakes at once (a pipe it polls with its sockets);
 - events out (``post``): ``fileno()`` becomes readable until the engine ``drain``s them, so an
   idle engine loop can sleep on it.
+
+A side that binds starts its context's ``guard`` (``links/guard.py``) before it binds, so
+with CurveZMQ keys only allowed clients get through.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import zmq
+
+from radixserve.links.guard import LinkGuard, NoGuard
 
 log = logging.getLogger("radixserve.disagg")
 
@@ -72,6 +77,7 @@ class IOThread(ABC):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.ctx = zmq.Context()
+        self.guard: LinkGuard | NoGuard = NoGuard()  # a binding side starts one in setup
         self.poller = zmq.Poller()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
@@ -112,6 +118,7 @@ class IOThread(ABC):
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        self.guard.close()
         self.ctx.destroy(linger=0)
         self._wake.close()
         self._ready.close()

@@ -7,6 +7,11 @@ not answer the handshake, or stays silent, within ``heartbeat_timeout`` is dropp
 transfers fail (the next request to it connects afresh). DATA frames are handed, unread, to
 the engine thread, which lands them in the pool inside ``progress``: per layer, token ranges
 must arrive in order and fit the transfer, else it fails and the peer is told to stop.
+
+Each socket takes the process's ``security``: with CurveZMQ it expects the server key the peer
+endpoint carries (``tcp://HOST:PORT?curve=KEY``), or its own public key (a fleet key pair), so
+a process that cannot prove it holds that key never completes the handshake and sends
+nothing that could land in the pool.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from radixserve.disagg.transfer import (
     TransferStatus,
 )
 from radixserve.disagg.zmq_io import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, IOThread
+from radixserve.links.keys import ZmqSecurity, split_endpoint
 
 
 @dataclass
@@ -46,9 +52,13 @@ class _Conn:
 
 
 class _ReceiverIO(IOThread):
-    def __init__(self, layout: KVLayout, heartbeat_interval: float, heartbeat_timeout: float):
+    def __init__(
+        self, layout: KVLayout, security: ZmqSecurity, heartbeat_interval: float,
+        heartbeat_timeout: float,
+    ):  # fmt: skip
         super().__init__("radixserve-kv-receiver", heartbeat_interval, heartbeat_timeout)
         self.layout = layout
+        self.security = security
         self.conns: dict[str, _Conn] = {}
         self.endpoint_of: dict[zmq.Socket, str] = {}
 
@@ -63,8 +73,10 @@ class _ReceiverIO(IOThread):
         for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
             sock.setsockopt(opt, 0)
         try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as e:
+            address, server_key = split_endpoint(endpoint)
+            self.security.client(sock, server_key)
+            sock.connect(address)
+        except (zmq.ZMQError, ValueError) as e:
             sock.close(0)
             self.post("peer_failed", endpoint, f"cannot connect to {endpoint!r}: {e}", "connect")
             return None
@@ -156,7 +168,7 @@ class _ReceiverIO(IOThread):
             if conn.layout is None and now - conn.opened > self.heartbeat_timeout:
                 reason = (
                     f"no handshake answer from {endpoint} in {self.heartbeat_timeout:.1f} s "
-                    "(is a prefill instance listening there?)"
+                    "(is a prefill instance listening there, with the ZeroMQ keys expected?)"
                 )
                 self._drop(endpoint, reason, "connect")
             elif now - conn.last_heard > self.heartbeat_timeout:
@@ -192,12 +204,13 @@ class ZmqKVReceiver(KVReceiver):
         pool: KVPool,
         layout: KVLayout,
         *,
+        security: ZmqSecurity,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
     ):
         self.pool, self.layout = pool, layout
         self.stats = TransferStats()
-        self._io = _ReceiverIO(layout, heartbeat_interval, heartbeat_timeout)
+        self._io = _ReceiverIO(layout, security, heartbeat_interval, heartbeat_timeout)
         self._io.start()
         self._inbound: dict[str, _Inbound] = {}
         self._ended: list[tuple[str, TransferStatus]] = []

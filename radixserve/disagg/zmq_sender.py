@@ -6,6 +6,11 @@ handshake compares KV layouts and answers WELCOME or REJECT (naming what differs
 from a peer that has not passed it are refused, which is also what a decode instance sees
 after this process restarted. A peer silent for ``heartbeat_timeout`` is dead: its transfers
 end FAILED (``finished``), so the engine can abort their prefills and free their slots.
+
+With CurveZMQ keys (``security``) only decode instances holding an allowed key get through
+the socket's guard: no other client can ask for KV or say anything at all; ``endpoint``
+then carries this instance's public key (``tcp://HOST:PORT?curve=KEY``, ``links/keys.py``),
+so whoever is told the endpoint knows whom to expect there.
 """
 
 from __future__ import annotations
@@ -34,15 +39,21 @@ from radixserve.disagg.zmq_io import (
     IOThread,
     log,
 )
+from radixserve.links.guard import start_guard
+from radixserve.links.keys import ZmqSecurity, join_endpoint
 
 DEFAULT_MESSAGE_BYTES = 4 << 20  # K (and V) frame size a DATA message aims at
 
 
 class _SenderIO(IOThread):
-    def __init__(self, layout: KVLayout, bind: str, heartbeat_interval, heartbeat_timeout):
+    def __init__(
+        self, layout: KVLayout, bind: str, security: ZmqSecurity, heartbeat_interval,
+        heartbeat_timeout,
+    ):  # fmt: skip
         super().__init__("radixserve-kv-sender", heartbeat_interval, heartbeat_timeout)
         self.layout = layout
         self.bind = bind
+        self.security = security
         self.endpoint = ""
         self.last_heard: dict[bytes, float] = {}  # welcomed peers
 
@@ -51,7 +62,10 @@ class _SenderIO(IOThread):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a DATA message to a slow peer
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.guard = start_guard(self.ctx, self.security, "KV transfer")
+        self.security.server(self.sock)
         self.sock.bind(self.bind)
+        self.guard.watch(self.sock)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller.register(self.sock, zmq.POLLIN)
 
@@ -129,6 +143,7 @@ class ZmqKVSender(KVSender):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        security: ZmqSecurity,
         advertise_host: str | None = None,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
@@ -138,11 +153,12 @@ class ZmqKVSender(KVSender):
         self.message_bytes = message_bytes
         self.stats = TransferStats()
         bind = f"tcp://{host}:{port if port else '*'}"
-        self._io = _SenderIO(layout, bind, heartbeat_interval, heartbeat_timeout)
+        self._io = _SenderIO(layout, bind, security, heartbeat_interval, heartbeat_timeout)
         self._io.start()
-        self.endpoint = self._io.endpoint
+        endpoint = self._io.endpoint
         if advertise_host:
-            self.endpoint = f"tcp://{advertise_host}:{self.endpoint.rsplit(':', 1)[1]}"
+            endpoint = f"tcp://{advertise_host}:{endpoint.rsplit(':', 1)[1]}"
+        self.endpoint = join_endpoint(endpoint, security.public_key)
         self._outbound: dict[str, _Outbound] = {}
         self._new: list[TransferRequest] = []
         self._ended: list[tuple[str, TransferStatus]] = []
@@ -220,6 +236,10 @@ class ZmqKVSender(KVSender):
 
     def fileno(self) -> int:
         return self._io.fileno()
+
+    def refused(self) -> dict[str, int]:
+        """Connections turned away so far, by reason (``links/guard.py``)."""
+        return self._io.guard.refused()
 
     def close(self) -> None:
         self._io.close()

@@ -12,7 +12,9 @@ tier, or the hierarchy.
   evicts), and with ``kv_storage`` a storage tier below that, scoped by the model's identity
   so instances of the same weights (and only those) share pages;
 - ``kv_storage`` alone: the same, with a host pool sized by ``utils.default_host_kv_bytes``
-  (from the device pool and the free RAM), logged at start-up.
+  (from the device pool and the free RAM), logged at start-up;
+- ``pin_budget`` above 0 (and the radix tree): a ``PinTable`` over the tree
+  (``cache/pins.py``), its budgets shares of the device pool.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVShape
+from radixserve.cache.pins import PinTable
 from radixserve.cache.tier_controller import TierController
 from radixserve.cache.window_pages import WindowedAllocator
 from radixserve.config import EngineConfig
@@ -201,3 +204,16 @@ def model_identity(path: Path, name: str) -> str:
                 fh.seek(offset)
                 h.update(fh.read(SAMPLE_BYTES))
     return f"{name}-{h.hexdigest()}"
+
+
+def pin_table(config: EngineConfig, cache: PrefixCache, tiers: LowerTiers) -> PinTable | None:
+    """The pins over the radix tree within the config's budgets (shares of the device pool),
+    or None: no prefix cache, or a budget of 0."""
+    caching = config.cache
+    if not isinstance(cache, RadixCache) or caching.pin_budget == 0:
+        return None
+    capacity = cache.allocator.num_slots
+    share = caching.pin_budget if caching.pin_tenant_budget is None else caching.pin_tenant_budget
+    return PinTable(
+        cache, int(caching.pin_budget * capacity), int(share * capacity), backup=tiers.backup
+    )

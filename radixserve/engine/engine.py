@@ -30,14 +30,16 @@ from radixserve.cache import KVEventQueue
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
 from radixserve.cache.kv_format import KVFormat
+from radixserve.cache.pins import PinInfo, PinStats
 from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
-from radixserve.engine.cache_setup import build_cache, build_pool, window_share
+from radixserve.engine.cache_setup import build_cache, build_pool, pin_table, window_share
 from radixserve.engine.core import EngineCore, Limits, StepOutput
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
 from radixserve.engine.hooks import Feature, KVTransfer
 from radixserve.engine.kv_manager import RequestKV
+from radixserve.engine.pin_requests import PinRequests
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.segment_select import RecomputeSelector
@@ -93,6 +95,10 @@ class Engine:
         features: list[Feature] = [self.record, TierTransfers(self.tiers, self._has_waiting)]
         if self.disagg is not None:
             features.append(self.disagg)
+        self.pins = pin_table(config, self.cache, self.tiers)
+        if self.pins is not None:
+            features.append(PinRequests(self.pins))
+            self.kv.pins = self.pins
         vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
         limits = Limits(self.max_model_len, vocab, eos)
         source = self.disagg and self.disagg.kv_source
@@ -231,6 +237,7 @@ class Engine:
             prefix_caching=self.cache.reuses_prefixes,
             kv_events_block_size=self.cache.event_block_size,
             disaggregation=self.disagg.info() if self.disagg is not None else None,
+            pin_budget_tokens=self.pins.stats.budget_tokens if self.pins is not None else 0,
         )
 
     def stats(self) -> EngineStats:
@@ -252,6 +259,8 @@ class Engine:
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
             window=self._window_stats(),
+            pins=self._pin_stats(),
+            eviction=self.cache.eviction_stats(),
         )
 
     def _window_stats(self) -> WindowStats | None:
@@ -272,6 +281,26 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
+
+    def _pin_stats(self) -> PinStats | None:
+        if self.pins is None:
+            return None
+        self.pins.expire()  # an idle engine runs no step that would
+        return self.pins.snapshot()
+
+    def pin_listing(self) -> list[PinInfo]:
+        """The pinned prefixes (empty when pins are off)."""
+        if self.pins is None:
+            return []
+        self.pins.expire()
+        return self.pins.listing()
+
+    def unpin(self, token_ids: list[int] | None = None, namespace: str | None = None,
+              tenant: str | None = None, pin_id: int | None = None) -> int:  # fmt: skip
+        """Drop pins (``PinTable.unpin``); how many."""
+        if self.pins is None:
+            return 0
+        return self.pins.unpin(token_ids, namespace, tenant, pin_id)
 
     def flush_cache(self) -> int:
         """Drop every unlocked cached token from the device and host tiers (not storage)."""

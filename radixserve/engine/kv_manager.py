@@ -44,6 +44,7 @@ from radixserve.cache import (
     PrefixPeek,
 )
 from radixserve.cache.base import CacheHandle
+from radixserve.cache.pins import PinTable
 
 
 class KVLedger:
@@ -82,6 +83,7 @@ class RequestKV:
         self.allocator = allocator
         self.tiers = tiers
         self.page_size = allocator.page_size
+        self.pins: PinTable | None = None  # set by whoever pins prefixes (pin_requests.py)
 
     @property
     def reuses_prefixes(self) -> bool:
@@ -92,6 +94,12 @@ class RequestKV:
         """Slots obtainable now: free ones plus everything the tree could evict (and, with
         window layers kept apart, no more than the window slots obtainable)."""
         return self.cache.room()
+
+    def unpin_for(self, num_slots: int) -> None:
+        """Pins give way (least recently used first) until ``num_slots`` are obtainable: a
+        request that nothing running will make room for would otherwise wait for them."""
+        if self.pins is not None:
+            self.pins.give_way(num_slots)
 
     def can_admit(self, prompt: int, output: int, reserved: int) -> bool:
         """Whether a request with ``prompt`` tokens still to compute and ``output`` slots to

@@ -159,6 +159,8 @@ class Scheduler:
             chunk = self.kv.prefill_chunk(req, self.config.chunked_prefill_size, output)
             if not chunk or not self.kv.can_admit(req.num_uncomputed, output, reserved):
                 self.kv.release(req)
+                if not self.running and not self.loading and step.empty:
+                    self.kv.unpin_for(req.num_uncomputed + output)  # it could never run
                 break
             loaded = self.kv.load(req, match)  # the host-tier part, onto the device
             load = self._plan_load(req, req.kv.computed)

@@ -9,6 +9,8 @@ per field), since a decoded message is only as good as its sender.
 ``namespace`` is the tenant's cache namespace (the API's ``cache_salt``, hashed): requests in
 different namespaces never share cached tokens. ``None`` is the shared namespace.
 ``grammar`` constrains the output (``structured/``); the edge has checked that it parses.
+``pins`` are prompt prefixes to keep on the device once computed (``engine/pin_requests.py``),
+counted against ``tenant``'s pin budget.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from __future__ import annotations
 import msgspec
 
 from radixserve.cache.base import Namespace
+from radixserve.cache.pins import MAX_PIN_TTL_S
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.structured import GRAMMAR_KINDS
 
 __all__ = ["Namespace", "RequestSpec"]
+
+MAX_PINS = 4  # pins a request may ask for (Anthropic's limit of cache breakpoints)
 
 
 class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +42,10 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     prefill_only: bool = False
     # constrained decoding: (kind, text), kinds in structured/'s GRAMMAR_KINDS
     grammar: tuple[str, str] | None = None
+    # prefixes to pin on the device once computed (cache/pins.py): (prompt tokens, ttl in
+    # seconds), and whose pin budget they count against (None: the shared one)
+    pins: tuple[tuple[int, float], ...] = ()
+    tenant: str | None = None
 
     def check(self) -> None:
         """``ValueError`` naming the field that is not what its type says (the lengths are
@@ -54,6 +63,8 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
             kind, text = self.grammar
             if kind not in GRAMMAR_KINDS or not isinstance(text, str):
                 raise ValueError(f"a grammar is (kind, text), kind one of {GRAMMAR_KINDS}")
+        if self.pins:
+            validate_pins(self.pins, len(self.prompt_ids))
 
     def with_prompt(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """This spec's options for another prompt (one HTTP request fans out to several)."""
@@ -76,6 +87,25 @@ def validate_segments(segments, prompt_len: int) -> None:
                 f"({prompt_len} tokens); segments are sorted, disjoint (start, end) ranges"
             )
         prev_end = end
+
+
+def validate_pins(pins, prompt_len: int) -> None:
+    if len(pins) > MAX_PINS:
+        raise ValueError(f"at most {MAX_PINS} pins a request, got {len(pins)}")
+    for pin in pins:
+        if not (isinstance(pin, tuple | list) and len(pin) == 2):
+            raise ValueError(f"a pin is (prompt tokens, ttl seconds), got {pin!r}")
+        end, ttl = pin
+        if isinstance(end, bool) or not isinstance(end, int) or not 0 < end <= prompt_len:
+            raise ValueError(
+                f"a pin's end must be within the prompt (1..{prompt_len}), got {end!r}"
+            )
+        if (
+            isinstance(ttl, bool)
+            or not isinstance(ttl, int | float)
+            or not 0 < ttl <= MAX_PIN_TTL_S
+        ):
+            raise ValueError(f"a pin's ttl must be in (0, {MAX_PIN_TTL_S:g}] seconds, got {ttl!r}")
 
 
 def validate_ratio(ratio: float) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.base import CacheStats
+from radixserve.cache.eviction_base import EvictionStats
+from radixserve.cache.pins import PinStats
 from radixserve.cache.tier_stats import TierStats
 from radixserve.engine.segments import SegmentStats
 from radixserve.structured import GrammarStats
@@ -32,7 +34,9 @@ class EngineInfo:
     kv_events_block_size: int = 0  # 0: no KV events (no prefix cache)
     kv_events_endpoint: str | None = None  # bound by the engine process's publisher
     kv_events_replay_endpoint: str | None = None
+    kv_events_public_key: bytes | None = None  # the publisher's CurveZMQ key; None: plain
     disaggregation: Any = None  # disagg.engine_side.DisaggInfo: mode, KV layout, endpoint
+    pin_budget_tokens: int = 0  # 0: nothing is pinned (cache/pins.py)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,11 @@ class EngineStats:
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
     grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
     window: WindowStats | None = None  # None: no window pool
+    # connections the KV-event sockets turned away, by reason (links/guard.py); the engine
+    # process fills it in (its publisher is not the engine's)
+    kv_events_refused: dict[str, int] = field(default_factory=dict)
+    pins: PinStats | None = None  # None: pins are off
+    eviction: EvictionStats | None = None  # None: the eviction policy predicts nothing
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

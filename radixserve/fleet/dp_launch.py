@@ -6,9 +6,12 @@ Each instance is a ``radixserve serve`` child on a free loopback port with the p
 ``cuda:i``. KV pool options (``--max-total-tokens``, ``--kv-cache-memory``) apply per
 instance. The router runs in this process with the parent's keys (tenants' ``--api-key``,
 ``--admin-key`` for its management endpoints); the instances' admin key is a secret drawn
-at start, the router's credential with them. A ``Supervisor`` restarts an instance that
-dies (with back-off; the router's ``/health`` says ``degraded`` meanwhile); the children
-die with this process (PR_SET_PDEATHSIG) and are stopped when it stops.
+at start, the router's credential with them; so is the ZeroMQ key pair of the fleet (its KV
+events) unless one is given (``--zmq-key``, ``$RADIXSERVE_ZMQ_KEY``). The router serves
+HTTPS when asked (``--ssl-*``); the instances, on loopback, plain HTTP. A ``Supervisor``
+restarts an instance that dies (with back-off; the router's ``/health`` says ``degraded``
+meanwhile); the children die with this process (PR_SET_PDEATHSIG) and are stopped when it
+stops.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import httpx
 
 from radixserve.cli_options import flag
 from radixserve.fleet.supervisor import Supervisor
+from radixserve.links.keys import KEY_ENV, CurveKeys
 from radixserve.router.cli import policy_config_from_args, serve_router
 from radixserve.router.config import router_config_from_args
 from radixserve.router.policy import PolicyConfig
 from radixserve.server.engine_process import die_with_parent
 
 PLACEMENT_FLAGS = {"--dp", "--port", "--host", "--device", "--router-policy", "--admin-key",
-                   "--kv-events-endpoint", "--kv-events-replay-endpoint"}  # fmt: skip
+                   "--kv-events-endpoint", "--kv-events-replay-endpoint", "--ssl-keyfile",
+                   "--ssl-certfile", "--ssl-ca-certs"}  # fmt: skip
 
 
 def child_argv(argv: list[str]) -> list[str]:
@@ -67,6 +72,8 @@ def cmd_dp(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: sock
     threads = max(1, (os.cpu_count() or 1) // n)
     # the instances' admin key: the router's credential, known to no one else
     secret = secrets.token_urlsafe(24)
+    # this process is the fleet's router: its ZeroMQ key is the instances' (keys.py)
+    os.environ.update(fleet_zmq_key(args))
     access = router_config_from_args(parser, args, worker_api_key=secret)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RADIXSERVE_ADMIN_KEY": secret}
     commands, urls = [], []
@@ -95,6 +102,14 @@ def cmd_dp(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: sock
         return 1
     finally:
         supervisor.stop()
+
+
+def fleet_zmq_key(args: argparse.Namespace) -> dict[str, str]:
+    """``$RADIXSERVE_ZMQ_KEY`` for a key pair drawn now, unless the fleet was given its keys
+    (``--zmq-key``, the variable itself) or runs plain sockets."""
+    if args.zmq_key or args.zmq_unauthenticated or os.environ.get(KEY_ENV):
+        return {}
+    return {KEY_ENV: CurveKeys.generate().secret_key.decode()}
 
 
 def _wait_healthy(supervisor: Supervisor, urls: list[str], timeout: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import signal
 import time
 
@@ -61,8 +62,9 @@ def cmd_ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": args.host, "port": args.port})
+    secret = os.environ.get("RADIXSERVE_ZMQ_KEY")  # else the application draws one
     app = build_app(options, args.replicas, args.policy, policy, args.served_model_name,
-                    args.replica_cpus)  # fmt: skip
+                    args.replica_cpus, zmq_secret_key=secret)  # fmt: skip
     serve.run(app, name="radixserve", route_prefix="/")
     print(f"radixserve on Ray Serve listening on http://{args.host}:{args.port} "
           f"({args.replicas} replicas, {args.policy})", flush=True)  # fmt: skip

@@ -14,7 +14,9 @@ routing. Two deployments:
 ``CacheAwareRequestRouter`` is the replicas' request router (Ray Serve's custom request router
 API, ``ray.serve.request_router.RequestRouter``, Ray 2.60): it keeps one ``policy.Policy``
 whose workers are replica ids, subscribes to every replica's KV events (endpoints from the
-routing stats), and ranks the chosen replica first. Tickets are finished when Ray reports the
+routing stats), and ranks the chosen replica first. The KV-event links run CurveZMQ with one
+key pair for the application, handed to every replica and the router in their environment
+(``$RADIXSERVE_ZMQ_KEY``, Ray's ``runtime_env``). Tickets are finished when Ray reports the
 request completed (or when Ray routed it elsewhere).
 """
 
@@ -31,6 +33,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from radixserve.kvevents.subscriber import EventSubscriber
+from radixserve.links.keys import load_security
 from radixserve.router.policy import Policy, PolicyConfig, Route, RouteRequest, make_policy
 
 WORKER_HEADER = "x-radixserve-worker"
@@ -63,6 +66,8 @@ class CacheAwareRequestRouter(RequestRouter):
             stats.get("kv_events_replay_endpoint"),
             on_events=lambda events: self.policy.apply_events(worker, events),
             on_reset=lambda: self.policy.worker_lost_events(worker),
+            security=load_security(),
+            server_key=stats.get("kv_events_public_key"),
         )
         self._subscriptions[worker] = asyncio.get_running_loop().create_task(sub.run())
         getattr(self.policy, "set_has_events", lambda *_: None)(worker, True)
@@ -140,6 +145,7 @@ class RadixServeReplica:
         return {
             "kv_events_endpoint": self.info.kv_events_endpoint,
             "kv_events_replay_endpoint": self.info.kv_events_replay_endpoint,
+            "kv_events_public_key": self.info.kv_events_public_key,
         }
 
     async def handle(
@@ -243,11 +249,14 @@ def build_app(
     served_model_name: str | None = None,
     replica_cpus: float = 1.0,
     stats_period_s: float = 1.0,
+    zmq_secret_key: str | None = None,
 ):
-    """The Serve application: ``replicas`` engines behind the ingress, routed by ``policy``."""
+    """The Serve application: ``replicas`` engines behind the ingress, routed by ``policy``;
+    ``zmq_secret_key``: the application's ZeroMQ key pair (default: one drawn now)."""
     from ray.serve.config import RequestRouterConfig
 
     from radixserve.kvevents.hashing import default_block_size
+    from radixserve.links.keys import KEY_ENV, CurveKeys
 
     block = engine_options.get("kv_events_block_size") or default_block_size(
         engine_options.get("page_size") or 1
@@ -257,11 +266,13 @@ def build_app(
         request_router_kwargs={"policy": policy, **(policy_config or {}), "block_size": block},
         request_routing_stats_period_s=stats_period_s,
     )
+    secret = zmq_secret_key or CurveKeys.generate().secret_key.decode()
+    runtime_env = {"env_vars": {KEY_ENV: secret}}  # replicas publish, the router subscribes
     engines = RadixServeReplica.options(
         num_replicas=replicas,
         request_router_config=router_config,
-        ray_actor_options={"num_cpus": replica_cpus},
+        ray_actor_options={"num_cpus": replica_cpus, "runtime_env": runtime_env},
         max_ongoing_requests=1000,
     ).bind(engine_options, served_model_name)
-    ingress = _ingress_app().options(ray_actor_options={"num_cpus": 0})
+    ingress = _ingress_app().options(ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env})
     return ingress.bind(engines, engine_options.get("model"), block)

@@ -14,6 +14,9 @@ least one message (an empty batch for an empty tree) so the stamp always arrives
 
 Wire format and the replay/dump protocol: ``wire.py``. Endpoints: ``tcp://HOST:PORT`` (port 0
 picks a free port; ``endpoints`` gives the bound addresses), ``ipc://PATH``, ``inproc://NAME``.
+Both sockets take the process's ``security`` (``links/keys.py``): with CurveZMQ keys only
+clients whose key is allowed connect (``refused()`` counts the others, ``links/guard.py``);
+``PLAIN`` sockets admit anyone.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from radixserve.kvevents.wire import (
     seq_bytes,
     seq_from_bytes,
 )
+from radixserve.links.guard import start_guard
+from radixserve.links.keys import ZmqSecurity
 
 log = logging.getLogger("radixserve")
 DUMP_EVENTS_PER_MESSAGE = 256
@@ -56,12 +61,15 @@ class KVEventPublisher:
         endpoint: str,
         replay_endpoint: str | None = None,
         *,
+        security: ZmqSecurity,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         topic: str = "",
         data_parallel_rank: int | None = None,
     ):
         self._ctx = zmq.Context()
+        self.security = security
+        self._guard = start_guard(self._ctx, security, "KV events")
         self._requested = (endpoint, replay_endpoint)
         self._hwm = hwm
         self._topic = topic.encode()
@@ -122,19 +130,28 @@ class KVEventPublisher:
             self._wake()
             self._thread.join(5.0)
         self._wake_tx.close(linger=0)
+        self._guard.close()
         self._ctx.term()
+
+    def refused(self) -> dict[str, int]:
+        """Connections turned away so far, by reason (``links/guard.py``)."""
+        return self._guard.refused()
 
     # ------------------------------------------------------------------ publisher thread
     def _run(self) -> None:
         try:
             pub = self._ctx.socket(zmq.XPUB)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
+            self.security.server(pub)
             pub.bind(bindable(self._requested[0]))
+            self._guard.watch(pub)
             replay = None
             if self._requested[1]:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.SNDHWM, self._hwm)
+                self.security.server(replay)
                 replay.bind(bindable(self._requested[1]))
+                self._guard.watch(replay)
             self.endpoints = (
                 pub.getsockopt_string(zmq.LAST_ENDPOINT),
                 replay.getsockopt_string(zmq.LAST_ENDPOINT) if replay else None,

@@ -11,6 +11,10 @@ events switch on: its first subscriber, or a restarted engine), so it resets the
 wherever its sequence number falls: ``on_reset``, apply, continue after it. Without a replay
 endpoint the subscriber trusts the stream from the first batch it sees. ``on_events``
 receives each batch's events in sequence order.
+
+Both sockets take the process's ``security`` and the publisher's public key (``server_key``;
+``links/keys.py``): with CurveZMQ a publisher that does not hold that key, or does not allow
+ours, sends nothing (replay requests time out).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from radixserve.kvevents.wire import (
     seq_bytes,
     seq_from_bytes,
 )
+from radixserve.links.keys import ZmqSecurity
 
 log = logging.getLogger("radixserve")
 
@@ -46,6 +51,8 @@ class EventSubscriber:
         on_events: Callable[[list[KVEvent]], None],
         on_reset: Callable[[], None],
         *,
+        security: ZmqSecurity,
+        server_key: bytes | None = None,
         topic: bytes = b"",
         replay_timeout: float = 5.0,
         ctx: zmq.asyncio.Context | None = None,
@@ -53,6 +60,7 @@ class EventSubscriber:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.on_events, self.on_reset = on_events, on_reset
         self.topic = topic
+        self.security, self.server_key = security, server_key
         self.replay_timeout = replay_timeout
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.next_seq: int | None = None  # the sequence number expected next
@@ -65,6 +73,7 @@ class EventSubscriber:
         """Follow the stream until cancelled."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        self.security.client(sub, self.server_key)
         sub.connect(self.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
@@ -111,13 +120,17 @@ class EventSubscriber:
     async def _ask(self, body: bytes) -> list[tuple[int, EventBatch]]:
         """One replay-socket request; the (seq, batch) messages answered before the end."""
         dealer = self._ctx.socket(zmq.DEALER)
+        self.security.client(dealer, self.server_key)
         dealer.connect(self.replay_endpoint)
         try:
             await dealer.send_multipart([b"", body])
             out = []
             while True:
                 if not await dealer.poll(self.replay_timeout * 1000):
-                    raise ReplayError(f"{self.replay_endpoint} did not answer in time")
+                    raise ReplayError(
+                        f"{self.replay_endpoint} did not answer in time (is the publisher up, "
+                        "and do its ZeroMQ keys and ours match?)"
+                    )
                 frames = await dealer.recv_multipart()
                 if len(frames) != 3:
                     raise ReplayError(f"malformed replay answer ({len(frames)} frames)")

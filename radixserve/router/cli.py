@@ -17,6 +17,7 @@ import socket
 import sys
 
 from radixserve.cli_options import flag
+from radixserve.links.flags import add_tls_args, add_zmq_args
 from radixserve.router.config import RouterConfig, add_router_access_args, router_config_from_args
 from radixserve.router.policy import POLICIES, PolicyConfig
 
@@ -126,6 +127,8 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of randomised policies")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_router_policy_args(p)
+    add_zmq_args(p, binds=False)
+    add_tls_args(p)
     p.set_defaults(func=cmd_router, parser=p)
 
 
@@ -194,12 +197,17 @@ async def serve_router(
     timeout = httpx.Timeout(None, connect=5.0)
     # every call to a worker carries the worker credential, never a tenant's key
     headers = access.worker_headers()
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+    security = access.zmq_security()
+    verify = access.worker_tls.context()  # https:// workers: certificates always checked
+    async with httpx.AsyncClient(
+        limits=limits, timeout=timeout, headers=headers, verify=verify
+    ) as client:
         if prefill_urls:
-            fleet = PDPools(client, policy_name, config, seed, local_prefill_tokens)
+            fleet = PDPools(client, policy_name, config, seed, local_prefill_tokens, security)
             pool, prefill_pool = fleet.decode, fleet.prefill
         else:
-            fleet = pool = WorkerPool(make_policy(policy_name, config, seed), client)
+            policy = make_policy(policy_name, config, seed)
+            fleet = pool = WorkerPool(policy, client, security)
             prefill_pool = None
         try:
             for url in prefill_urls or ():
@@ -212,13 +220,17 @@ async def serve_router(
             return 2
         app = create_router_app(pool, tokenizer, access, prefill_pool)
         fleet.start()
-        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level=log_level, access_log=False, **access.tls.uvicorn_options()
+            )  # fmt: skip
+        )
         signal.signal(signal.SIGTERM, _raise_system_exit)
         host, port = sock.getsockname()[:2]
         workers = f"{len(pool.workers)} workers"
         if prefill_pool is not None:
             workers = f"{len(prefill_pool.workers)} prefill, {len(pool.workers)} decode"
-        print(f"radixserve router listening on http://{host}:{port} "
+        print(f"radixserve router listening on {access.tls.scheme}://{host}:{port} "
               f"({policy_name}, {workers})", flush=True)  # fmt: skip
         try:
             await server.serve(sockets=[sock])

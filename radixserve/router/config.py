@@ -12,6 +12,15 @@ requests, ``/v1/models``, ``/kv_events``, ``/health``, ``/flush_cache``) carries
 ``salt_from_api_key`` the router names the caller's tenant in ``X-Radixserve-Tenant``, which
 a worker honours only from the holder of its admin key.
 
+The router subscribes to its workers' KV events over ZeroMQ with its own CurveZMQ key pair
+(``zmq_key``: a key file; None: ``$RADIXSERVE_ZMQ_KEY``, else the user's default key file;
+``links/keys.py``), expecting each worker's server key as its ``/kv_events`` says; only with
+``zmq_unauthenticated`` does it read plain sockets (and only those).
+
+HTTPS: ``tls`` is the router's own front (as the server's, ``links/tls.py``); ``worker_tls``
+checks workers reached over ``https://`` (their certificates against the system's trust
+store or ``--worker-ca-certs``, with the router's client certificate where they require one).
+
 ``first_byte_timeout``: seconds a worker may take to send the first bytes of its answer
 (the whole answer, for one that is not streamed); past it the worker is probed, and if it
 does not answer its health check it counts as hung, leaves the fleet until a health check
@@ -28,7 +37,10 @@ from typing import Any
 
 from radixserve.api.config import TENANT_HEADER, ServerConfig
 from radixserve.cli_options import flag
-from radixserve.config import parse_bytes
+from radixserve.config import LinkConfig, parse_bytes
+from radixserve.links.flags import zmq_error
+from radixserve.links.keys import ZmqSecurity
+from radixserve.links.tls import ClientTLS, ServerTLS
 
 ADMIN_PATHS = ("/workers", "/flush_cache", "/metrics")
 
@@ -41,6 +53,10 @@ class RouterConfig:
     salt_from_api_key: bool = False
     max_request_bytes: int | str = ServerConfig.max_request_bytes  # the server's default
     first_byte_timeout: float = 300.0
+    zmq_key: str | None = None
+    zmq_unauthenticated: bool = False
+    tls: ServerTLS = field(default_factory=ServerTLS)
+    worker_tls: ClientTLS = field(default_factory=ClientTLS)
 
     def __post_init__(self) -> None:
         self.max_request_bytes = parse_bytes(self.max_request_bytes)
@@ -54,6 +70,10 @@ class RouterConfig:
             )
         if not (0 < self.first_byte_timeout < math.inf):
             raise ValueError(f"first_byte_timeout must be > 0, got {self.first_byte_timeout}")
+
+    def zmq_security(self) -> ZmqSecurity:
+        """The keys of the router's ZeroMQ clients, read now (a ValueError names the fault)."""
+        return LinkConfig(self.zmq_key, (), self.zmq_unauthenticated).security()
 
     def guard_config(self) -> ServerConfig:
         """The settings the server's ``Guard`` reads."""
@@ -118,6 +138,18 @@ def add_router_access_args(p: argparse.ArgumentParser) -> None:
         "streamed) before it is probed; one that fails the probe counts as hung and the "
         "request is retried on another worker; default %(default)s",
     )
+    g.add_argument(
+        "--worker-ca-certs",
+        metavar="FILE",
+        help="check https:// workers' certificates against the CAs in this file (default: "
+        "the system's trust store)",
+    )
+    g.add_argument(
+        "--worker-cert",
+        metavar="FILE",
+        help="the router's client certificate, for workers started with --ssl-ca-certs",
+    )
+    g.add_argument("--worker-key", metavar="FILE", help="the private key of --worker-cert")
 
 
 def router_config_from_args(
@@ -131,9 +163,11 @@ def router_config_from_args(
         salt_from_api_key=args.salt_from_api_key,
         max_request_bytes=args.max_request_bytes,
         first_byte_timeout=getattr(args, "first_byte_timeout", RouterConfig.first_byte_timeout),
+        zmq_key=args.zmq_key,
+        zmq_unauthenticated=args.zmq_unauthenticated,
     )
     try:
-        return RouterConfig(**{**options, **overrides})
+        config = RouterConfig(**{**options, **overrides})
     except ValueError as e:
         message = str(e)
         if "memory size" in message:
@@ -141,6 +175,17 @@ def router_config_from_args(
         for name in sorted(options, key=len, reverse=True):
             message = message.replace(name, flag(name))
         parser.error(message)
+    try:
+        config.zmq_security()
+    except ValueError as e:
+        parser.error(zmq_error(e))
+    try:
+        config.tls = ServerTLS(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
+        config.worker_tls = ClientTLS(*(getattr(args, f"worker_{n}", None)
+                                        for n in ("ca_certs", "cert", "key")))  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    return config
 
 
 def api_keys_from_args(args: argparse.Namespace) -> list[str]:

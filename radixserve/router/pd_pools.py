@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import httpx
 
+from radixserve.links.keys import ZmqSecurity
 from radixserve.router.pd import PDPolicy
 from radixserve.router.policy import PolicyConfig, make_policy
 from radixserve.router.workers import WorkerError, WorkerPool, _reachable
@@ -39,14 +40,15 @@ class PDPools:
         config: PolicyConfig,
         seed: int,
         local_prefill_tokens: int,
+        security: ZmqSecurity,
     ):
         self.client = client
         prefill_policy = make_policy(policy_name, config, seed)
         self.policy = PDPolicy(
             prefill_policy, make_policy(policy_name, config, seed + 1), local_prefill_tokens
         )
-        self.decode = WorkerPool(self.policy, client)
-        self.prefill = WorkerPool(prefill_policy, client)
+        self.decode = WorkerPool(self.policy, client, security)
+        self.prefill = WorkerPool(prefill_policy, client, security)
 
     async def add_prefill(self, url: str) -> None:
         info = await disagg_role(self.client, url, "prefill")

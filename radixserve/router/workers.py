@@ -4,6 +4,9 @@ A worker is a radixserve (or any OpenAI-compatible) server's base URL. Adding on
 its model (``/v1/models``) and its KV-event endpoints (``/kv_events``; a server without them
 is routed with approximate entries only). Its events feed the policy's index through an
 ``EventSubscriber``; an endpoint bound to a wildcard address is reached at the worker's host.
+The subscriber uses the router's ZeroMQ keys and expects the server key the worker's
+``/kv_events`` names (``curve_public_key``); a worker whose sockets are plain joins only a
+router that reads plain sockets (``--zmq-unauthenticated``), and the other way round.
 
 Health: every ``health_interval`` seconds each worker's ``/health`` is polled; after
 ``max_failures`` failures in a row (or a request that could not reach it) the worker leaves
@@ -23,6 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from radixserve.kvevents.subscriber import EventSubscriber
+from radixserve.links.keys import ZmqSecurity, check_key
 from radixserve.router.policy import Policy
 
 log = logging.getLogger("radixserve")
@@ -64,15 +68,22 @@ def _reachable(endpoint: str, worker_url: str) -> str:
     return endpoint
 
 
+def _key(events: dict[str, Any]) -> bytes | None:
+    key = events.get("curve_public_key")
+    return key.encode() if key else None
+
+
 class WorkerPool:
     def __init__(
         self,
         policy: Policy,
         client: httpx.AsyncClient,
+        security: ZmqSecurity,
         health_interval: float = 2.0,
         max_failures: int = 2,
     ):
         self.policy, self.client = policy, client
+        self.security = security
         self.health_interval, self.max_failures = health_interval, max_failures
         self.workers: dict[str, Worker] = {}
         self.model: str | None = None
@@ -96,6 +107,8 @@ class WorkerPool:
             raise WorkerError(f"worker {url} serves {model!r}, the fleet serves {self.model!r}")
         events = info.json() if info.status_code == 200 else {}
         block = events.get("block_size") if events.get("endpoint") else None
+        if block is not None:
+            self._check_security(url, events)
         if block is not None and block != self.block_size:
             raise WorkerError(
                 f"worker {url} names KV blocks of {block} tokens but the router hashes "
@@ -107,6 +120,23 @@ class WorkerPool:
         self._join(worker)
         log.info("worker %s joined (%s)", url, "KV events" if block else "no KV events")
         return worker
+
+    def _check_security(self, url: str, events: dict[str, Any]) -> None:
+        """``WorkerError`` unless the worker's KV-event sockets and the router's keys agree
+        on CurveZMQ or on plain sockets."""
+        key = events.get("curve_public_key")
+        if key is not None:
+            try:
+                check_key(key, f"worker {url}: curve_public_key")
+            except ValueError as e:
+                raise WorkerError(str(e)) from e
+        if (key is None) != (self.security.public_key is None):
+            theirs = "CurveZMQ" if key else "plain (--zmq-unauthenticated)"
+            ours = "CurveZMQ keys" if self.security.public_key else "--zmq-unauthenticated"
+            raise WorkerError(
+                f"worker {url} publishes KV events on {theirs} sockets but this router runs "
+                f"with {ours}: give both the same ZeroMQ setting"
+            )
 
     def _join(self, worker: Worker) -> None:
         self.policy.add_worker(worker.url, has_events=worker.block_size is not None)
@@ -122,6 +152,8 @@ class WorkerPool:
                 else None,
                 on_events=lambda events: self.policy.apply_events(url, events),
                 on_reset=lambda: self.policy.worker_lost_events(url),
+                security=self.security,
+                server_key=_key(worker.events),
             )
             worker.task = asyncio.create_task(self._follow(worker))
 
@@ -180,13 +212,19 @@ class WorkerPool:
             self.mark_failed(worker.url)
 
     async def _refresh_events(self, worker: Worker) -> None:
-        """A restarted engine may publish elsewhere (port 0): follow it there."""
+        """A restarted engine may publish elsewhere (port 0) or with another key: follow it."""
         try:
             r = await self.client.get(f"{worker.url}/kv_events", timeout=2.0)
             events = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return
-        if events and events.get("endpoint") != worker.events.get("endpoint"):
+        moved = ("endpoint", "replay_endpoint", "curve_public_key")
+        if events and any(events.get(k) != worker.events.get(k) for k in moved):
+            try:
+                self._check_security(worker.url, events)
+            except WorkerError as e:
+                log.warning("%s; its KV events are not followed", e)
+                return
             log.info("worker %s now publishes KV events at %s", worker.url, events["endpoint"])
             worker.events = events
             if worker.healthy and worker.task is not None:

@@ -2,7 +2,8 @@
 paths: ``api/guard.py`` asks for the admin key there).
 
 ``/cache`` shows counts and hashes of the cached prefixes, their text only with
-``debug_cache_text``: who sent what stays private.
+``debug_cache_text``: who sent what stays private; and the pins (``pin_routes.py``): their
+budgets, totals, counters and the most recently used ones.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.api.config import ServerConfig
 from radixserve.api.errors import ApiError, unavailable
 from radixserve.engine.stats import EngineStats
+from radixserve.links.keys import split_endpoint
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.eviction_metrics import cache_eviction
 from radixserve.server.metrics import Metrics
 from radixserve.server.tier_metrics import cache_tiers
 
@@ -65,6 +68,8 @@ def add_admin_routes(
             {
                 "endpoint": info.kv_events_endpoint,
                 "replay_endpoint": info.kv_events_replay_endpoint,
+                # a subscriber expects this server key (links/keys.py); None: plain sockets
+                "curve_public_key": _text(info.kv_events_public_key),
                 "block_size": info.kv_events_block_size,
                 "page_size": info.page_size,
                 "format": "vllm",
@@ -84,7 +89,8 @@ def add_admin_routes(
         stats: EngineStats = await engine_call(client, "stats")
         return {
             "mode": info.mode,
-            "endpoint": info.endpoint,
+            "endpoint": info.endpoint,  # with ?curve=KEY, its server key, under CurveZMQ
+            "curve_public_key": _text(split_endpoint(info.endpoint or "")[1]),
             "layout": dataclasses.asdict(info.layout),
             "stats": dataclasses.asdict(stats.kv_transfer),
         }
@@ -107,6 +113,10 @@ async def engine_call(client: EngineClient, name: str, **kwargs: object) -> obje
         raise unavailable(str(e)) from e
 
 
+def _text(key: bytes | None) -> str | None:
+    return key.decode() if key is not None else None
+
+
 def token_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
@@ -127,6 +137,12 @@ async def cache_listing(
         else:  # who sent what stays private: a digest tells prefixes apart, nothing more
             prefixes.append({**prefix, "head_hash": token_digest(head)})
     stats: EngineStats = await engine_call(client, "stats")
+    pins = None
+    if stats.pins is not None:
+        listed = await engine_call(client, "pin_listing")
+        pins = {**dataclasses.asdict(stats.pins), "listed": [
+            {"id": p.id, "tenant": p.tenant, "tokens": p.tokens, "expires_in": p.expires_in,
+             "head_hash": token_digest(p.head_token_ids)} for p in listed[:top]]}  # fmt: skip
     return {
         "num_nodes": summary.num_nodes,
         "cached_tokens": summary.cached_tokens,
@@ -135,4 +151,6 @@ async def cache_listing(
         "evictable_tokens": stats.evictable_tokens,
         "stats": dataclasses.asdict(stats.cache),
         "tiers": cache_tiers(stats),
+        "pins": pins,
+        "eviction": cache_eviction(stats),
     }

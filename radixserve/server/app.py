@@ -32,6 +32,7 @@ from radixserve.server.chat_run import check_model, request_spec, sse_response, 
 from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.messages_api import add_messages_routes
 from radixserve.server.metrics import Metrics
+from radixserve.server.pin_routes import add_pin_routes
 from radixserve.server.prefill_trust import PrefillTrust
 from radixserve.server.responses import (
     ChatStream,
@@ -68,6 +69,7 @@ def create_app(
     add_responses_routes(app, serving, tokenizer, served_model_name, sampling.values)
     add_generate_route(app, serving, tokenizer, sampling.values)
     add_admin_routes(app, client, tokenizer, config, metrics)
+    add_pin_routes(app, serving, tokenizer, config)
     return app
 
 
@@ -87,6 +89,9 @@ def add_openai_routes(
         chat = await serving.checked(lambda: body.chat_input(defaults, bool(reusable)))
         serving.check_size(body.n)
         if reusable:  # RAG segments (server/segments.py)
+            if body.cache_pin is not None:
+                raise ApiError(400, "cache_pin cannot be combined with reusable content parts",
+                               "cache_pin")  # fmt: skip
             if chat.plan is not None:
                 raise ApiError(400, "tools cannot be combined with reusable content parts",
                                "tools")  # fmt: skip

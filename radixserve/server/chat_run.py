@@ -1,6 +1,7 @@
 """Running a ``ChatInput`` (api/chat_input.py), the request form the three chat APIs share:
 render it with the chat template, fit ``max_tokens`` to the context left, build the engine
-spec (the tenant's namespace, the prefill peer, the grammar) and submit it. Also what every
+spec (the tenant's namespace, the prefill peer, the grammar, the prefixes to pin) and submit
+it. Also what every
 route checks first (the model name) and the spec fields every engine request of one HTTP
 request shares. Each API's route module adds only its body, its response and its stream.
 """
@@ -12,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -75,8 +77,38 @@ async def start(
     ids = await encode(serving, tokenizer, chat)
     info = serving.client.info
     params = chat.fitted(len(ids), min(info.max_model_len, info.kv_capacity_tokens))
-    spec = request_spec(raw, chat.salt, grammar=chat.grammar)
+    pins: tuple[tuple[int, float], ...] = ()
+    if chat.cache_points and info.pin_budget_tokens:
+        pins = await serving.off_loop(pin_ends, tokenizer, chat, ids)
+    elif chat.pins_asked:
+        raise ApiError(400, "pins are off on this server (--pin-budget 0 or no prefix cache)",
+                       "cache_pin")  # fmt: skip
+    tenant = getattr(raw.state, "caller", None)  # whose pin budget: the key's holder
+    spec = request_spec(raw, chat.salt, grammar=chat.grammar, pins=pins, tenant=tenant)
     return await serving.submit(kind, [ids] * len(params), params, spec)
+
+
+def pin_ends(
+    tokenizer: Tokenizer, chat: ChatInput, ids: list[int]
+) -> tuple[tuple[int, float], ...]:
+    """The prompt token where each cache point's prefix ends, with its ttl in seconds: the
+    conversation through that message rendered alone, as far as it agrees with the prompt
+    (a template may render a turn differently once others follow it)."""
+    conversation, tools = chat.render(tokenizer.template_has_tools)
+    shift = len(conversation) - len(chat.messages)  # a system turn listing the tools, first
+    ends: dict[int, float] = {}
+    for point in chat.cache_points:
+        ends[point.message] = max(ends.get(point.message, 0.0), point.seconds)
+    out = []
+    prompt = np.asarray(ids)
+    for message, ttl in sorted(ends.items()):
+        text = tokenizer.render_chat(conversation[: message + 1 + shift], False, tools)
+        head = np.asarray(tokenizer.encode(text, add_special_tokens=False)[: len(ids)])
+        differs = np.flatnonzero(head != prompt[: len(head)])
+        end = int(differs[0]) if len(differs) else len(head)
+        if end:
+            out.append((end, ttl))
+    return tuple(out)
 
 
 def warning_headers(chat: ChatInput) -> dict[str, str]:

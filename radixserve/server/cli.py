@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
 from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
+from radixserve.links.flags import add_tls_args, add_zmq_args, tls_from_args, zmq_options
 from radixserve.server.event_args import add_kv_event_args, kv_event_options
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     add_limit_args(p)
     add_engine_args(p)
     add_kv_event_args(p)
+    add_zmq_args(p)
+    add_tls_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
     return p
 
@@ -186,8 +189,9 @@ def server_config_from_args(
         SamplingParams(**sampling)  # the values themselves, checked where requests are
     except ValueError as e:
         parser.error(f"--default-sampling: {e}")
+    tls = tls_from_args(parser, args)
     try:
-        return ServerConfig.from_options(**options, default_sampling=sampling)
+        return ServerConfig.from_options(**options, default_sampling=sampling, tls=tls)
     except ValueError as e:
         message = str(e)
         for name in SERVER_FLAGS:
@@ -218,7 +222,13 @@ def checked_serve_args(
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
     config = engine_config_from_args(
-        parser, args, step_trace=step_trace_path(parser, args), **kv_event_options(args)
+        parser,
+        args,
+        step_trace=step_trace_path(parser, args),
+        **kv_event_options(args),
+        **zmq_options(
+            parser, args, used=bool(args.kv_events_endpoint) or args.disaggregation_mode != "off"
+        ),  # fmt: skip
     )
     server_config = server_config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -254,6 +264,7 @@ async def serve(
     from radixserve.model.loader import ModelNotFoundError, resolve_model_path
     from radixserve.server.engine_client import EngineClient, EngineDeadError
 
+    tls = server_config.tls
     try:
         model_path = resolve_model_path(config.model)
     except ModelNotFoundError as e:
@@ -307,12 +318,13 @@ async def serve(
             log_level=log_level,
             access_log=False,
             timeout_graceful_shutdown=server_config.shutdown_timeout,
+            **tls.uvicorn_options(),
         )
     )
     # uvicorn shuts down gracefully on SIGTERM, then raises it again; let that end in an
     # exception (not a hard kill) so the engine process and its sockets are cleaned up below.
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    print(f"radixserve listening on http://{host}:{port}", flush=True)
+    print(f"radixserve listening on {tls.scheme}://{host}:{port}", flush=True)
     watchdog = asyncio.create_task(_exit_when(gave_up, server))
     try:
         await server.serve(sockets=[sock])

@@ -41,6 +41,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine import StepOutput
 from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.links.keys import split_endpoint
 from radixserve.restart_policy import RestartPolicy, Restarts
 from radixserve.server.engine_process import run_engine_process
 from radixserve.server.messages import (
@@ -154,7 +155,8 @@ class EngineClient:
         self.info = await self._wait_ready(timeout)
         disagg = self.info.disaggregation
         if disagg is not None and disagg.endpoint:  # a restarted engine keeps its KV port,
-            port = int(disagg.endpoint.rsplit(":", 1)[1])  # where decode instances look
+            address = split_endpoint(disagg.endpoint)[0]  # where decode instances look
+            port = int(address.rsplit(":", 1)[1])
             self.config = self.config.replace(kv_transfer_port=port)
         self.state = "ready"
         self._supervisor = asyncio.create_task(self._supervise())

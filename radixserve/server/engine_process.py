@@ -88,6 +88,23 @@ class EngineLoop:
         engine.record_step_shape = trace is not None
         self._streaming: set[str] = set()  # traced requests that have had a token
         self._counts: tuple[int, int, int] | None = None  # (running, waiting, loading) sent
+        self._refused: tuple[dict, dict] = ({}, {})  # refused connections reported so far
+
+    def stats(self) -> EngineStats:
+        """The engine's stats, with the connections the KV-event sockets turned away."""
+        stats = self.engine.stats()
+        if self.events is None:
+            return stats
+        return dataclasses.replace(stats, kv_events_refused=self.events.publisher.refused())
+
+    def _report_refusals(self) -> None:
+        """Connections the ZeroMQ sockets turned away change without a step: an idle engine
+        reports new ones within ``IDLE_POLL_MS`` (for ``/metrics``)."""
+        transfer = self.engine.disagg.stats().refused if self.engine.disagg is not None else {}
+        events = self.events.publisher.refused() if self.events is not None else {}
+        if (events, transfer) != self._refused:
+            self._refused = (events, transfer)
+            self.push.send_pyobj(Outputs([], self.stats(), False))
 
     def handle(self, msg: ToEngine) -> None:
         if isinstance(msg, AddRequest):
@@ -96,7 +113,7 @@ class EngineLoop:
             out = self.engine.abort_request(msg.request_id, msg.reason)
             self._streaming.discard(msg.request_id)
             if out is not None:
-                self.push.send_pyobj(Outputs([out], self.engine.stats(), False))
+                self.push.send_pyobj(Outputs([out], self.stats(), False))
         elif isinstance(msg, Shutdown):
             raise _Shutdown
         elif isinstance(msg, Rpc):
@@ -104,7 +121,7 @@ class EngineLoop:
                 value, ok = getattr(self, f"rpc_{msg.name}")(**msg.kwargs), True
             except Exception as e:
                 value, ok = f"{type(e).__name__}: {e}", False
-            self.push.send_pyobj(RpcReply(msg.call_id, ok, value, self.engine.stats()))
+            self.push.send_pyobj(RpcReply(msg.call_id, ok, value, self.stats()))
         else:
             raise ValueError(f"unknown message {msg!r}")
 
@@ -169,9 +186,9 @@ class EngineLoop:
                 self.engine.check_integrity()
             except Exception:
                 log.critical("the KV slot ledger is broken after a failed step; exiting")
-                self.push.send_pyobj(Outputs(outputs, self.engine.stats(), True))
+                self.push.send_pyobj(Outputs(outputs, self.stats(), True))
                 raise SystemExit(EXIT_CORRUPT) from None
-        stats = self.engine.stats()
+        stats = self.stats()
         counts = (stats.num_running, stats.num_waiting, stats.num_loading)
         # a look at KV transfer traffic that ran nothing reports only what changed
         if outputs or not self.engine.last_step_empty or counts != self._counts:
@@ -216,7 +233,13 @@ class EngineLoop:
         return self.engine.cache_summary(top)
 
     def rpc_stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self.stats()
+
+    def rpc_pin_listing(self) -> list:
+        return self.engine.pin_listing()
+
+    def rpc_unpin(self, **kwargs: Any) -> int:
+        return self.engine.unpin(**kwargs)
 
     def rpc_check_integrity(self) -> bool:
         self.engine.check_integrity()
@@ -246,6 +269,7 @@ class EngineLoop:
                 self.step()
             else:
                 self.engine.apply_finished_transfers()
+                self._report_refusals()
             if self.events is not None:
                 self.events.sync()
 
@@ -294,11 +318,16 @@ def run_engine_process(
         info, bridge = engine.info(), None
         if config.kv_events.kv_events_endpoint and info.kv_events_block_size:
             publisher = KVEventPublisher(
-                config.kv_events.kv_events_endpoint, config.kv_events.kv_events_replay_endpoint
+                config.kv_events.kv_events_endpoint,
+                config.kv_events.kv_events_replay_endpoint,
+                security=config.links.security(),
             )
             endpoint, replay = publisher.start()
             info = dataclasses.replace(
-                info, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay
+                info,
+                kv_events_endpoint=endpoint,
+                kv_events_replay_endpoint=replay,
+                kv_events_public_key=publisher.security.public_key,
             )
             bridge = EventBridge(engine, publisher)
         if config.step_trace:

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.stats import EngineInfo, EngineStats
-from radixserve.server.tier_metrics import tier_families
+from radixserve.server.eviction_metrics import eviction_families
+from radixserve.server.tier_metrics import pin_families, tier_families
 
 WINDOW_SECONDS = 60.0
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -99,7 +100,10 @@ class Metrics:
         yield from self._pool_families()
         yield from self._segment_families()
         yield from self._grammar_families()
+        yield self._refused_family()
         yield from tier_families(self.stats, self.model_name)
+        yield from pin_families(self.stats, self.model_name)
+        yield from eviction_families(self.stats, self.model_name)
 
     def _cache_families(self):
         s, cache, m = self.stats, self.stats.cache, self.model_name
@@ -196,6 +200,24 @@ class Metrics:
         backends.add_metric([m, "xgrammar"], g.xgrammar_requests)
         backends.add_metric([m, "llguidance"], g.llguidance_requests)
         yield backends
+
+    def _refused_family(self):
+        """Connections the ZeroMQ sockets turned away (links/guard.py), by link and reason."""
+        refused = CounterMetricFamily(
+            "zmq_refused_connections",
+            "ZeroMQ connections turned away: key (not allowed), protocol (not CurveZMQ with "
+            "this server's key), handshake (cut short or stalled)",
+            labels=["model_name", "link", "reason"],
+        )
+        transfer = self.stats.kv_transfer
+        by_link = {
+            "kv_events": self.stats.kv_events_refused,
+            "kv_transfer": transfer.refused if transfer is not None else {},
+        }
+        for link, counts in by_link.items():
+            for reason in ("key", "protocol", "handshake"):
+                refused.add_metric([self.model_name, link, reason], counts.get(reason, 0))
+        return refused
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

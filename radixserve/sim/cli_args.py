@@ -35,8 +35,9 @@ def build_trace(parser: argparse.ArgumentParser, args: argparse.Namespace):
                 extra["think_time"] = think
             spec = w.SyntheticSpec(num_sessions=args.sessions or 1000, **extra)
             trace = w.synthetic_trace(spec, args.seed)
-        elif kind == "mooncake" or args.trace.endswith(".jsonl"):
-            trace = load_mooncake(rest or args.trace, seed=args.seed, **extra)
+        elif kind == "mooncake" or args.trace.endswith((".jsonl", ".jsonl.gz")):
+            path = rest if kind == "mooncake" else args.trace
+            trace = load_mooncake(path or None, seed=args.seed, **extra)
         elif kind in ("sharegpt", "bench"):
             tokenizer = load_tokenizer(args.model)
             if kind == "sharegpt":
@@ -49,7 +50,7 @@ def build_trace(parser: argparse.ArgumentParser, args: argparse.Namespace):
                 trace = w.bench_trace(tokenizer, rest, args.seed, think, **extra)
         else:
             parser.error(f"--trace: unknown {args.trace!r} (sharegpt, bench:NAME, synthetic, "
-                         "mooncake:PATH)")  # fmt: skip
+                         "mooncake, mooncake:PATH)")  # fmt: skip
     except (TraceError, ValueError, TypeError) as e:
         parser.error(f"--trace {args.trace}: {e}")
     if args.max_requests:

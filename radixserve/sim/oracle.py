@@ -3,8 +3,9 @@
 ``FutureUses`` knows, for a fixed order of requests, which requests would use each part of
 the tree. It builds an offline radix tree (the project's ``RadixCache``, unbounded) of every
 sequence in the order, matching every prompt first so that every boundary any online tree
-can have is a node boundary there too: online boundaries are sequence ends, matched-prompt
-ends and divergence points between sequences, all of which the offline tree has. Then each
+can have is a node boundary there too: online boundaries are sequence ends, prompt ends (a
+prompt is published before its output), matched-prompt ends and divergence points between
+sequences, all of which the offline tree has. Then each
 request's matched path is recorded against the offline nodes it enters.
 
 ``BeladyPolicy`` evicts, among the evictable leaves (locks respected: locked nodes are never
@@ -47,6 +48,7 @@ class FutureUses:
             slots = torch.cat([m.device_indices, new])
             already = tree.insert(seq[:aligned], slots, ns)
             alloc.free(slots[m.device_len : already])
+            tree.match_prefix(prompt, ns, record_stats=False)  # where the prompt is published
         self.tree = tree
         self.uses: dict[Any, list[int]] = defaultdict(list)
         for j, (prompt, _, ns) in enumerate(requests):

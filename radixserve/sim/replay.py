@@ -2,9 +2,10 @@
 
 The classic way to compare eviction policies: every policy sees the same requests in the same
 order, so hit rates differ only by what each policy kept. Each request goes through the
-engine's own ledger (``RequestKV``): match and lock its prefix, count the hit, allocate its
-uncached prompt and output (evicting unlocked leaves as needed), commit, release (which
-inserts prompt + output into the tree, as a finished request does).
+engine's own ledger (``RequestKV``): match and lock its prefix, count the hit, allocate and
+commit its uncached prompt and publish it (the prompt enters the tree when its prefill ends,
+as in the engine), then allocate and commit its output and release (which inserts the output
+below the prompt, as a finished request does). Eviction makes room at both allocations.
 
 The order (``replay_order``) is the trace's arrival order when every request takes no time:
 timed sessions by their timestamps plus think times; untimed ones as the closed loop of the
@@ -129,6 +130,8 @@ def replay(
     if policy == "unbounded":
         kv_tokens = total_tokens(order) + page_size
         evict: Any = "lru"
+    elif not isinstance(policy, str):
+        evict = policy
     elif policy == "belady":
         future = future or FutureUses(
             [(t.prompt, computed(t), s.namespace) for s, t in order], page_size
@@ -147,14 +150,19 @@ def replay(
         match = kv.match(req)
         kv.admit(req, match)
         kv.record_admission(req, match.device_len)  # before eviction: the oracle's clock
-        n = req.prompt_len + req.max_tokens - 1 - req.kv.cached
+        n = req.prompt_len - req.kv.cached
         if need > alloc.num_pages or not kv.extend(req, n):
             kv.release(req)
             failed += 1
             continue
         cached += req.usage.cached_tokens
         kv.commit(req, n)
+        kv.publish(req)  # the prompt joins the tree as its prefill ends, as the engine's does
         req.append_tokens(turn.output if len(turn.output) else np.zeros(1, np.int32))
+        n = req.max_tokens - 1  # the last output token's KV is never computed
+        if not kv.extend(req, n):  # cannot fail: the pool holds the request, the rest unlocked
+            raise AssertionError(f"request {j}: no room for its output")
+        kv.commit(req, n)
         kv.release(req)
     return ReplayResult(cache.eviction_policy if policy not in OFFLINE_POLICIES else policy,
                         kv_tokens, page_size, len(order), failed, prompt_tokens, cached,

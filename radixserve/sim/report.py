@@ -28,9 +28,9 @@ PLOTS = {
 # Columns that name a configuration (the rest are measurements).
 SETTINGS = ("trace", "design", "policy", "eviction_policy", "routing", "instances",
             "kv_tokens", "kv_tokens_per_instance", "page_size", "schedule_policy")  # fmt: skip
-TABLE = ("hit_rate", "prefill_tokens_saved", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",
-         "requests_per_s", "load_imbalance_busy", "load_imbalance_requests", "evicted_tokens",
-         "requests", "requests_failed", "wall_s", "cpu_s")  # fmt: skip
+TABLE = ("hit_rate", "vs_belady", "prefill_tokens_saved", "ttft_p50_s", "ttft_p99_s",
+         "latency_p50_s", "requests_per_s", "load_imbalance_busy", "load_imbalance_requests",
+         "evicted_tokens", "requests", "requests_failed", "wall_s", "cpu_s")  # fmt: skip
 
 
 def _fmt(value: Any) -> str:

@@ -14,13 +14,19 @@ and output are views), so a long chat costs its length once, not once per turn.
 Mooncake's open trace format (JSON Lines, one request per line): ``timestamp`` (ms),
 ``input_length``, ``output_length``, ``hash_ids`` (one id per block of ``block_size`` = 512
 prompt tokens; equal ids mean equal blocks with equal prefixes). A block's tokens are drawn
-from its id, so equal ids give equal tokens; the last block is cut to the input length.
+from its id, so equal ids give equal tokens; the last block is cut to the input length. The
+answer's tokens are drawn at random: no later prompt contains them (the trace's hashes of a
+later turn cannot say which of its blocks held the answer). ``load_mooncake()`` without a path
+reads the trace shipped in ``traces/`` (the FAST'25 synthetic trace, Apache-2.0).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -88,33 +94,33 @@ def block_tokens(hash_id: int, block_size: int, salt: int = 0) -> np.ndarray:
     return rng.integers(3, SYNTHETIC_VOCAB, block_size, dtype=np.int32)
 
 
-def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, seed: int = 0) -> Trace:
-    """Read a Mooncake JSONL trace; a request is a one-turn session at its timestamp."""
-    path = Path(path).expanduser()
+def shipped_trace(name: str) -> Path:
+    """The path of a trace shipped with the simulator (``traces/``)."""
+    return Path(str(resources.files("radixserve.sim") / "traces" / name))
+
+
+MOONCAKE_SHIPPED = "mooncake_synthetic_trace.jsonl.gz"
+
+
+def load_mooncake(
+    path: str | Path | None = None, block_size: int = MOONCAKE_BLOCK_SIZE, seed: int = 0
+) -> Trace:
+    """Read a Mooncake JSONL trace (gzipped if its name ends in ``.gz``; None: the shipped
+    one); a request is a one-turn session at its timestamp."""
+    path = shipped_trace(MOONCAKE_SHIPPED) if path is None else Path(path).expanduser()
     if not path.is_file():
         raise TraceError(f"trace file not found: {path}")
+    if not (isinstance(block_size, int) and block_size >= 1):
+        raise TraceError(f"block_size must be a positive integer, got {block_size!r}")
     sessions: list[Session] = []
     blocks: dict[int, np.ndarray] = {}
     rng = np.random.default_rng(seed)
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}: line {number} is not JSON ({e})") from e
-            missing = [k for k in MOONCAKE_FIELDS if k not in rec]
-            if missing:
-                raise TraceError(f"{path}: line {number} lacks {missing}")
-            n_in, n_out, ids = rec["input_length"], rec["output_length"], rec["hash_ids"]
-            if not (isinstance(n_in, int) and n_in >= 1 and isinstance(n_out, int) and n_out >= 1):
-                raise TraceError(f"{path}: line {number}: lengths must be positive integers")
-            if len(ids) != -(-n_in // block_size):
-                raise TraceError(
-                    f"{path}: line {number}: {len(ids)} hash_ids for {n_in} tokens in blocks "
-                    f"of {block_size} (expected {-(-n_in // block_size)})"
-                )
+            arrival, n_in, n_out, ids = _mooncake_record(line, f"{path}: line {number}", block_size)
             parts = []
             for h in ids:
                 if h not in blocks:
@@ -122,7 +128,6 @@ def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, seed:
                 parts.append(blocks[h])
             prompt = np.concatenate(parts)[:n_in]
             output = rng.integers(3, SYNTHETIC_VOCAB, n_out, dtype=np.int32)
-            arrival = float(rec["timestamp"]) / 1000.0
             sessions.append(Session(f"r{number}", [Turn(prompt, output)], arrival))
     if not sessions:
         raise TraceError(f"{path}: no requests")
@@ -131,3 +136,33 @@ def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE, seed:
         s.arrival -= t0
     sessions.sort(key=lambda s: s.arrival)
     return Trace("mooncake", sessions, {"path": str(path), "block_size": block_size})
+
+
+def _mooncake_record(line: str, where: str, block_size: int) -> tuple[float, int, int, list]:
+    """One line's (arrival in seconds, input length, output length, hash ids), or a
+    ``TraceError`` naming the line and what is wrong with it."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where} is not JSON ({e})") from e
+    if not isinstance(rec, dict):
+        raise TraceError(f"{where} is not a JSON object")
+    missing = [k for k in MOONCAKE_FIELDS if k not in rec]
+    if missing:
+        raise TraceError(f"{where} lacks {missing}")
+    t, n_in, n_out, ids = (rec[k] for k in MOONCAKE_FIELDS)
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise TraceError(f"{where}: timestamp must be a number of milliseconds >= 0, got {t!r}")
+    for name, n in (("input_length", n_in), ("output_length", n_out)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise TraceError(f"{where}: {name} must be a positive integer, got {n!r}")
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+    ):
+        raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
+    if len(ids) != -(-n_in // block_size):
+        raise TraceError(
+            f"{where}: {len(ids)} hash_ids for {n_in} tokens in blocks of {block_size} "
+            f"(expected {-(-n_in // block_size)})"
+        )
+    return float(t) / 1000.0, n_in, n_out, ids

@@ -8,14 +8,19 @@ check (free + cached + held == capacity) afterwards.
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
+from radixserve.cache.kv_pool import KVPool, KVShape
+from radixserve.disagg import KVLayout
+from radixserve.links.keys import split_endpoint
 from testing.fleet import start_router, stopping
 from testing.server import started_server
 
@@ -24,6 +29,16 @@ COMMON += "--kv-transfer-heartbeat 0.2 --served-model-name tiny "
 COMMON += "--kv-events-endpoint tcp://127.0.0.1:0 --kv-events-replay-endpoint tcp://127.0.0.1:0"
 MAX_TOKENS = 8
 UNREACHABLE = "tcp://127.0.0.1:9"  # a prefill endpoint the decode instance trusts; nothing listens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# a prefill endpoint the decode instance trusts, where a test puts a peer without the key
+ROGUE_PORT = _free_port()
 
 
 def serve(model_dir, *args: str):
@@ -56,6 +71,8 @@ def decode_args(prefill_url: str) -> list[str]:
         "1",
         "--trusted-prefill",
         UNREACHABLE,
+        "--trusted-prefill",
+        f"tcp://127.0.0.1:{ROGUE_PORT}",
     ]
 
 
@@ -206,6 +223,145 @@ def test_naming_a_prefill_to_an_instance_not_in_decode_mode_is_a_400(prefill):
         headers={"X-Radixserve-Prefill": "tcp://127.0.0.1:9"},
     )
     assert r.status_code == 400 and "not a decode instance" in r.text
+
+
+def test_a_prefill_peer_without_the_key_puts_nothing_into_the_decode_tree(decode, colocated):
+    """Willing rogue prefill peers (a key pair of their own; plain ZeroMQ) at a trusted
+    address a request names, each ready to send random KV: the decode instance expects the fleet's
+    server key there, so the rogue never sees a request and not a byte lands; the decode
+    instance computes the prompt itself, and what its tree keeps is what a colocated engine
+    computes (the same prompt again is a full hit with the same answer)."""
+    from radixserve.disagg.zmq_sender import ZmqKVSender
+    from radixserve.links.keys import PLAIN, CurveKeys, split_endpoint
+
+    layout = KVLayout.from_dict(httpx.get(decode + "/disagg/info").json()["layout"])
+    rng = np.random.default_rng(43)
+    for security in (CurveKeys.generate(), PLAIN):
+        source = KVPool(KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                layout.torch_dtype), 256)  # fmt: skip
+        source.k.normal_()
+        source.v.normal_()
+        rogue = ZmqKVSender(source, layout, port=ROGUE_PORT, security=security,
+                            heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
+        ids = random_ids(rng, 40)
+        before = moved_bytes(decode)
+        headers = {"X-Radixserve-Prefill": split_endpoint(rogue.endpoint)[0]}
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(generate, decode, ids, headers)
+                while not answer.done():  # serve whatever would come, as a rogue would
+                    for req in rogue.incoming():
+                        rogue.push(req.transfer_id, torch.arange(req.num_tokens))
+                    rogue.finished()
+                    time.sleep(0.01)
+            assert answer.result()["output_ids"] == expected(colocated, [ids])[0]
+            assert rogue.stats.tokens == 0 and rogue.stats.transfers_done == 0
+        finally:
+            rogue.close()
+        assert moved_bytes(decode) == before
+        again = generate(decode, ids, {"X-Radixserve-Prefill": "local"})
+        assert again["meta_info"]["cached_tokens"] == len(ids) - 1
+        assert again["output_ids"] == expected(colocated, [ids])[0]
+    assert_intact(decode)
+
+
+def refused(url: str, link: str) -> dict[str, float]:
+    """The server's ``zmq_refused_connections`` counters of one link, by reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "zmq_refused_connections_total" and sample.labels["link"] == link:
+                out[sample.labels["reason"]] = sample.value
+    return out
+
+
+def test_a_decode_side_without_the_key_gets_nothing_from_the_prefill_instance(prefill, decode):
+    """A stranger's receiver asks the real prefill instance for KV of a prompt; nothing
+    comes, the prefill side never starts the request, counts the refusal in /metrics and
+    goes on serving the decode instance that holds the key."""
+    from radixserve.disagg import TransferState
+    from radixserve.disagg.zmq_receiver import ZmqKVReceiver
+    from radixserve.links.keys import CurveKeys
+    from testing.transfer_peer import untouched, wait_end
+
+    info = httpx.get(decode + "/disagg/info").json()
+    before = refused(prefill, "kv_transfer").get("key", 0)
+    layout = KVLayout.from_dict(info["layout"])
+    pool = KVPool(KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                          layout.torch_dtype), 64)  # fmt: skip
+    pool.k.zero_()
+    pool.v.zero_()
+    stranger = ZmqKVReceiver(pool, layout, security=CurveKeys.generate(),
+                             heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
+    try:
+        ids = np.arange(100, 140, dtype=np.int32)  # a prompt, as a decode instance asks
+        meta = {"skip": 0, "namespace": None}
+        tid = stranger.request(kv_endpoint(prefill), torch.arange(39), meta, ids.tobytes(), 5.0)
+        status = wait_end(stranger, tid)
+        assert status.state is TransferState.FAILED and status.tokens == 0
+        assert untouched(pool)
+    finally:
+        stranger.close()
+    deadline = time.monotonic() + 10  # an idle engine reports refusals within 0.2 s
+    while refused(prefill, "kv_transfer").get("key", 0) <= before:
+        assert time.monotonic() < deadline, "the refusal never reached /metrics"
+        time.sleep(0.1)
+    assert httpx.get(prefill + "/disagg/info").json()["stats"]["refused"]["key"] > before
+    ids = random_ids(np.random.default_rng(41), 60)  # the keyed pair works as before
+    moved = moved_bytes(decode)
+    generate(decode, ids)
+    assert moved_bytes(decode) > moved
+    assert_intact(prefill, decode)
+
+
+def cached_tokens(url: str) -> float:
+    from radixserve.bench.processes import read_metrics
+
+    return read_metrics(url, {})["radix_cache_cached_tokens"]
+
+
+def test_garbage_and_cut_handshakes_on_every_zeromq_port_change_nothing(prefill, decode):
+    """Bytes that are not ZeroMQ and CurveZMQ greetings cut short, on the prefill instance's
+    KV transfer port, KV events port and replay port: nothing gets through, the cut greetings
+    are counted in /metrics, its tree does not change, and the keyed decode instance is
+    served as before."""
+    events = httpx.get(prefill + "/kv_events").json()
+    endpoints = (kv_endpoint(prefill), events["endpoint"], events["replay_endpoint"])
+    ports = [int(split_endpoint(e)[0].rsplit(":", 1)[1]) for e in endpoints]
+    links = ("kv_transfer", "kv_events")
+    before = {link: refused(prefill, link) for link in links}
+    tree = cached_tokens(prefill)
+    raw = []
+    for port in ports:
+        garbage = socket.create_connection(("127.0.0.1", port))
+        garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 8)
+        raw.append(garbage)
+        cut = socket.create_connection(("127.0.0.1", port))
+        cut.sendall(b"\xff" + b"\x00" * 8 + b"\x7f")  # the start of a ZMTP greeting
+        cut.close()
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            now = {link: refused(prefill, link) for link in links}
+            grew = {link: sum(now[link].values()) - sum(before[link].values()) for link in links}
+            # libzmq reports a greeting cut short at once; bytes that never make a greeting
+            # hold their connection until they stop, unserved
+            if grew["kv_transfer"] >= 1 and grew["kv_events"] >= 2:
+                break
+            assert time.monotonic() < deadline, (before, now)
+            time.sleep(0.1)
+        assert now["kv_transfer"]["key"] == before["kv_transfer"]["key"]  # no handshake passed
+        assert cached_tokens(prefill) == tree
+        assert_intact(prefill)
+    finally:
+        for r in raw:
+            r.close()
+    moved = moved_bytes(decode)
+    generate(decode, random_ids(np.random.default_rng(44), 60))
+    assert moved_bytes(decode) > moved
+    assert_intact(prefill, decode)
 
 
 def wait_running(url: str, timeout: float = 60.0) -> None:

@@ -9,6 +9,8 @@ fake prefill peer that passes the instance's handshake and answers with random K
   goes into the request's own cache namespace only, never another tenant's.
 - The dead ``--prefill-endpoint`` costs the handshake timeout once; later requests are
   computed here at once while the peer stays dead.
+- A peer at an address the instance is told of that does not hold the server key expected
+  there (the fleet's) puts nothing into the tree, even named with the admin key.
 """
 
 from __future__ import annotations
@@ -47,11 +49,10 @@ def decode(tiny_model_dir):
         yield server.url
 
 
-@pytest.fixture(scope="module")
-def garbage_peer(decode):
+def start_garbage_peer(decode, fleet_key: bool):
     layout = httpx.get(decode + "/disagg/info", headers=AUTH).json()["layout"]
     reports = CTX.Queue()
-    proc = CTX.Process(target=run_garbage_peer, args=(reports, layout), daemon=True)
+    proc = CTX.Process(target=run_garbage_peer, args=(reports, layout, fleet_key), daemon=True)
     proc.start()
     try:
         endpoint = reports.get(timeout=120)
@@ -59,6 +60,16 @@ def garbage_peer(decode):
     finally:
         proc.kill()
         proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def garbage_peer(decode):
+    yield from start_garbage_peer(decode, fleet_key=True)
+
+
+@pytest.fixture(scope="module")
+def keyless_peer(decode):
+    yield from start_garbage_peer(decode, fleet_key=False)
 
 
 def generate(url, ids, headers=AUTH, salt=None, prefill=None) -> httpx.Response:
@@ -113,5 +124,22 @@ def test_an_admin_chosen_peer_fills_only_the_requests_own_namespace(decode, garb
     assert cached > 0  # the garbage sits in that namespace ...
     got, cached = answer(generate(decode, ids))
     assert (got, cached) == (want, 0)  # ... and nowhere else
+    r = httpx.get(decode + "/debug/check_integrity", headers=ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_a_peer_without_the_fleet_key_puts_nothing_into_the_tree(decode, keyless_peer):
+    endpoint, reports = keyless_peer
+    ids = prompt(3)
+    want, _ = answer(generate(decode, ids, salt="reference"))
+    before = httpx.get(decode + "/disagg/info", headers=ADMIN).json()["stats"]
+    got, cached = answer(generate(decode, ids, ADMIN, salt="quarantine", prefill=endpoint))
+    assert (got, cached) == (want, 0)  # computed here, after the handshake went nowhere
+    after = httpx.get(decode + "/disagg/info", headers=ADMIN).json()["stats"]
+    assert after["transfers_failed"] == before["transfers_failed"] + 1
+    assert after["bytes"] == before["bytes"]  # not one byte landed
+    assert reports.empty()  # the peer never even got the request
+    got, cached = answer(generate(decode, ids, ADMIN, salt="quarantine"))
+    assert got == want and cached > 0  # what that namespace holds is this instance's own
     r = httpx.get(decode + "/debug/check_integrity", headers=ADMIN, timeout=30)
     assert r.status_code == 200, r.text

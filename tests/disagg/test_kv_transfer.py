@@ -18,7 +18,16 @@ import zmq
 from radixserve.disagg import LayoutMismatchError, TransferError, TransferState, wire
 from radixserve.disagg.zmq_receiver import ZmqKVReceiver
 from radixserve.disagg.zmq_sender import ZmqKVSender
-from testing.transfer_peer import HEARTBEAT, layout_of, run_prefill_peer, seeded_pool
+from radixserve.links.keys import load_security
+from testing.transfer_peer import (
+    HEARTBEAT,
+    layout_of,
+    poll_until,
+    run_prefill_peer,
+    seeded_pool,
+    untouched,
+    wait_end,
+)
 
 SEED = 1234
 CTX = mp.get_context("spawn")
@@ -67,39 +76,15 @@ def receiver_for():
 
     def make(dtype: str = "float32", page_size: int = 1):
         pool = seeded_pool(128, dtype, None)
-        receiver = ZmqKVReceiver(pool, layout_of(pool, page_size), **HEARTBEAT)
+        receiver = ZmqKVReceiver(
+            pool, layout_of(pool, page_size), security=load_security(), **HEARTBEAT
+        )
         made.append(receiver)
         return pool, receiver
 
     yield make
     for r in made:
         r.close()
-
-
-def poll_until(fn, timeout: float = 10.0) -> list:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if out := fn():
-            return out
-        time.sleep(0.01)
-    raise AssertionError(f"{fn.__name__} returned nothing in {timeout} s")
-
-
-def wait_end(receiver, tid: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for key, status in receiver.progress():
-            if key == tid:
-                return status
-        time.sleep(0.01)
-    raise AssertionError(f"transfer {tid} did not end in {timeout} s")
-
-
-def untouched(pool, except_slots: torch.Tensor | None = None) -> bool:
-    mask = torch.ones(pool.k.shape[2], dtype=torch.bool)
-    if except_slots is not None:
-        mask[except_slots] = False
-    return not pool.k[:, :, mask].any() and not pool.v[:, :, mask].any()
 
 
 @pytest.mark.parametrize("pieces", [1, 3])
@@ -204,6 +189,7 @@ class FakePrefill:
     def __init__(self):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        load_security().server(self.sock)  # it holds the fleet key: the test plays a peer
         self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
 
     def recv(self, timeout_ms: int = 5000) -> list[bytes]:
@@ -266,7 +252,7 @@ def test_malformed_kv_data_fails_the_transfer_and_writes_nothing(receiver_for):
 
 def test_a_decode_that_goes_silent_fails_the_senders_transfer(receiver_for):
     pool = seeded_pool(64, "float32", SEED)
-    sender = ZmqKVSender(pool, layout_of(pool), **HEARTBEAT)
+    sender = ZmqKVSender(pool, layout_of(pool), security=load_security(), **HEARTBEAT)
     try:
         _, receiver = receiver_for()
         receiver.request(sender.endpoint, torch.arange(6), {"src": list(range(6))})

@@ -5,6 +5,7 @@ One fleet serves the tests in order; the last ones kill instances (and watch one
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import httpx
 import pytest
 
+from radixserve.links.keys import KEY_ENV, load_security
 from testing.fleet import idle, pid_of_server, start_dp, stopping, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -29,12 +31,35 @@ class Instance:
         os.kill(self.killed, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def no_zmq_key(tmp_path):
+    """No ZeroMQ key in the environment, and a config directory where no default key file
+    can be made: a process that did not get the fleet's key from ``--dp`` fails to start."""
+    saved = {k: os.environ.get(k) for k in (KEY_ENV, "XDG_CONFIG_HOME")}
+    (tmp_path / "not-a-directory").write_text("")
+    os.environ.pop(KEY_ENV)
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path / "not-a-directory")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir):
-    router = start_dp(tiny_model_dir, 2)
+def fleet(tiny_model_dir, tmp_path_factory):
+    session_key = load_security().public_key.decode()
+    with no_zmq_key(tmp_path_factory.mktemp("config")):
+        router = start_dp(tiny_model_dir, 2)
     with stopping(router):
         listed = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
         assert len(listed) == 2 and all(w["kv_events"]["block_size"] == 16 for w in listed)
+        # the fleet's own key pair, drawn at start: the instances publish under it
+        keys = {w["kv_events"]["curve_public_key"] for w in listed}
+        assert len(keys) == 1 and None not in keys and session_key not in keys
         yield router, [Instance(w["url"]) for w in listed]
     for w in listed:  # the instances stop with the front process
         with pytest.raises(httpx.HTTPError):

@@ -3,7 +3,7 @@
 import pytest
 
 from radixserve.cli import main
-from radixserve.fleet.dp_launch import child_argv
+from radixserve.fleet.dp_launch import child_argv, fleet_zmq_key
 
 
 @pytest.mark.parametrize(
@@ -23,6 +23,11 @@ from radixserve.fleet.dp_launch import child_argv
         (["router", "--salt-from-api-key", "--api-key", "a"], "needs --worker-api-key"),
         (["router", "--first-byte-timeout", "0"], "--first-byte-timeout must be > 0"),
         (["router", "--max-request-bytes", "12x"], "--max-request-bytes: cannot read"),
+        (["router", "--zmq-key", "/nonexistent"], "--zmq-key"),
+        (["router", "--zmq-key", "k", "--zmq-unauthenticated"], "takes no --zmq-key"),
+        (["router", "--worker-key", "k"], "--worker-key needs --worker-cert"),
+        (["router", "--worker-ca-certs", "/nonexistent"], "--worker-ca-certs: cannot read"),
+        (["serve", "--ssl-keyfile", "/nonexistent"], "go together"),
     ],
 )
 def test_bad_fleet_flags_name_the_flag(argv, message, capsys):
@@ -36,3 +41,25 @@ def test_dp_children_get_the_parent_flags_but_not_its_placement():
     argv += ["--router-policy", "round-robin", "--max-total-tokens", "100", "--page-size=16"]
     argv += ["--admin-key", "the-routers"]
     assert child_argv(argv) == ["--model", "m", "--max-total-tokens", "100", "--page-size=16"]
+
+
+def test_dp_draws_a_fleet_key_unless_given_one(monkeypatch):
+    import argparse
+
+    from radixserve.links.keys import KEY_ENV, CurveKeys
+
+    args = argparse.Namespace(zmq_key=None, zmq_unauthenticated=False)
+    monkeypatch.delenv(KEY_ENV)
+    drawn = fleet_zmq_key(args)[KEY_ENV]
+    assert CurveKeys.from_secret(drawn) and fleet_zmq_key(args)[KEY_ENV] != drawn
+    assert (
+        fleet_zmq_key(argparse.Namespace(zmq_key="f.key_secret", zmq_unauthenticated=False)) == {}
+    )
+    assert fleet_zmq_key(argparse.Namespace(zmq_key=None, zmq_unauthenticated=True)) == {}
+    monkeypatch.setenv(KEY_ENV, drawn)
+    assert fleet_zmq_key(args) == {}  # the fleet's own, from the environment
+
+
+def test_dp_children_do_not_get_the_routers_https_files():
+    argv = ["--dp", "2", "--ssl-keyfile", "k.pem", "--ssl-certfile=c.pem", "--zmq-key", "f"]
+    assert child_argv(argv) == ["--zmq-key", "f"]

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from radixserve.cache.tree_check import walk
-from radixserve.engine import SamplingParams
 from radixserve.kvevents.hashing import prompt_block_hashes
-from radixserve.kvevents.publisher import KVEventPublisher
 from radixserve.kvevents.subscriber import EventSubscriber
 from radixserve.kvevents.types import (
     AllBlocksCleared,
@@ -22,7 +20,7 @@ from radixserve.kvevents.types import (
     windowless_medium,
 )
 from radixserve.kvevents.wire import decode_batch, encode_batch
-from radixserve.server.event_bridge import EventBridge
+from testing.kv_events import KEYS, Harness, Index, expected_blocks, prompts
 
 
 # vLLM v0.11.2's event types (vllm/distributed/kv_events.py), declared here as the reference
@@ -113,79 +111,10 @@ def test_window_less_blocks_cross_the_wire_as_a_medium_of_their_own():
     assert bare.medium == "device"  # no medium at all: vLLM's GPU
 
 
-class Index:
-    """A subscriber's view: hash -> tokens, set semantics."""
-
-    def __init__(self):
-        self.blocks: dict[int, tuple] = {}
-        self.resets = 0
-
-    def apply(self, events):
-        for e in events:
-            if isinstance(e, BlockStored):
-                for i, h in enumerate(e.block_hashes):
-                    self.blocks[h] = tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
-            elif isinstance(e, BlockRemoved):
-                for h in e.block_hashes:
-                    self.blocks.pop(h, None)
-            else:
-                self.blocks.clear()
-
-    def reset(self):
-        self.resets += 1
-        self.blocks.clear()
-
-
-def expected_blocks(cache):
-    out = set()
-    for node, _ in walk(cache):
-        path, n = [], node
-        while n.parent is not None:
-            path.append(n.key)
-            n = n.parent
-        out.update(prompt_block_hashes(np.concatenate(path[::-1]), cache.event_block_size))
-    return out
-
-
-class Harness:
-    """An engine with a publisher; ``run`` plays the engine thread between awaits."""
-
-    def __init__(self, engine, buffer_steps=10_000):
-        self.engine = engine
-        self.pub = KVEventPublisher(
-            "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=buffer_steps
-        )
-        self.endpoint, self.replay = self.pub.start()
-        self.bridge = EventBridge(engine, self.pub)
-        self.n = 0
-
-    async def settle(self, *subs, rounds=200):
-        for _ in range(rounds):
-            self.bridge.sync()
-            await asyncio.sleep(0.01)
-            last = self.pub._last_seq
-            if all(s.synced.is_set() and (s.next_seq or 0) > last for s in subs):
-                return
-        raise AssertionError("the subscribers did not catch up")
-
-    async def run(self, prompts, max_tokens=2):
-        for p in prompts:
-            self.n += 1
-            self.engine.add_request(f"r{self.n}", p, SamplingParams(max_tokens=max_tokens))
-        while self.engine.has_unfinished():
-            self.engine.step()
-            self.bridge.sync()
-            await asyncio.sleep(0)
-
-
-def prompts(rng, n, system):
-    return [system + rng.integers(5, 4000, int(rng.integers(5, 90))).tolist() for _ in range(n)]
-
-
 async def _follow(engine):
     h = Harness(engine)
     seen = Index()
-    sub = EventSubscriber(h.endpoint, h.replay, seen.apply, seen.reset)
+    sub = EventSubscriber(h.endpoint, h.replay, seen.apply, seen.reset, security=KEYS)
     task = asyncio.create_task(sub.run())
     try:
         rng = np.random.default_rng(0)
@@ -216,7 +145,7 @@ def test_a_subscriber_rebuilds_the_tree_from_events(make_engine):
 async def _recover(engine, buffer_steps):
     h = Harness(engine, buffer_steps)
     seen = Index()
-    sub = EventSubscriber(h.endpoint, h.replay, seen.apply, seen.reset)
+    sub = EventSubscriber(h.endpoint, h.replay, seen.apply, seen.reset, security=KEYS)
     original = sub._receive
     dropped = []
 
@@ -238,7 +167,7 @@ async def _recover(engine, buffer_steps):
         assert dropped
         assert set(seen.blocks) == expected_blocks(engine.cache)
         late = Index()  # a second subscriber, joining while events are already on
-        sub2 = EventSubscriber(h.endpoint, h.replay, late.apply, late.reset)
+        sub2 = EventSubscriber(h.endpoint, h.replay, late.apply, late.reset, security=KEYS)
         task2 = asyncio.create_task(sub2.run())
         await h.run(prompts(rng, 2, system))
         await h.settle(sub, sub2)

@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "docs").glob("**/*.md")),
+]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 # a diary, not a reference: work periods, locks, clock windows, machine load, tracker numbers
@@ -81,3 +85,17 @@ def test_every_figure_in_docs_is_shown_by_a_page():
     figures = set((ROOT / "docs").glob("**/*.png"))
     assert figures <= shown, f"figures no page shows: {sorted(map(str, figures - shown))}"
     assert not list((ROOT / "docs").glob("**/*.log")), "raw logs belong in git history"
+
+
+def test_every_benchmark_script_is_listed_in_the_benchmarks_readme():
+    """A runnable script under benchmarks/ (one with a ``__main__`` block) has its row in
+    benchmarks/README.md: what it measures, its command, where its figure is published."""
+    listed = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = [
+        p.relative_to(ROOT / "benchmarks").as_posix()
+        for p in sorted((ROOT / "benchmarks").glob("*/*.py"))
+        if '__name__ == "__main__"' in p.read_text()
+    ]
+    assert scripts, "no benchmark scripts found"
+    missing = [s for s in scripts if f"`{s}`" not in listed]
+    assert not missing, f"not in benchmarks/README.md: {missing}"

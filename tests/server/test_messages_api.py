@@ -17,11 +17,9 @@ from testing.agents import (
     CONTEXT,
     KEYS,
     MAX_REQUEST_BYTES,
-    agent_server_flags,
     assert_whole,
     sse_events,
 )
-from testing.server import running_server
 
 URL_PATH = "/v1/messages"
 GREEDY = {"temperature": 0}  # the SDK has no temperature argument any more
@@ -33,10 +31,9 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
             "maxLength": 20}}, "required": ["city"], "additionalProperties": False}}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def url(tiny_model_dir):
-    with running_server(*agent_server_flags(tiny_model_dir)) as url:
-        yield url
+@pytest.fixture
+def url(agent_url):  # one server for this module and the other agent API's (conftest.py)
+    return agent_url
 
 
 def post(url, body, headers=HEADERS, path=URL_PATH):

@@ -9,8 +9,7 @@ import httpx
 import openai
 import pytest
 
-from testing.agents import CONTEXT, KEYS, agent_server_flags, assert_whole, sse_events
-from testing.server import running_server
+from testing.agents import CONTEXT, KEYS, assert_whole, sse_events
 
 A, B = ({"Authorization": f"Bearer {k}"} for k in KEYS)
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -20,10 +19,9 @@ SPACE = {"type": "namespace", "name": "travel", "description": "Travel tools",
          "tools": [{**WEATHER, "name": "get_time"}]}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def url(tiny_model_dir):
-    with running_server(*agent_server_flags(tiny_model_dir)) as url:
-        yield url
+@pytest.fixture
+def url(agent_url):  # one server for this module and the other agent API's (conftest.py)
+    return agent_url
 
 
 def post(url, body, headers=A):

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import zmq
 
+from radixserve.links.keys import load_security
 from testing.server import read_metrics, started_server
 from testing.storage import can_mount, remount_read_only, remount_read_write, tmpfs
 
@@ -67,12 +68,15 @@ def assert_intact(url: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def churn_subscribers(endpoint: str, stop: threading.Event) -> int:
-    """Subscribe, listen a moment, leave; again until ``stop``. Returns the rounds done."""
+def churn_subscribers(endpoint: str, server_key: str, stop: threading.Event) -> int:
+    """Subscribe (with the fleet's key), listen a moment, leave; again until ``stop``.
+    Returns the rounds done."""
     ctx, rounds = zmq.Context(), 0
+    security = load_security()
     try:
         while not stop.is_set():
             sub = ctx.socket(zmq.SUB)
+            security.client(sub, server_key.encode())
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(endpoint)
             sub.poll(150)
@@ -98,10 +102,10 @@ def chat_turns(url: str, seed: int, turns: int) -> list[int]:
 
 
 def test_kv_event_subscribers_coming_and_going_fail_no_request(srv):
-    endpoint = httpx.get(srv.url + "/kv_events", headers=ADMIN).json()["endpoint"]
+    events = httpx.get(srv.url + "/kv_events", headers=ADMIN).json()
     stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        churn = pool.submit(churn_subscribers, endpoint, stop)
+        churn = pool.submit(churn_subscribers, events["endpoint"], events["curve_public_key"], stop)
         chats = [pool.submit(chat_turns, srv.url, seed, 6) for seed in range(3)]
         statuses = [s for c in chats for s in c.result(timeout=600)]
         stop.set()

@@ -1,5 +1,5 @@
-"""What one KV page (16 tokens) costs on each cache tier, against recomputing it, on the default
-model (SmolLM2-135M-Instruct, ``--dtype auto``) on this machine.
+"""Part 4 of ``bench_tiers``: what one KV page (16 tokens) costs on each cache tier, against
+recomputing it, on the default model (SmolLM2-135M-Instruct, ``--dtype auto``) on this machine.
 
 - recompute: prefill of 512 fresh tokens after a 512-token prefix that is cached, per page
   (the marginal cost of a page in mid-context; chunk of 512, logits of the last token only);
@@ -10,14 +10,12 @@ model (SmolLM2-135M-Instruct, ``--dtype auto``) on this machine.
 
 Each figure is the median of ``repeat`` runs. A tier that loads a page slower than the model
 recomputes it must not be used; these figures set the defaults of ``load_back_min_tokens`` and
-``storage_prefetch_min_tokens``. Prints one JSON line. Usage:
-``python -m benchmarks.cache.bench_tier_pages [--repeat 5]``.
+``storage_prefetch_min_tokens``. They alone:
+``python -m benchmarks.cache.bench_tiers --skip systems,restart [--repeat 5]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 
 import numpy as np
@@ -93,9 +91,3 @@ def page_costs(repeat: int = 5) -> dict:
 def _fresh_set(store: FileBackend, keys: list[bytes], pages) -> None:
     store.clear()  # so every repeat writes the pages again
     assert store.set(keys, pages) == PAGES
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeat", type=int, default=5)
-    print(json.dumps(page_costs(p.parse_args().repeat)))
