@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
+from radixserve.cache.kv_format import KV_CACHE_DTYPES
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import (
     DISAGGREGATION_MODES,
@@ -54,6 +55,13 @@ ENGINE_FLAGS = {
         "at most 4GiB; 60%% of free GPU memory)"
     ),
     "page_size": dict(type=int, default=1, help="tokens per KV page; default %(default)s"),
+    "kv_cache_dtype": dict(
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores keys and values: auto (the model's dtype) or int8 (one "
+        "byte per value and a float16 scale per 16 channels of a token's head: 3.6x the "
+        "tokens of float32 in the same memory); default %(default)s",
+    ),
     "schedule_policy": dict(
         default="lpm", choices=SCHEDULE_POLICIES, help="waiting-queue order; default %(default)s"
     ),
@@ -158,6 +166,13 @@ ENGINE_FLAGS = {
         default=TierConfig.storage_prefetch_timeout,
         help="seconds a request waits for pages from storage before computing them; "
         "default %(default)s",
+    ),
+    "kv_tier_dtype": dict(
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the host and storage tiers store KV: auto (as the device pool) or int8 (a "
+        "float device pool's pages encoded to int8 as they leave it: 3.6x the tokens per "
+        "byte of host memory and storage); default %(default)s",
     ),
     # prefill/decode disaggregation (docs/fleet.md)
     "disaggregation_mode": dict(

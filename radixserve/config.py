@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES, check_cache_threshold
+from radixserve.cache.kv_format import KV_CACHE_DTYPES
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config_checks import (
     check_choice,
@@ -74,6 +75,9 @@ class CacheConfig:
     # share of the main pool's, dropped where no request can read it (cache/window_tree.py);
     # 0: every layer's KV for every cached token, in one pool
     window_kv_share: float = 0.2
+    # how the device pool stores KV: auto (the model's dtype) or int8 (codes with float16
+    # scales per group of channels: cache/kv_format.py)
+    kv_cache_dtype: str = "auto"
     # pins (cache/pins.py): at most this share of the device pool pinned, in all and per
     # tenant (None: the same as in all); 0: nothing is pinned
     pin_budget: float = 0.25
@@ -81,6 +85,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 1)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_pin_share("pin_budget", self.pin_budget)
         if self.pin_tenant_budget is not None:
             check_pin_share("pin_tenant_budget", self.pin_tenant_budget)
@@ -150,8 +155,12 @@ class TierConfig:
     # the page size: one file or key per block, not per page
     kv_storage_block_tokens: int = 64
     storage_prefetch_timeout: float = 2.0  # seconds a request waits for its pages, then computes
+    # how the host and storage tiers store KV: auto (as the device pool) or int8 (a float
+    # device pool's pages encoded as they leave it, decoded as they come back)
+    kv_tier_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_choice("kv_tier_dtype", self.kv_tier_dtype, KV_CACHE_DTYPES)
         for name in ("host_kv_memory", "kv_storage_size"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
@@ -285,6 +294,8 @@ class EngineConfig:
         tiered = self.tiers.host_kv_memory is not None or self.tiers.kv_storage is not None
         if tiered and not self.cache.enable_prefix_caching:
             raise ValueError("host_kv_memory and kv_storage need the prefix cache (it is disabled)")
+        if self.tiers.kv_tier_dtype != "auto" and not tiered:
+            raise ValueError("kv_tier_dtype needs a host tier: give host_kv_memory or kv_storage")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -5,7 +5,7 @@ rebuild the same content), serves transfers with ``ZmqKVSender`` and does what e
 ``meta`` says: ``src`` (slots to send), ``mode`` (normal, silent, abort, die_after,
 late), ``pieces``. It reports through a queue: its endpoints first, then every transfer that
 ended, as ``(transfer_id, state value, reason)``. Spawning it costs a torch import, so one
-process serves both layouts the tests need.
+process serves every layout the tests need.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVPool, KVShape
 from radixserve.disagg.transfer import KVLayout
 from radixserve.links.keys import CurveKeys, load_security
@@ -24,14 +25,23 @@ HEARTBEAT = dict(heartbeat_interval=0.1, heartbeat_timeout=0.8)
 
 
 def seeded_pool(num_slots: int, dtype: str, seed: int | None, layers: int = 3) -> KVPool:
-    pool = KVPool(KVShape(layers, 2, 8, getattr(torch, dtype)), num_slots)
+    """A pool of float KV of ``dtype`` (head size 8), or of int8 rows (``"int8"``: head size
+    16, every byte of a row random, scales included)."""
+    if dtype == "int8":
+        shape = KVShape(layers, 2, 16, torch.float32, kv_format=KVFormat.of("int8"))
+    else:
+        shape = KVShape(layers, 2, 8, getattr(torch, dtype))
+    pool = KVPool(shape, num_slots)
     if seed is None:
         pool.k.zero_()
         pool.v.zero_()
     else:
         g = torch.Generator().manual_seed(seed)
-        pool.k.copy_(torch.randn(pool.k.shape, generator=g))
-        pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+        for t in (pool.k, pool.v):
+            if dtype == "int8":
+                t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g))
     return pool
 
 
@@ -68,7 +78,11 @@ def untouched(pool, except_slots: torch.Tensor | None = None) -> bool:
 # The two senders one peer process runs: (dtype, page size, target message bytes). The
 # float32 one uses tiny messages, so a transfer goes out as several token pieces and layer
 # groups.
-PEER_LAYOUTS = {"f32": ("float32", 1, 200), "bf16": ("bfloat16", 4, 1 << 20)}
+PEER_LAYOUTS = {
+    "f32": ("float32", 1, 200),
+    "bf16": ("bfloat16", 4, 1 << 20),
+    "i8": ("int8", 4, 300),
+}
 
 
 def run_prefill_peer(reports, seed: int) -> None:
@@ -122,11 +136,14 @@ def run_garbage_peer(reports, layout: dict, fleet_key: bool = True) -> None:
     from radixserve.disagg.zmq_sender import ZmqKVSender
 
     theirs = KVLayout.from_dict(layout)
-    shape = KVShape(theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.torch_dtype)
+    fmt = theirs.format
+    dtype = torch.float32 if fmt.quantized else fmt.storage_dtype  # the values' dtype
+    shape = KVShape(theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, dtype,
+                    kv_format=fmt)  # fmt: skip
     pool = KVPool(shape, 4096)
     g = torch.Generator().manual_seed(0)
-    pool.k.copy_(torch.randn(pool.k.shape, generator=g) * 50)
-    pool.v.copy_(torch.randn(pool.v.shape, generator=g) * 50)
+    for t in (pool.k, pool.v):
+        t.copy_(fmt.encode(torch.randn((*t.shape[:-1], theirs.head_dim), generator=g) * 50))
     if fleet_key:
         sender = ZmqKVSender(pool, theirs, security=load_security())
         reports.put(sender.endpoint)

@@ -1,7 +1,9 @@
 """HostKVPool: the host tier (L2), a second KV pool in host memory with its own allocator.
 
 Layout is page-first, ``data[page] = [num_layers, 2 (K, V), num_kv_heads, page_size,
-head_dim]``, so one page of every layer is one contiguous buffer: what a storage backend
+row_width]``, rows in the tier's ``KVFormat`` (``kv_format.py``): the device pool's, or int8
+below a float device pool (``--kv-tier-dtype int8``: pages encoded as they leave the device,
+decoded as they come back). One page of every layer is one contiguous buffer: what a storage backend
 reads and writes whole, without a gather. Copies to and from the device pool go by slot
 indices (whole pages on both sides):
 
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.allocator import PagedAllocator
+from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.storage.page_format import stored_layers
 
@@ -44,22 +47,29 @@ class TransferStats:
 
 
 class HostKVPool:
-    def __init__(self, device_pool: KVPool, num_slots: int, page_size: int):
+    def __init__(self, device_pool: KVPool, num_slots: int, page_size: int,
+                 kv_format: KVFormat | None = None):  # fmt: skip
+        """``kv_format``: how the pages store KV; default: as the device pool does."""
         shape = device_pool.shape
+        self.format = kv_format or device_pool.format
+        if self.format != device_pool.format and not self.format.quantized:
+            raise ValueError(f"a host tier of {self.format.name} below a {device_pool.format.name} "
+                             "device pool: only int8 pages below a float pool")  # fmt: skip
+        self.format.check_dim(shape.head_dim)
         self.device_pool = device_pool
         self.allocator = PagedAllocator(num_slots, page_size)
         self.page_size = page_size
         self.num_slots = self.allocator.num_slots
         cuda = device_pool.device.type == "cuda"
         size = (self.allocator.num_pages, shape.num_layers, 2, shape.num_kv_heads, page_size,
-                shape.head_dim)  # fmt: skip
-        self.data = torch.empty(size, dtype=shape.dtype, pin_memory=cuda)
+                self.format.row_width(shape.head_dim))  # fmt: skip
+        self.data = torch.empty(size, dtype=self.format.storage_dtype, pin_memory=cuda)
         self.raw = self.data.view(torch.uint8).numpy()  # the same memory as bytes, for I/O
         self.page_nbytes = self.data[0].numel() * self.data.element_size()
         self._stored_layers = {w: stored_layers(shape.num_layers, shape.window_layers, w)
                                for w in (True, False)}  # fmt: skip
         self._stream = torch.cuda.Stream(device_pool.device) if cuda else None
-        self._stage = torch.empty(0, dtype=shape.dtype, pin_memory=cuda)
+        self._stage = torch.empty(0, dtype=self.format.storage_dtype, pin_memory=cuda)
         self.stats = TransferStats()
         self._lock = threading.Lock()  # guards the busy and deferred pages (I/O threads)
         self._busy: Counter[int] = Counter()
@@ -141,6 +151,7 @@ class HostKVPool:
             torch.cuda.current_stream(pool.device).wait_stream(self._stream)
         dev_slots = device_slots.to(pool.device, non_blocking=True)
         kv = self._gather(dev_slots)  # [layers, 2, heads, n * ps, dim]
+        kv = self._to_host_format(kv)
         layers, _, heads, _, dim = kv.shape
         kv = kv.view(layers, 2, heads, n, ps, dim).permute(3, 0, 1, 2, 4, 5)
         self.data[pages] = kv.to("cpu")  # a synchronous copy on CUDA
@@ -166,6 +177,19 @@ class HostKVPool:
         self.stats.pages_to_device += n
         self.stats.bytes_to_device += n * self.page_nbytes
 
+    def _to_host_format(self, kv: torch.Tensor) -> torch.Tensor:
+        """Rows in the device pool's format as this tier stores them."""
+        if self.format == self.device_pool.format:
+            return kv
+        return self.format.encode(kv)  # a float device pool: its values, encoded
+
+    def _to_device_format(self, kv: torch.Tensor) -> torch.Tensor:
+        """Rows as this tier stores them in the device pool's format."""
+        if self.format == self.device_pool.format:
+            return kv
+        shape = self.device_pool.shape
+        return self.format.decode(kv, shape.head_dim, shape.dtype)
+
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's K and V of ``slots``, in the model's layer order: one gather per
         pool (the window layers' pool, when apart, through the window map)."""
@@ -184,6 +208,7 @@ class HostKVPool:
         """Write ``kv`` [layers, 2, heads, n, dim] into the pool at ``slots`` (the window
         layers at the window slots of ``slots[windows_from:]``, which have them)."""
         pool = self.device_pool
+        kv = self._to_device_format(kv)
         main = pool.main_layers if pool.windowed else slice(None)
         pool.k.index_copy_(2, slots, kv[main, 0])
         pool.v.index_copy_(2, slots, kv[main, 1])
@@ -198,8 +223,9 @@ class HostKVPool:
     ) -> None:
         """``kv``: [n, 2, heads, ps, dim] on the device's side; scatter it into the pool."""
         pool = self.device_pool
-        heads, dim = pool.shape.num_kv_heads, pool.shape.head_dim
-        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, n * ps, dim)
+        heads = pool.shape.num_kv_heads
+        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, n * ps, kv.shape[-1])
+        kv = self._to_device_format(kv)
         pool.k[layer].index_copy_(1, device_slots, kv[0])
         pool.v[layer].index_copy_(1, device_slots, kv[1])
 

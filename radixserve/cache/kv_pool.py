@@ -1,6 +1,10 @@
 """The KV pool: preallocated K and V tensors for every layer, indexed by token slot.
 
-``k[layer]`` and ``v[layer]`` have shape ``[num_kv_heads, num_slots + 1, head_dim]``. The pool
+``k[layer]`` and ``v[layer]`` have shape ``[num_kv_heads, num_slots + 1, row_width]``: rows in
+the shape's ``KVFormat`` (``kv_format.py``), ``head_dim`` values of the model's dtype by
+default, or int8 codes with their scales (``--kv-cache-dtype int8``). ``write`` encodes into
+the format, ``gather`` decodes to the model's dtype (the PyTorch attention path); the native
+kernels read the rows as stored (``layer_kv``). The pool
 only stores; which slots are free, cached or held is the business of the allocator, the radix
 tree and the requests. Size it by a token count or by a memory budget (``slots_for_memory``).
 
@@ -13,9 +17,11 @@ their own addressed through ``window_map`` (main slot -> window slot, kept by th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from radixserve.cache.kv_format import KVFormat
 
 
 @dataclass(frozen=True)
@@ -23,13 +29,32 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's: what ``write`` takes and ``gather`` returns
     window_layers: tuple[int, ...] = ()  # layers with a sliding window
+    # how the pool stores KV; None: plain values of ``dtype``
+    kv_format: KVFormat = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.kv_format is None:
+            object.__setattr__(self, "kv_format", KVFormat.of(self.dtype))
+        self.kv_format.check_dim(self.head_dim)
+        if not self.kv_format.quantized and self.kv_format.storage_dtype != self.dtype:
+            raise ValueError(f"a float KV format is the model's dtype ({self.dtype}), "
+                             f"not {self.kv_format.name}")  # fmt: skip
+
+    def with_format(self, kv_format: KVFormat) -> KVShape:
+        """The same shape stored in another format."""
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                       self.window_layers, kv_format)  # fmt: skip
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's K (or V) of one head in one layer."""
+        return self.kv_format.row_bytes(self.head_dim)
 
     def layer_bytes(self) -> int:
         """K and V of one token in one layer."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_kv_heads * self.row_bytes
 
     def bytes_per_token(self) -> int:
         return self.num_layers * self.layer_bytes()
@@ -48,7 +73,7 @@ class KVShape:
 
 
 class KVPool:
-    """``k[layer]`` and ``v[layer]`` are ``[num_kv_heads, num_slots + 1, head_dim]``.
+    """``k[layer]`` and ``v[layer]`` are ``[num_kv_heads, num_slots + 1, row_width]``.
 
     Head-major, so a gather of any slots is already ``[heads, n, dim]``, the layout attention
     wants, without a transpose copy. ``gather`` fills reusable scratch buffers: its result is
@@ -66,6 +91,7 @@ class KVPool:
         if num_slots <= 0:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         self.shape = shape
+        self.format = shape.kv_format
         self.num_slots = num_slots
         self.device = torch.device(device)
         # One extra, zeroed slot: the padding that batched decode reads for positions it
@@ -91,9 +117,10 @@ class KVPool:
 
     def _storage(self, layers: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = self.shape
-        size = (layers, shape.num_kv_heads, slots + 1, shape.head_dim)
-        k = torch.empty(size, dtype=shape.dtype, device=self.device)
-        v = torch.empty(size, dtype=shape.dtype, device=self.device)
+        width = self.format.row_width(shape.head_dim)
+        size = (layers, shape.num_kv_heads, slots + 1, width)
+        k = torch.empty(size, dtype=self.format.storage_dtype, device=self.device)
+        v = torch.empty(size, dtype=self.format.storage_dtype, device=self.device)
         k[:, :, slots].zero_()
         v[:, :, slots].zero_()
         return k, v
@@ -104,7 +131,7 @@ class KVPool:
         return self.window_slots > 0
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The storage ``[num_kv_heads, slots + 1, head_dim]`` holding ``layer``'s K and V."""
+        """The storage ``[num_kv_heads, slots + 1, row_width]`` holding ``layer``'s K and V."""
         in_window, i = self.groups[layer]
         return (self.wk[i], self.wv[i]) if in_window else (self.k[i], self.v[i])
 
@@ -130,12 +157,18 @@ class KVPool:
                 self._layer_events = None
         kl, vl = self.layer_kv(layer)
         slots = self.slots_for(layer, slots)
-        kl.index_copy_(1, slots, k.transpose(0, 1))
-        vl.index_copy_(1, slots, v.transpose(0, 1))
+        kl.index_copy_(1, slots, self.format.encode(k).transpose(0, 1))
+        vl.index_copy_(1, slots, self.format.encode(v).transpose(0, 1))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots`` (1-D) as ``[num_kv_heads, n, head_dim]`` scratch views."""
+        """K and V of ``slots`` (1-D) as ``[num_kv_heads, n, head_dim]`` scratch views, in the
+        model's dtype (decoded from int8)."""
         heads, n, dim = self.shape.num_kv_heads, slots.numel(), self.shape.head_dim
+        if self.format.quantized:
+            kl, vl = self.layer_kv(layer)
+            slots = self.slots_for(layer, slots)
+            return tuple(self.format.decode(t.index_select(1, slots), dim, self.shape.dtype)
+                         for t in (kl, vl))  # fmt: skip
         need = 2 * heads * n * dim
         if self._scratch.numel() < need:  # grow-only: allocation (and page faults) once
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()),

@@ -252,7 +252,8 @@ class TierController(TreeListener):
         for write-outs at any time."""
         block = -(-block_tokens // self.page_size) * self.page_size
         self._scope = StorageScope(
-            model_id, PageLayout.from_shape(self.host.device_pool.shape, block)
+            model_id,
+            PageLayout.from_shape(self.host.device_pool.shape.with_format(self.host.format), block),
         )
         backend = open_backend(url, self._scope, capacity_bytes)
         max_pending = max(block // self.page_size, self.host.allocator.num_pages // 4)

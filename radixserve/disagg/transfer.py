@@ -14,7 +14,7 @@ of one sequence, every layer, from the prefill pool's slots into the decode pool
 - ``meta`` (JSON-able) and ``blob`` (bytes) are the engine's business (token ids, how much the
   decode side already holds); the transport carries them untouched.
 - A handshake per prefill/decode pair checks that both pools hold the same thing
-  (``KVLayout``: model identity, layers, heads, head size, dtype, page size); a mismatch fails
+  (``KVLayout``: model identity, layers, heads, head size, KV format, page size); a mismatch fails
   every transfer to that peer with an error naming the fields that differ.
 - Heartbeats both ways: a peer silent for ``heartbeat_timeout`` seconds is dead and its
   transfers fail on both sides. A transfer also fails at its own deadline (``timeout_s``).
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVPool
 
 
@@ -60,22 +61,21 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32", "bfloat16", ...
+    kv_format: str  # the pool's KVFormat by name: "float32", "bfloat16", "int8g16", ...
     page_size: int
 
     @classmethod
     def of_pool(cls, pool: KVPool, model_id: str, page_size: int) -> KVLayout:
         s = pool.shape
-        dtype = str(s.dtype).removeprefix("torch.")
-        return cls(model_id, s.num_layers, s.num_kv_heads, s.head_dim, dtype, page_size)
+        return cls(model_id, s.num_layers, s.num_kv_heads, s.head_dim, pool.format.name, page_size)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+    def format(self) -> KVFormat:
+        return KVFormat.parse(self.kv_format)
 
     def bytes_per_token_layer(self) -> int:
-        """Bytes of K (or of V) of one token in one layer."""
-        return self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
+        """Bytes of K (or of V) of one token in one layer: its rows, one per KV head."""
+        return self.num_kv_heads * self.format.row_bytes(self.head_dim)
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.bytes_per_token_layer()

@@ -83,25 +83,27 @@ def layer_groups(layout: KVLayout, num_tokens: int, target_bytes: int) -> list[t
 
 
 def gather(pool: KVPool, slots: torch.Tensor, lo: int, hi: int) -> tuple[Any, Any]:
-    """K and V of ``slots`` for layers ``[lo, hi)`` as two host buffers ZeroMQ can send
-    without copying (each a fresh copy, so the slots may be reused once this returns)."""
+    """K and V rows of ``slots`` for layers ``[lo, hi)`` as two host buffers of bytes ZeroMQ can
+    send without copying (each a fresh copy, so the slots may be reused once this returns)."""
     slots = slots.to(pool.device)
     out = []
     for t in (pool.k, pool.v):
-        chunk = t[lo:hi].index_select(2, slots).cpu().contiguous()  # [layers, heads, n, dim]
-        out.append(chunk.view(torch.uint8).numpy())
+        chunk = t[lo:hi].index_select(2, slots).cpu().contiguous()  # [layers, heads, n, row]
+        out.append(pool.format.as_rows(chunk).numpy())
     return out[0], out[1]
 
 
 def scatter(
     pool: KVPool, slots: torch.Tensor, lo: int, hi: int, k_buf: Any, v_buf: Any, layout: KVLayout
 ) -> None:
-    """Write one DATA message's K and V frames into ``slots`` of layers ``[lo, hi)``."""
-    shape = (hi - lo, layout.num_kv_heads, len(slots), layout.head_dim)
+    """Write one DATA message's K and V frames (rows of bytes) into ``slots`` of layers
+    ``[lo, hi)``."""
+    row = layout.format.row_bytes(layout.head_dim)
+    shape = (hi - lo, layout.num_kv_heads, len(slots), row)
     expected = (hi - lo) * len(slots) * layout.bytes_per_token_layer()
     slots = slots.to(pool.device)
     for t, buf in ((pool.k, k_buf), (pool.v, v_buf)):
         if len(buf) != expected:
             raise TransferError(f"a KV frame of {len(buf)} bytes, expected {expected}")
-        src = torch.frombuffer(buf, dtype=layout.torch_dtype).view(shape)
-        t[lo:hi].index_copy_(2, slots, src.to(pool.device))
+        src = torch.frombuffer(buf, dtype=torch.uint8).view(shape)
+        pool.format.as_rows(t[lo:hi]).index_copy_(2, slots, src.to(pool.device))

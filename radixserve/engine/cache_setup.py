@@ -37,6 +37,7 @@ from radixserve.cache import (
 )
 from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
+from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVShape
 from radixserve.cache.pins import PinTable
 from radixserve.cache.tier_controller import TierController
@@ -106,12 +107,13 @@ def build_cache(
     tiers = config.tiers
     if not is_tiered(config):
         return device_cache(config, allocator, events), NO_TIERS
-    slots = host_slots(config, allocator.num_slots, pool.shape.bytes_per_token())
-    host = HostKVPool(pool, slots, allocator.page_size)
+    fmt = KVFormat.of("int8") if tiers.kv_tier_dtype == "int8" else pool.format
+    slots = host_slots(config, allocator.num_slots, pool.shape.with_format(fmt).bytes_per_token())
+    host = HostKVPool(pool, slots, allocator.page_size, fmt)
     cache, controller = tiered_cache(config, allocator, host, events)
-    log.info("host KV tier: %d tokens (%.2f GiB%s), write policy %s", host.num_slots,
+    log.info("host KV tier: %d tokens (%.2f GiB%s, %s), write policy %s", host.num_slots,
              host.nbytes() / 2**30, "" if tiers.host_kv_memory else ", sized by default",
-             tiers.write_policy)  # fmt: skip
+             fmt.name, tiers.write_policy)  # fmt: skip
     if tiers.kv_storage is not None:
         storage = controller.attach_storage(
             tiers.kv_storage, model_identity(model_path, model_name),

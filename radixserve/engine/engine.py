@@ -29,6 +29,7 @@ import torch
 from radixserve.cache import KVEventQueue
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
+from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.pins import PinInfo, PinStats
 from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
@@ -73,7 +74,14 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         model_len = self.model.config.max_position_embeddings
-        self.max_model_len = min(config.scheduler.max_model_len or model_len, model_len)
+        asked = config.scheduler.max_model_len
+        if asked is not None and asked > model_len:
+            raise ValueError(
+                f"max_model_len {asked} is beyond the {model_len} tokens of context "
+                f"{self.model_name} was trained for (radixserve does not extend a model's "
+                "context with RoPE scaling)"
+            )
+        self.max_model_len = asked or model_len
         self._build_kv(config, loaded)
         self.disagg: KVTransfer | None = None
         if config.disagg.disaggregation_mode != "off":
@@ -109,6 +117,8 @@ class Engine:
     def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
         """The KV pool, its allocator, the prefix cache, the tiers below it and the ledgers."""
         shape = self.model.kv_shape()
+        if config.cache.kv_cache_dtype == "int8":
+            shape = shape.with_format(KVFormat.of("int8"))
         share = window_share(config, shape)  # 0: every layer's KV in one pool
         if config.cache.max_total_tokens is not None:
             num_slots = config.cache.max_total_tokens
@@ -223,6 +233,7 @@ class Engine:
             kv_bytes=self.pool.nbytes(),
             kv_bytes_per_token=self.pool.shape.bytes_per_token(),
             dtype=str(self.pool.shape.dtype).removeprefix("torch."),
+            kv_format=self.pool.format.name,
             prefix_caching=self.cache.reuses_prefixes,
             kv_events_block_size=self.cache.event_block_size,
             disaggregation=self.disagg.info() if self.disagg is not None else None,

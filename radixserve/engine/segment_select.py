@@ -95,8 +95,7 @@ def kv_deviation(
     for i, (q, k, v) in model.forward_layers(batch, pool, layer):
         if i < max(first, 1):
             continue
-        old_k = pool.k[i][:, batch.out_slots].transpose(0, 1)
-        old_v = pool.v[i][:, batch.out_slots].transpose(0, 1)
+        old_k, old_v = (t.transpose(0, 1) for t in pool.gather(i, batch.out_slots))
         dk = (k.float() - old_k.float()).square().sum(dim=(1, 2))
         dv = (v.float() - old_v.float()).square().sum(dim=(1, 2))
         att = attention_from_last(q, k, query_rows, model.scale)

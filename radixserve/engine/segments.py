@@ -73,9 +73,12 @@ def reanchor(model: Any, pool: Any, src: torch.Tensor, dst: torch.Tensor, delta:
     sin = angle.sin().to(torch.float32)
     # all layers in one gather and one scatter: a loop over layers costs ~8 small ops
     # each, which dominate when the machine is busy (each op waits for its threads)
-    k = pool.k.index_select(2, src).float()  # [layers, kv_heads, n, head_dim]
+    # keys decoded from the pool's format, rotated, encoded again (int8: new scales); values
+    # are copied as stored
+    fmt, dim = pool.format, pool.shape.head_dim
+    k = fmt.decode(pool.k.index_select(2, src), dim, torch.float32)  # [layers, kv_heads, n, dim]
     k = k * cos + rotate_half(k) * sin
-    pool.k.index_copy_(2, dst, k.to(pool.k.dtype))
+    pool.k.index_copy_(2, dst, fmt.encode(k.to(pool.shape.dtype)))
     pool.v.index_copy_(2, dst, pool.v.index_select(2, src))
 
 

@@ -30,6 +30,7 @@ class EngineInfo:
     kv_bytes_per_token: int
     dtype: str
     prefix_caching: bool
+    kv_format: str = ""  # how the device pool stores KV (cache/kv_format.py: float32, int8g16)
     kv_events_block_size: int = 0  # 0: no KV events (no prefix cache)
     kv_events_endpoint: str | None = None  # bound by the engine process's publisher
     kv_events_replay_endpoint: str | None = None

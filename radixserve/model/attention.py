@@ -4,35 +4,27 @@ A forward step packs the new tokens of every scheduled sequence into one ``[T, .
 first the decode tokens (one per sequence), then each prefill chunk. ``ForwardBatch`` says
 where each new token's K/V goes (``out_slots``) and which slots each sequence attends to.
 
-- Decode tokens are batched: their context slots are padded to ``[B, max_len]`` and read in
-  one gather per layer; the grouped query heads of a KV head ride as the query-length axis,
-  so KV heads are never repeated.
-- A prefill chunk with no cached prefix attends causally to its own fresh K/V, read from the
-  projection output, not the pool. A chunk after a cached prefix (or an earlier chunk)
-  gathers prefix + chunk K/V from the pool and uses a lower-right causal mask.
-- A sparse prefill (``SparsePrefill``) is the general case of that chunk: any sorted set of
-  rows of a context, each attending to the context up to its own index (the KV of the rows
-  not computed is whatever the pool holds there, e.g. KV reused from a segment store). RoPE
-  positions are ``pos_offset + row``. A plain chunk is the rows ``[prefix_len, len)``.
-  Its rows are attended in groups of ``SPARSE_GROUP`` (``SparseGroup``), each against the
-  context only up to its own last row: one masked call over the whole context would pay for
-  every masked-out pair, which for rows spread through a long context is most of them.
-- A layer with a sliding window reads only the keys inside its window (``window.py``).
+Every row attends to a range of its context's slots: a decode token to its whole context, a
+prompt chunk's token to the prefix and the chunk up to itself, a sparse prefill's row
+(``SparsePrefill``: any sorted rows of a context, RoPE positions ``pos_offset + row``) to the
+context up to its own index, and in a layer with a sliding window only to the last ``W`` of
+those. A layer first writes the step's K/V into the pool, then reads every row's keys from
+the pool, in the pool's KV format:
+
+- on CPU with the native kernels, in one call per layer (``flash_attention``,
+  ``csrc/flash_attention.cpp``): ``RowRanges`` gives each row its context and range, built
+  once per step; tiles of keys are read from the pool in place, scratch O(rows), never
+  O(context^2);
+- elsewhere, op by op in PyTorch (``attention_torch.py``): the same function.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from radixserve.cache.kv_pool import KVPool
-from radixserve.model import native
-from radixserve.model.forward_batch import ForwardBatch, PrefillSpan, SparseGroup, SparsePrefill
-from radixserve.model.window import WindowBlock, plans
-
-# Rows of a sparse prefill attended per call: small enough that a group's masked-out pairs
-# are few, large enough that the attention kernel still works on full query blocks.
-SPARSE_GROUP = 64
+from radixserve.model import attention_torch, native
+from radixserve.model.forward_batch import ForwardBatch, PrefillSpan, RowRanges, SparsePrefill
 
 
 def build_forward_batch(
@@ -56,6 +48,7 @@ def build_forward_batch(
     ids, pos, out = [], [], []
     logits_rows: list[int] = []
     decode_context = decode_bias = decode_lens = None
+    contexts, his = [], []  # the native attention's rows (RowRanges)
     if decode:
         lens = torch.tensor([len(c) for _, _, c in decode])
         ctx = torch.nn.utils.rnn.pad_sequence(
@@ -70,23 +63,26 @@ def build_forward_batch(
         pos.append(torch.tensor([p for _, p, _ in decode]))
         out.append(torch.stack([c[-1] for _, _, c in decode]))
         logits_rows.extend(range(len(decode)))
+        contexts += list(ctx)
+        his.append(lens)
     spans = []
     row = len(decode)
     for item in prefill:
         if isinstance(item, SparsePrefill):
             span, token_ids, positions, out_slots = _sparse_span(item, row, device)
-            wants_logits = item.wants_logits
+            wants_logits, context, hi = item.wants_logits, item.context_slots, span.rows + 1
         else:
-            token_ids, prefix_len, context_slots, wants_logits = item
+            token_ids, prefix_len, context, wants_logits = item
             n = len(token_ids)
             span = PrefillSpan(start=row, num_new=n, prefix_len=prefix_len)
             if prefix_len > 0:
-                span.context_slots = context_slots.to(device)
-                mask = torch.ones(n, prefix_len + n, dtype=torch.bool).tril(prefix_len)
-                span.mask = mask.to(device)
+                span.context_slots = context.to(device)
             positions = torch.arange(prefix_len, prefix_len + n)
-            out_slots = context_slots[prefix_len:]
+            out_slots = context[prefix_len:]
+            hi = torch.arange(prefix_len + 1, prefix_len + n + 1)
         spans.append(span)
+        contexts.append(context)
+        his.append(hi)
         ids.append(torch.as_tensor(token_ids))
         pos.append(positions)
         out.append(out_slots)
@@ -104,27 +100,37 @@ def build_forward_batch(
         decode_bias=decode_bias,
         decode_lens=decode_lens,
         prefill_spans=spans,
+        ranges=_ranges(contexts, his, len(decode), [s.num_new for s in spans]),
     )
+
+
+def _ranges(contexts: list[torch.Tensor], his: list[torch.Tensor], num_decode: int,
+            span_rows: list[int]) -> RowRanges:  # fmt: skip
+    """The rows' contexts and ranges as the native attention takes them (CPU)."""
+    lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int64)
+    ctx_start = torch.zeros(len(contexts), dtype=torch.int64)
+    if len(contexts) > 1:
+        ctx_start[1:] = lengths[:-1].cumsum(0)
+    rows = torch.tensor([1] * num_decode + span_rows, dtype=torch.int64)
+    seq_start = torch.zeros(len(contexts) + 1, dtype=torch.int64)
+    seq_start[1:] = rows.cumsum(0)
+    ctx = torch.cat([c.to(torch.int64).cpu() for c in contexts]) if contexts else ctx_start
+    hi = torch.cat([h.to(torch.int64).cpu() for h in his]) if his else ctx_start
+    return RowRanges(ctx, ctx_start, seq_start, hi)
 
 
 def _sparse_span(
     item: SparsePrefill, row: int, device: torch.device
 ) -> tuple[PrefillSpan, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = item.rows.to(torch.int64)
+    rows = item.rows.to(torch.int64).cpu()
     n, ctx = rows.numel(), item.context_slots.numel()
     if n == 0 or n != len(item.token_ids):
         raise ValueError(f"a sparse prefill needs one token id per row ({len(item.token_ids)} "
                          f"ids, {n} rows)")  # fmt: skip
     if int(rows[-1]) >= ctx or (n > 1 and bool((rows[1:] <= rows[:-1]).any())):
         raise ValueError("sparse prefill rows must be strictly increasing context indices")
-    span = PrefillSpan(start=row, num_new=n, prefix_len=ctx - n)
+    span = PrefillSpan(start=row, num_new=n, prefix_len=ctx - n, rows=rows)
     span.context_slots = item.context_slots.to(device)
-    span.groups = []
-    for lo in range(0, n, SPARSE_GROUP):
-        hi = min(lo + SPARSE_GROUP, n)
-        length = int(rows[hi - 1]) + 1
-        mask = torch.arange(length)[None, :] <= rows[lo:hi, None]
-        span.groups.append(SparseGroup(lo, hi, length, mask.to(device), rows[lo:hi].to(device)))
     return span, item.token_ids, rows + item.pos_offset, item.context_slots[rows]
 
 
@@ -141,104 +147,15 @@ def paged_attention(
     """``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D] for the new tokens. Returns [T, H, D].
     ``window``: the layer attends over that many tokens only (a local layer)."""
     pool.write(layer, batch.out_slots, k, v)
-    out = torch.empty_like(q)
-    if window is not None:
-        _windowed(layer, q, k, v, batch, pool, scale, window, out)
-        return out
-    b = batch.num_decode
-    if b:
-        ctx = (batch.decode_context, batch.decode_lens, batch.decode_bias)
-        out[:b] = _decode_attention(layer, q[:b], ctx, pool, scale)
-    for span in batch.prefill_spans:
-        rows = slice(span.start, span.start + span.num_new)
-        if span.context_slots is None:
-            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-        else:
-            ks, vs = pool.gather(layer, span.context_slots)
-        if span.groups is not None:
-            _sparse_attention(q[rows], ks, vs, span.groups, out[rows], scale)
-            continue
-        out[rows] = _attend(q[rows], ks, vs, span.mask, scale)
-    return out
-
-
-def _attend(
-    q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """``q`` [n, H, D] against ``ks``/``vs`` [KVH, c, D]; no mask: causal. Returns [n, H, D]."""
-    # [1, heads, n, D]: the CPU flash kernel wants a batch axis (3-D inputs fall back to
-    # the slow reference path) and handles grouped KV heads itself.
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], ks[None], vs[None],
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+    ops = native.paged_ops() if pool.device.type == "cpu" and q.shape[-1] % 16 == 0 else None
+    if ops is None or batch.ranges is None:
+        return attention_torch.attend(layer, q, k, v, batch, pool, scale, window)
+    r = batch.ranges
+    ctx = r.window_ctx(pool.to_window) if pool.groups[layer][0] else r.ctx
+    k_layer, v_layer = pool.layer_kv(layer)
+    fmt = pool.format
+    out = ops.flash_attention(
+        q if q.dtype == torch.float32 else q.float(), k_layer, v_layer, fmt.kernel_code,
+        fmt.group, ctx, r.ctx_start, r.seq_start, r.lo_for(window), r.hi, scale,
     )  # fmt: skip
-    return o[0].transpose(0, 1)
-
-
-def _sparse_attention(
-    q: torch.Tensor,
-    ks: torch.Tensor,
-    vs: torch.Tensor,
-    groups: list[SparseGroup],
-    out: torch.Tensor,
-    scale: float,
-) -> None:
-    """A sparse span's rows, group by group, each against the context it can see; into ``out``
-    (a view of the step's output)."""
-    for g in groups:
-        if g.mask.dtype == torch.bool:  # additive once, not converted again by every layer
-            g.mask = torch.zeros(g.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                ~g.mask, float("-inf")
-            )
-        c = g.context_len
-        out[g.lo : g.hi] = _attend(q[g.lo : g.hi], ks[:, :c], vs[:, :c], g.mask, scale)
-
-
-def _windowed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              batch: ForwardBatch, pool: KVPool, scale: float, window: int,
-              out: torch.Tensor) -> None:  # fmt: skip
-    """A local layer's attention into ``out``: each row reads its window's keys only."""
-    plan = plans(batch, window)
-    b = batch.num_decode
-    if plan.decode is not None:
-        d = plan.decode
-        out[:b] = _decode_attention(layer, q[:b], (d.context, d.lens, d.bias), pool, scale)
-    for span, blocks in zip(batch.prefill_spans, plan.spans, strict=True):
-        base = span.start
-        for blk in blocks:
-            rows = slice(base + blk.lo, base + blk.hi)
-            ks, vs = _block_keys(layer, k, v, span, blk, pool)
-            out[rows] = _attend(q[rows], ks, vs, blk.mask, scale)
-
-
-def _block_keys(layer: int, k: torch.Tensor, v: torch.Tensor, span: PrefillSpan,
-                blk: WindowBlock, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The K/V ``[KVH, keys, D]`` of a window block: the chunk's fresh rows, or the pool's."""
-    if span.context_slots is None:
-        keys = slice(span.start + blk.key_lo, span.start + blk.key_hi)
-        return k[keys].transpose(0, 1), v[keys].transpose(0, 1)
-    return pool.gather(layer, span.context_slots[blk.key_lo : blk.key_hi])
-
-
-def _decode_attention(layer: int, q: torch.Tensor, context: tuple, pool: KVPool,
-                      scale: float) -> torch.Tensor:  # fmt: skip
-    """One query token per sequence, against its context slots ``(slots [B, L], lens [B],
-    bias [1, B, 1, L])``. Scores are laid out [KVH, B, group, L]: a KV head's query heads
-    share each K/V row read."""
-    b, num_heads, dim = q.shape
-    num_kv = pool.shape.num_kv_heads
-    ctx, lens, bias = context
-    ops = native.paged_ops() if pool.device.type == "cpu" and dim % 16 == 0 else None
-    if ops is not None:  # straight from the pool, no gathered copy of K and V
-        k_layer, v_layer = pool.layer_kv(layer)
-        slots = pool.slots_for(layer, ctx)
-        scores = ops.paged_scores(q.contiguous(), k_layer, slots, lens)
-        probs = scores.mul_(scale).add_(bias).softmax(dim=-1)
-        return ops.paged_values(probs, v_layer, slots, lens)
-    kc, vc = pool.gather(layer, ctx.view(-1))
-    kc, vc = kc.view(num_kv, b, ctx.shape[1], dim), vc.view(num_kv, b, ctx.shape[1], dim)
-    # Two batched matmuls beat SDPA here: its CPU kernel is slow for 1-token queries.
-    qd = q.view(b, num_kv, num_heads // num_kv, dim).transpose(0, 1)
-    scores = torch.matmul(qd, kc.transpose(-1, -2)).float().mul_(scale)
-    probs = scores.add_(bias).softmax(dim=-1).to(vc.dtype)
-    return torch.matmul(probs, vc).transpose(0, 1).reshape(b, num_heads, dim)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

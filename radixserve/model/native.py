@@ -2,8 +2,10 @@
 
 One extension module built from ``csrc/``:
 
-- ``paged_attention.cpp``: decode attention straight from the paged KV pool, without
-  gathering every sequence's K and V into a copy first (``paged_scores``, ``paged_values``).
+- ``flash_attention.cpp``: attention of a step's rows (prompt chunks, decode tokens, window
+  layers) straight from the paged KV pool in any KV format, tiled flash-attention style
+  (``flash_attention``; ``flash_i8.cpp``: integer dot products for int8 keys);
+  ``encode_kv_i8``: int8 KV rows.
 - ``quant_gemm.cpp``: matmuls with weights kept block-quantized (Q8_0, Q4_1; GGUF's block
   formats through ``block_formats.cpp``) or dense float (``QWeight``, ``qgemm``,
   ``dequantize``); ``lane_gemm.cpp``: their batched path (8+ rows); ``int8_lanes.cpp`` and
@@ -40,7 +42,8 @@ log = logging.getLogger("radixserve")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "bindings.cpp",
-    "paged_attention.cpp",
+    "flash_attention.cpp",
+    "flash_i8.cpp",
     "quant_gemm.cpp",
     "block_formats.cpp",
     "lane_gemm.cpp",
@@ -49,7 +52,7 @@ SOURCES = (
     "rowwise.cpp",
     "decoder.cpp",
 )
-HEADERS = ("kernels.h",)
+HEADERS = ("kernels.h", "flash.h")
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers, so without it every kernel
 # runs on one thread; the module then shares libtorch's OpenMP runtime (same soname, loaded)
 CFLAGS = ("-O3", "-fopenmp")

@@ -7,7 +7,8 @@ multiple of 32. Llama-family layers and Qwen3's and Gemma 3's (their parts beyon
 layer come from the model's ``native_extras``: q/k norms, output norms, GeGLU, windows).
 Anything else (CUDA, bf16 dense weights, no compiler) returns None from ``for_model`` and the
 step runs op by op in ``llama.py``, which computes the same function. The native stack keeps
-float32 activations whatever the model dtype; the KV pool keeps its own dtype.
+float32 activations whatever the model dtype; the KV pool keeps its own format (its dtype, or
+int8 rows: ``cache/kv_format.py``).
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class NativeDecoder:
                 "w_k_pool": pool.wk,
                 "w_v_pool": pool.wv,
             }
+        fmt = pool.format
         return self.decoder.forward(
             batch.input_ids, batch.positions, batch.out_slots,
-            batch.decode_context, batch.decode_lens, pool.k, pool.v,
+            batch.decode_context, batch.decode_lens, pool.k, pool.v, fmt.kernel_code, fmt.group,
             sequences=batch.decode_sequences, **window,
         )  # fmt: skip
 

@@ -75,8 +75,8 @@ def decode_window(context: torch.Tensor, lens: torch.Tensor, window: int) -> Dec
 
 def span_blocks(span: PrefillSpan, window: int, device: torch.device) -> list[WindowBlock]:
     """Blocks of ``span``'s rows, each with the keys its rows' windows cover."""
-    if span.groups is not None:  # sparse: its groups' rows, any context indices
-        return [_block(g.lo, g.hi, g.rows.cpu(), window, device) for g in span.groups]
+    if span.sparse:  # sparse: its groups' rows, any context indices
+        return [_block(g.lo, g.hi, g.rows.cpu(), window, device) for g in span.groups(device)]
     rows = torch.arange(span.prefix_len, span.prefix_len + span.num_new)
     return [
         _block(lo, min(lo + window, span.num_new), rows[lo : lo + window], window, device)

@@ -124,7 +124,7 @@ def random_ids(rng, n: int) -> list[int]:
 
 def test_turns_match_colocated_and_move_only_what_the_decode_side_lacks(prefill, decode, colocated):
     info = httpx.get(decode + "/disagg/info").json()
-    assert info["mode"] == "decode" and info["layout"]["dtype"] == "float32"
+    assert info["mode"] == "decode" and info["layout"]["kv_format"] == "float32"
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, layers, KV heads, head size, float32
     rng = np.random.default_rng(0)
     history: list[int] = []

@@ -117,12 +117,28 @@ def test_bfloat16_pages_move_bit_exact(peer, receiver_for):
     assert untouched(pool, dst)
 
 
+def test_int8_rows_move_bit_exact_in_pieces(peer, receiver_for):
+    """int8 rows (codes, then their float16 scales) cross as bytes: every byte lands, in
+    messages smaller than a token's rows of every layer."""
+    pool, receiver = receiver_for("int8", page_size=4)
+    assert receiver.layout.kv_format == "int8g16" and pool.k.dtype == torch.uint8
+    src, dst = torch.arange(8, 20), torch.arange(64, 76)
+    tid = receiver.request(peer.endpoints["i8"], dst, {"src": src.tolist(), "pieces": 2})
+    status = wait_end(receiver, tid)
+    assert status.state is TransferState.DONE, status.reason
+    source = seeded_pool(256, "int8", SEED)
+    assert torch.equal(pool.k[:, :, dst], source.k[:, :, src])
+    assert torch.equal(pool.v[:, :, dst], source.v[:, :, src])
+    assert untouched(pool, dst)
+    assert status.bytes == 12 * 2 * 3 * 2 * (16 + 2)  # K and V, layers, heads, row bytes
+
+
 def test_a_layout_mismatch_is_a_clear_error_and_moves_nothing(peer, receiver_for):
     endpoint = peer.endpoints["bf16"]
     pool, receiver = receiver_for("float32", page_size=1)
     with pytest.raises(LayoutMismatchError) as err:
         receiver.check_peer(endpoint)
-    assert "dtype: 'float32' here, 'bfloat16' there" in str(err.value)
+    assert "kv_format: 'float32' here, 'bfloat16' there" in str(err.value)
     assert "page_size: 1 here, 4 there" in str(err.value)
     tid = receiver.request(endpoint, torch.arange(4), {"src": [0, 1, 2, 3]})
     status = wait_end(receiver, tid)

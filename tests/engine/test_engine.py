@@ -115,6 +115,18 @@ def test_bad_requests_raise_clear_errors(make_engine):
     # max_tokens=None is clipped to what fits, not rejected
     req = small.add_request("g", list(range(100, 150)), SamplingParams(max_tokens=None))
     assert req.max_tokens == 14
+    with pytest.raises(ValueError, match="KV pool holds only 64"):  # larger than the pool
+        small.add_request("h", list(range(100, 170)), SamplingParams(max_tokens=None))
+    small.abort_request("g")
+    small.check_integrity()
+    assert small.stats().kv_used_tokens == 0
+
+
+def test_a_context_beyond_the_trained_one_is_refused(make_engine):
+    """The tiny model was trained for 2,048 tokens: a longer max_model_len would need RoPE
+    scaling, which radixserve does not do; it is refused, naming the limit."""
+    with pytest.raises(ValueError, match="max_model_len 4096 is beyond the 2048 tokens"):
+        make_engine(max_model_len=4096)
 
 
 def test_bad_options_raise_clear_errors():

@@ -90,12 +90,40 @@ def test_reanchoring_a_single_segment_is_exact(tmp_path, default_tokenizer, scal
     assert not torch.allclose(wrong, logits[1], atol=1e-3)
 
 
+def test_reanchoring_int8_keys_rounds_them_once(tiny_loaded):
+    """In an int8 pool, rotated keys are decoded, rotated and encoded again: within a
+    quantization step of the keys computed at the new position; values move bit for bit."""
+    from radixserve.cache.kv_format import KVFormat
+
+    model = tiny_loaded.model
+    fmt = KVFormat.of("int8")
+    pool = KVPool(model.kv_shape().with_format(fmt), 256)
+    seg, delta = torch.tensor(ids(40, 7)), 300
+    m = len(seg)
+    stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
+    model.forward(build_forward_batch([], [(seg, 0, stored, False)], model.device, 0), pool)
+    reanchor(model, pool, stored, moved, delta)
+    at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
+    model.forward(build_forward_batch([], [at_300], model.device, 0), pool)
+    dim = model.kv_shape().head_dim
+    for layer in range(len(model.layers)):
+        got, want, unmoved = (fmt.decode(pool.k[layer][:, s], dim, torch.float32)
+                              for s in (moved, direct, stored))  # fmt: skip
+        if layer == 0:  # the same inputs: the roundings alone (stored, rotated, re-encoded)
+            step = want.abs().amax(-1, keepdim=True) / 127
+            assert ((got - want).abs() <= 2.5 * step + 1e-6).all()
+        # later layers' inputs differ by the rounding of the layers before
+        assert (got - want).norm() < 0.03 * want.norm()
+        assert (unmoved - want).norm() > 0.3 * want.norm()  # not rotating: far off
+        assert torch.equal(pool.v[layer][:, moved], pool.v[layer][:, stored])
+
+
 def test_sparse_rows_over_exact_kv_give_the_plain_prefill(tiny_loaded):
     """Rows spread through a 300-token context (several attention groups, each cut at its
     last row) computed over exact K/V of the other rows: the same K/V and logits as a plain
     prefill of the whole context. A group that saw too little context, or a row that saw
     past itself, would change them."""
-    from radixserve.model.attention import SPARSE_GROUP
+    from radixserve.model.forward_batch import SPARSE_GROUP
 
     model = tiny_loaded.model
     pool = KVPool(model.kv_shape(), 1024)
@@ -133,9 +161,10 @@ def test_ratio_one_equals_plain_prefill(make_engine):
         assert t1 == t2 and lp1 == pytest.approx(lp2, abs=1e-4)
 
 
-def test_partial_reuse_counts_and_keeps_the_prefix_tree_exact(make_engine):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_partial_reuse_counts_and_keeps_the_prefix_tree_exact(make_engine, kv_cache_dtype):
     prompt, segments = rag_prompt([0, 1, 2], DOCS, HEAD, QUESTION)
-    engine = make_engine()
+    engine = make_engine(kv_cache_dtype=kv_cache_dtype)
     first = drive(engine, [("a", prompt, {"segments": segments, "recompute_ratio": 0.25})])["a"]
     out = first["last"]
     total = sum(e - s for s, e in segments)

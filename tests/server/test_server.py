@@ -196,6 +196,12 @@ def post(server, path, body, headers=AUTH):
             "context is 2048",
         ),
         ({"model": "tiny", "messages": CHAT, "max_tokens": 1500}, 400, "KV pool holds only 1024"),
+        ({"model": "tiny", "messages": CHAT, "max_tokens": 2100}, 400, "context of 2048"),
+        (  # within the context, larger than the whole pool
+            {"model": "tiny", "messages": [{"role": "user", "content": "word " * 1100}]},
+            400,
+            "KV pool holds only 1024",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_server_survives(server, body, status, needle):

@@ -1,8 +1,9 @@
 """The byte layout of one stored KV page (a storage block): a header, then the payload.
 
-The payload is one page of KV, C-contiguous, in the KV dtype::
+The payload is one page of KV, C-contiguous, rows in the KV format (``kv_format.py``: values of
+a float dtype, or int8 codes followed by their float16 scales)::
 
-    [layers, 2 (K then V), num_kv_heads, page_size, head_dim]
+    [layers, 2 (K then V), num_kv_heads, page_size, row_bytes]
 
 Layer-major, so a loader can hand a page to the device layer by layer. ``layers`` is every
 layer of the model, in order, or, for a model with sliding-window layers
@@ -50,15 +51,14 @@ import numpy as np
 import torch
 import xxhash
 
+from radixserve.cache.kv_format import KVFormat
+
 MAGIC = b"RXKV"
 KEY_BYTES = 16
 # format version -> header: version 1 for layouts without window layers, 2 with them
 _HEADERS = {1: struct.Struct("<4sHH8s16sQQ"), 2: struct.Struct("<4sHH8s16sQQB7x")}
 _PREFIX = struct.Struct("<4sH")  # magic, format version
 WINDOW_FLAG = 1
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PageFormatError(ValueError):
@@ -73,7 +73,7 @@ class PageLayout:
     num_kv_heads: int
     head_dim: int
     page_size: int
-    dtype: str  # "float32", "bfloat16" or "float16"
+    dtype: str  # the KV format's name (``KVFormat.name``): "float32", "bfloat16", "int8g16", ...
     window_layers: tuple[int, ...] = ()  # sliding-window layers: a page may be stored without
 
     def __post_init__(self) -> None:
@@ -81,8 +81,10 @@ class PageLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PageLayout.{name} must be a positive integer, got {value!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"PageLayout.dtype must be one of {sorted(_DTYPES)}: {self.dtype!r}")
+        try:
+            KVFormat.parse(self.dtype).check_dim(self.head_dim)
+        except ValueError as e:
+            raise ValueError(f"PageLayout.dtype {self.dtype!r}: {e}") from None
         window = tuple(self.window_layers)
         if list(window) != sorted(set(window)) or not set(window) <= set(range(self.num_layers)):
             raise ValueError(
@@ -93,20 +95,25 @@ class PageLayout:
 
     @classmethod
     def from_shape(cls, shape, page_size: int) -> PageLayout:
-        """From a ``KVShape`` (num_layers, num_kv_heads, head_dim, torch dtype, window
-        layers)."""
-        dtype = str(shape.dtype).removeprefix("torch.")
+        """From a ``KVShape`` (num_layers, num_kv_heads, head_dim, KV format, window layers)."""
+        dtype = shape.kv_format.name
         return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, page_size, dtype,
                    tuple(shape.window_layers))  # fmt: skip
 
+    @functools.cached_property
+    def format(self) -> KVFormat:
+        return KVFormat.parse(self.dtype)
+
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        """The dtype of a page tensor (bytes for int8 rows)."""
+        return self.format.storage_dtype
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """A page with every layer (what host memory holds)."""
-        return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+        """A page with every layer (what host memory holds), in ``torch_dtype``."""
+        width = self.format.row_width(self.head_dim)
+        return (self.num_layers, 2, self.num_kv_heads, self.page_size, width)
 
     def stored_layers(self, window: bool) -> slice | np.ndarray:
         """The layers a payload holds: every one, or (``window`` False) the global ones."""
@@ -121,7 +128,7 @@ class PageLayout:
     @functools.cached_property
     def page_nbytes(self) -> int:
         """Size of a page with every layer."""
-        return math.prod(self.page_shape) * _ELEMENT_BYTES[self.dtype]
+        return math.prod(self.page_shape[:-1]) * self.format.row_bytes(self.head_dim)
 
     @property
     def format_version(self) -> int:

@@ -12,76 +12,107 @@
 namespace rs {
 namespace {
 
-KVType kv_type(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return KVType::F32;
-    case torch::kBFloat16: return KVType::BF16;
-    case torch::kHalf: return KVType::F16;
-    default: TORCH_CHECK(false, "the KV pool must be float32, bfloat16 or float16");
+// A pool tensor [..., slots, row_width] in the format KVFormat.kernel_code names (row_width:
+// head_dim values, or an int8 row's bytes), checked against head_dim and the group.
+KVType kv_type(const torch::Tensor& t, int64_t code, int64_t group, int64_t dim) {
+  TORCH_CHECK(code >= 0 && code <= static_cast<int64_t>(KVType::I8), "unknown KV format code ", code);
+  const auto type = static_cast<KVType>(code);
+  const torch::ScalarType expect[] = {torch::kFloat32, torch::kBFloat16, torch::kHalf, torch::kUInt8};
+  TORCH_CHECK(t.scalar_type() == expect[code], "the KV pool's dtype does not match its format");
+  if (type == KVType::I8) {
+    TORCH_CHECK(group > 0 && group % 16 == 0 && dim % group == 0, "int8 KV: a group of a multiple of 16 dividing head_dim");
+    TORCH_CHECK(t.size(-1) == dim + 2 * (dim / group), "int8 KV rows: head_dim codes, then the scales");
+  } else {
+    TORCH_CHECK(t.size(-1) == dim, "KV rows: head_dim values");
   }
+  return type;
 }
 
-void check_pool_layer(const torch::Tensor& kv, const torch::Tensor& ctx, const torch::Tensor& lens) {
-  TORCH_CHECK(kv.device().is_cpu() && kv.is_contiguous() && kv.dim() == 3,
-              "the pool layer must be a contiguous CPU tensor [heads, slots, dim]");
-  TORCH_CHECK(kv.size(2) % 16 == 0 && kv.size(2) <= kAttnMaxDim,
-              "head_dim must be a multiple of 16 up to ", kAttnMaxDim);
-  TORCH_CHECK(ctx.scalar_type() == torch::kInt64 && ctx.is_contiguous() && ctx.dim() == 2,
-              "ctx must be a contiguous int64 [batch, max_len] tensor");
-  TORCH_CHECK(lens.scalar_type() == torch::kInt64 && lens.is_contiguous() &&
-                  lens.numel() == ctx.size(0),
-              "lens must be a contiguous int64 [batch] tensor");
-  const int64_t* cp = ctx.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < ctx.size(0); ++b) {
-    TORCH_CHECK(lp[b] >= 0 && lp[b] <= ctx.size(1), "context length out of range");
-    for (int64_t j = 0; j < lp[b]; ++j)
-      TORCH_CHECK(cp[b * ctx.size(1) + j] >= 0 && cp[b * ctx.size(1) + j] < kv.size(1),
-                  "context slot out of range");
-  }
-}
+int64_t row_bytes(const torch::Tensor& t) { return t.size(-1) * t.element_size(); }
 
-template <typename F>
-void on_pool_type(const torch::Tensor& t, F&& f) {
-  switch (kv_type(t)) {
-    case KVType::F32: f(float{}); break;
-    case KVType::BF16: f(c10::BFloat16{}); break;
-    case KVType::F16: f(c10::Half{}); break;
-  }
+void check_ints(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.dim() == 1 &&
+                  (n < 0 || t.numel() == n),
+              what, " must be a contiguous int64 CPU vector", n < 0 ? "" : " of one entry per row");
 }
 
 }  // namespace
 
-torch::Tensor paged_scores(torch::Tensor q, torch::Tensor k, torch::Tensor ctx, torch::Tensor lens) {
-  check_pool_layer(k, ctx, lens);
-  TORCH_CHECK(q.is_contiguous() && q.dim() == 3 && q.scalar_type() == k.scalar_type() &&
-                  q.size(0) == ctx.size(0) && q.size(2) == k.size(2),
-              "q must be contiguous [batch, heads, dim] in the pool's dtype");
-  TORCH_CHECK(q.size(1) % k.size(0) == 0 && q.size(1) / k.size(0) <= kAttnMaxGroup,
-              "at most ", kAttnMaxGroup, " query heads per KV head");
-  const int64_t G = q.size(1) / k.size(0);
-  auto scores = torch::empty({k.size(0), q.size(0), G, ctx.size(1)}, q.options().dtype(torch::kFloat32));
-  on_pool_type(k, [&](auto zero) {
-    using T = decltype(zero);
-    paged_scores_kernel<T>(static_cast<const T*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
-                           ctx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scores.data_ptr<float>(),
-                           q.size(0), q.size(1), q.size(2), k.size(0), k.size(1), ctx.size(1));
-  });
-  return scores;
+// Attention of q's rows over their ranges of pool slots (kernels.h: AttnRows); every index
+// is checked here.
+torch::Tensor flash_attention_op(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t code, int64_t group,
+                                 torch::Tensor ctx, torch::Tensor ctx_start, torch::Tensor seq_start,
+                                 torch::Tensor lo, torch::Tensor hi, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "q must be a float32 CPU [rows, heads, head_dim] tensor, each row's heads contiguous");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= kAttnMaxDim, "head_dim must be a multiple of 16 up to ", kAttnMaxDim);
+  TORCH_CHECK(k.device().is_cpu() && k.is_contiguous() && k.dim() == 3 && v.sizes() == k.sizes() &&
+                  v.is_contiguous() && v.scalar_type() == k.scalar_type(),
+              "the pool layers must be contiguous CPU [kv_heads, slots, row] tensors of one dtype");
+  TORCH_CHECK(H % k.size(0) == 0, "query heads must be a multiple of KV heads");
+  KVLayer kv;
+  kv.type = kv_type(k, code, group, D);
+  kv.group = group;
+  kv.row_bytes = row_bytes(k);
+  kv.slots = k.size(1);
+  kv.k = static_cast<const uint8_t*>(k.data_ptr());
+  kv.v = static_cast<const uint8_t*>(v.data_ptr());
+  check_ints(ctx, -1, "ctx");
+  check_ints(seq_start, -1, "seq_start");
+  const int64_t S = seq_start.numel() - 1;
+  TORCH_CHECK(S >= 0, "seq_start needs at least one entry");
+  check_ints(ctx_start, S, "ctx_start");
+  check_ints(lo, R, "lo");
+  check_ints(hi, R, "hi");
+  const int64_t *cp = ctx.data_ptr<int64_t>(), *cs = ctx_start.data_ptr<int64_t>(),
+                *ss = seq_start.data_ptr<int64_t>(), *lp = lo.data_ptr<int64_t>(), *hp = hi.data_ptr<int64_t>();
+  TORCH_CHECK(ss[0] == 0 && ss[S] == R, "seq_start must run from 0 to the number of rows");
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(ss[s] <= ss[s + 1], "seq_start must not decrease");
+    int64_t most = 0;
+    for (int64_t r = ss[s]; r < ss[s + 1]; ++r) {
+      TORCH_CHECK(0 <= lp[r] && lp[r] <= hp[r], "each row needs 0 <= lo <= hi");
+      most = std::max(most, hp[r]);
+    }
+    TORCH_CHECK(cs[s] >= 0 && cs[s] + most <= ctx.numel(), "a context runs past ctx");
+    for (int64_t j = 0; j < most; ++j)
+      TORCH_CHECK(cp[cs[s] + j] >= 0 && cp[cs[s] + j] < kv.slots, "context slot out of range");
+  }
+  auto out = torch::empty({R, H, D}, q.options());
+  AttnRows a;
+  a.q = q.data_ptr<float>();
+  a.q_stride = q.stride(0);
+  a.out = out.data_ptr<float>();
+  a.out_stride = H * D;
+  a.rows = R;
+  a.heads = H;
+  a.kv_heads = k.size(0);
+  a.dim = D;
+  a.ctx = cp;
+  a.ctx_start = cs;
+  a.seq_start = ss;
+  a.seqs = S;
+  a.lo = lp;
+  a.hi = hp;
+  a.scale = static_cast<float>(scale);
+  flash_attention(a, kv);
+  return out;
 }
 
-torch::Tensor paged_values(torch::Tensor probs, torch::Tensor v, torch::Tensor ctx, torch::Tensor lens) {
-  check_pool_layer(v, ctx, lens);
-  TORCH_CHECK(probs.is_contiguous() && probs.scalar_type() == torch::kFloat32 && probs.dim() == 4 &&
-                  probs.size(0) == v.size(0) && probs.size(1) == ctx.size(0) &&
-                  probs.size(2) <= kAttnMaxGroup && probs.size(3) == ctx.size(1),
-              "probs must be contiguous float32 [kv_heads, batch, group, max_len]");
-  auto out = torch::empty({ctx.size(0), v.size(0) * probs.size(2), v.size(2)}, v.options());
-  on_pool_type(v, [&](auto zero) {
-    using T = decltype(zero);
-    paged_values_kernel<T>(probs.data_ptr<float>(), static_cast<const T*>(v.data_ptr()),
-                           ctx.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), static_cast<T*>(out.data_ptr()),
-                           ctx.size(0), probs.size(2), v.size(2), v.size(0), v.size(1), ctx.size(1));
+// int8 KV rows of x [n, head_dim] (float32), as KVFormat.encode makes them
+torch::Tensor encode_kv_i8_op(torch::Tensor x, int64_t group) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "x must be a contiguous float32 CPU [n, head_dim] tensor");
+  const int64_t D = x.size(1);
+  TORCH_CHECK(group > 0 && group % 16 == 0 && D % group == 0, "a group of a multiple of 16 dividing head_dim");
+  auto out = torch::empty({x.size(0), D + 2 * (D / group)}, x.options().dtype(torch::kUInt8));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const int64_t rb = out.size(1);
+  at::parallel_for(0, x.size(0), 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) encode_kv_row_i8(xp + i * D, D, group, op + i * rb);
   });
   return out;
 }
@@ -261,7 +292,7 @@ class Decoder {
 
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
                         torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool,
-                        int64_t sequences,
+                        int64_t kv_code, int64_t kv_group, int64_t sequences,
                         std::optional<torch::Tensor> w_out_slots, std::optional<torch::Tensor> w_ctx,
                         std::optional<torch::Tensor> w_k_pool, std::optional<torch::Tensor> w_v_pool) {
     const int64_t B = ids.numel();
@@ -278,11 +309,10 @@ class Decoder {
     TORCH_CHECK(!apart || (w_v_pool && w_ctx && w_out_slots && window_layers > 0),
                 "window pools: k, v, context and output slots together, for a model with windows");
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == w_.layers - (apart ? window_layers : 0) &&
-                    k_pool.size(1) == w_.kv_heads &&
-                    k_pool.size(3) == w_.dim && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                    k_pool.size(1) == w_.kv_heads && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                     v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type() &&
                     k_pool.device().is_cpu(),
-                "pools: contiguous CPU [layers, kv_heads, slots, head_dim] of one dtype");
+                "pools: contiguous CPU [layers, kv_heads, slots, row] of one dtype");
     DecodeBatch batch;
     batch.size = B;
     batch.ids = ids.data_ptr<int64_t>();
@@ -294,15 +324,17 @@ class Decoder {
     batch.k_pool = k_pool.data_ptr();
     batch.v_pool = v_pool.data_ptr();
     batch.slots = k_pool.size(2);
-    batch.kv_type = kv_type(k_pool);
+    batch.kv_type = kv_type(k_pool, kv_code, kv_group, w_.dim);
+    batch.kv_group = kv_group;
+    batch.row_bytes = row_bytes(k_pool);
     batch.sequences = sequences == -1 ? B : sequences;
     if (apart) {
       const auto &wk = *w_k_pool, &wv = *w_v_pool, &wc = *w_ctx, &wo = *w_out_slots;
       TORCH_CHECK(wk.dim() == 4 && wk.size(0) == window_layers && wk.size(1) == w_.kv_heads &&
-                      wk.size(3) == w_.dim && wk.is_contiguous() && wv.is_contiguous() &&
+                      wk.size(3) == k_pool.size(3) && wk.is_contiguous() && wv.is_contiguous() &&
                       wv.sizes() == wk.sizes() && wk.scalar_type() == k_pool.scalar_type() &&
                       wv.scalar_type() == k_pool.scalar_type() && wk.device().is_cpu(),
-                  "window pools: contiguous CPU [window layers, kv_heads, slots, head_dim], the pool's dtype");
+                  "window pools: contiguous CPU [window layers, kv_heads, slots, row], the pool's format");
       TORCH_CHECK(wc.sizes() == ctx.sizes() && wc.scalar_type() == torch::kInt64 && wc.is_contiguous() &&
                       wo.numel() == B && wo.scalar_type() == torch::kInt64 && wo.is_contiguous(),
                   "window slots: int64 of the shapes of ctx and out_slots");
@@ -472,8 +504,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object, so they let go of the GIL: the engine process's I/O
   // threads (storage reads and writes, KV transfer, KV events) keep working during a step.
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_scores", &rs::paged_scores, "q . K over paged slots", nogil());
-  m.def("paged_values", &rs::paged_values, "probs . V over paged slots", nogil());
+  m.def("flash_attention", &rs::flash_attention_op, "rows of q over ranges of pool slots", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("kv_code"), py::arg("kv_group"), py::arg("ctx"), py::arg("ctx_start"),
+        py::arg("seq_start"), py::arg("lo"), py::arg("hi"), py::arg("scale"), nogil());
+  m.def("encode_kv_i8", &rs::encode_kv_i8_op, "int8 KV rows of float32 values", nogil());
   py::class_<rs::QWeight>(m, "QWeight")
       .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, std::optional<torch::Tensor>,
                     std::optional<torch::Tensor>>())
@@ -504,7 +538,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("windows") = std::vector<int64_t>{}, py::arg("local_cos") = py::none(),
            py::arg("local_sin") = py::none(), py::arg("embed_scale") = 1.0, py::arg("gelu") = false)
       .def("forward", &rs::Decoder::forward, py::arg("ids"), py::arg("positions"), py::arg("out_slots"),
-           py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"), py::arg("sequences") = -1,
+           py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"), py::arg("kv_code"),
+           py::arg("kv_group"), py::arg("sequences") = -1,
            py::arg("w_out_slots") = py::none(), py::arg("w_ctx") = py::none(),
            py::arg("w_k_pool") = py::none(), py::arg("w_v_pool") = py::none(), nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());

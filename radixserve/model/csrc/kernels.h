@@ -138,17 +138,44 @@ void dequant_rows(const WeightView& w, int64_t row0, int64_t rows, float* out);
 // otherwise dequantized into buf (rows * K floats), which is returned.
 const float* weight_rows(const WeightView& w, int64_t row0, int64_t rows, float* buf);
 
-// Decode attention kernels over a paged pool layer [KVH, S, D] (paged_attention.cpp), for
-// T in float, c10::BFloat16, c10::Half; D a multiple of 16 up to kAttnMaxDim.
-constexpr int64_t kAttnMaxDim = 256, kAttnMaxGroup = 16;
-template <typename T>
-void paged_scores_kernel(const T* q, const T* k, const int64_t* ctx, const int64_t* lens,
-                         float* scores, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t S,
-                         int64_t L);
-template <typename T>
-void paged_values_kernel(const float* probs, const T* v, const int64_t* ctx, const int64_t* lens,
-                         T* out, int64_t B, int64_t G, int64_t D, int64_t KVH, int64_t S,
-                         int64_t L);
+// How a KV pool stores a row (one token's K or V of one head): cache/kv_format.py's
+// KVFormat.kernel_code. F32 / BF16 / F16: head_dim values; I8: head_dim int8 codes, then one
+// float16 scale per `group` channels (value = code * scale).
+enum class KVType : int { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
+
+// One layer's K and V in a pool: [kv_heads, slots, row_bytes] each.
+struct KVLayer {
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  KVType type = KVType::F32;
+  int64_t group = 0;  // I8: channels per scale (a multiple of 16)
+  int64_t row_bytes = 0;
+  int64_t slots = 0;  // rows per head
+};
+
+// Query rows over ranges of their contexts (flash_attention.cpp):
+//   out[r, h, :] = softmax_j(scale * q[r, h, :] . K[c(j)]) V[c(j)] for j in [lo[r], hi[r]),
+// c(j) = ctx[ctx_start[s] + j], s the context of row r: rows [seq_start[s], seq_start[s+1]).
+// q, out: float32, row r's heads at q + r * q_stride (out + r * out_stride), head_dim apart.
+// A row with an empty range gets zeros.
+struct AttnRows {
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  int64_t rows = 0, heads = 0, kv_heads = 0, dim = 0;  // dim: a multiple of 16
+  const int64_t* ctx = nullptr;
+  const int64_t* ctx_start = nullptr;  // [seqs]
+  const int64_t* seq_start = nullptr;  // [seqs + 1]
+  int64_t seqs = 0;
+  const int64_t* lo = nullptr;  // [rows]
+  const int64_t* hi = nullptr;
+  float scale = 1.f;
+};
+void flash_attention(const AttnRows& a, const KVLayer& kv);
+// The I8 row of x [dim], as cache/kv_format.py encodes it (bit for bit).
+void encode_kv_row_i8(const float* x, int64_t dim, int64_t group, uint8_t* row);
+constexpr int64_t kAttnMaxDim = 256;
 
 // Row-wise layer pieces (rowwise.cpp), float32, rows contiguous: RMSNorm of `rows` rows into
 // out; rotate-half RoPE in place of `heads` vectors of one row at one position (cos/sin: that
@@ -190,8 +217,6 @@ struct DecoderWeights {
   const float* local_sin = nullptr;
 };
 
-enum class KVType : int { F32, BF16, F16 };
-
 struct DecodeBatch {
   int64_t size = 0;                     // B
   const int64_t* ids = nullptr;         // [B]
@@ -200,10 +225,12 @@ struct DecodeBatch {
   const int64_t* ctx = nullptr;         // [B, ctx_stride]: each sequence's slots
   int64_t ctx_stride = 0;
   const int64_t* lens = nullptr;        // [B]
-  void* k_pool = nullptr;               // [layers, kv_heads, slots, dim] of kv_type
+  void* k_pool = nullptr;               // [layers, kv_heads, slots, row_bytes] of kv_type
   void* v_pool = nullptr;
   int64_t slots = 0;
   KVType kv_type = KVType::F32;
+  int64_t kv_group = 0;                 // I8: channels per scale
+  int64_t row_bytes = 0;
   // the sequences the rows belong to (a sequence verifying a draft has a row per token):
   // the matmuls round x to int8 from 8 sequences on, as the same sequences decoded one
   // token each would, so a row's logits do not depend on how many draft rows share the step
@@ -211,7 +238,7 @@ struct DecodeBatch {
   // Window layers kept apart (KVPool with a window map): their KV lives in these pools, at
   // the window slots w_out_slots / w_ctx (the same shapes as out_slots / ctx), and k_pool
   // holds the other layers only. w_k_pool null: every layer is in k_pool.
-  void* w_k_pool = nullptr;  // [window layers, kv_heads, w_slots, dim]
+  void* w_k_pool = nullptr;  // [window layers, kv_heads, w_slots, row_bytes]
   void* w_v_pool = nullptr;
   int64_t w_slots = 0;
   const int64_t* w_out_slots = nullptr;
@@ -221,6 +248,7 @@ struct DecodeBatch {
 // Scratch buffers of one decoder; one step at a time per scratch.
 struct DecoderScratch {
   std::vector<float> h, x, qkv, attn, gu, act;
+  std::vector<int64_t> ctx_start, seq_start, lo;  // attention's rows, one context each
 };
 
 // logits [B, vocab] of one step; the batch's inputs must be valid (bindings.cpp checks).
