@@ -25,7 +25,7 @@ xgrammar_check = XGrammarBackend().prepare  # what xgrammar compiles, or its ref
 
 
 def exact_schema_text(text: str) -> str:
-    return xgrammar_check("json_schema", text)
+    return xgrammar_check("json_schema", text).text
 
 
 INT = {"type": "integer"}
