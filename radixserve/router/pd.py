@@ -28,7 +28,7 @@ from typing import Any
 
 from radixserve.router.policy import Policy, Route, RouteRequest
 
-PREFILL_HEADER = "x-radixserve-prefill"  # the server reads it (server/app.py)
+PREFILL_HEADER = "x-radixserve-prefill"  # the server reads it (server/chat_run.py)
 PREFILL_HERE = "local"  # the header's value that tells the decode instance to prefill itself
 
 

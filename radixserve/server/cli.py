@@ -139,6 +139,13 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         "default %(default)s",
     )
     g.add_argument(
+        "--stored-responses",
+        type=int,
+        default=d.stored_responses,
+        help="responses each tenant's /v1/responses keeps for previous_response_id (the "
+        "oldest go first); default %(default)s",
+    )
+    g.add_argument(
         "--default-sampling",
         action="append",
         metavar="NAME=VALUE,...",
@@ -158,6 +165,7 @@ SERVER_FLAGS = (
     "max_queued_requests",
     "shutdown_timeout",
     "engine_restarts",
+    "stored_responses",
     "served_model_name",
 )
 

@@ -45,6 +45,24 @@ log = logging.getLogger("radixserve.server")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Wire:
+    """How a stream's events are written: OpenAI's ``data:`` lines ending in ``[DONE]``, or
+    (``named``) events named by their ``type``, as the Messages and Responses APIs send
+    them; ``error`` is the event a failure becomes."""
+
+    named: bool = False
+    done: str = "data: [DONE]\n\n"
+    error: Callable[[ApiError], dict] = ApiError.body
+
+    def event(self, chunk: dict) -> str:
+        data = json.dumps(chunk)
+        return f"event: {chunk['type']}\ndata: {data}\n\n" if self.named else f"data: {data}\n\n"
+
+
+OPENAI_WIRE = Wire()
+
+
 @dataclass
 class Job:
     """The engine requests behind one HTTP request, and their trackers (one per choice)."""
@@ -219,20 +237,23 @@ class Serving:
         queue: asyncio.Queue,
         chunks: Callable[[Job, int], list[dict]],
         final: Callable[[Job], list[dict]],
+        wire: Wire | None = None,
     ) -> AsyncIterator[str]:
-        """Server-sent events: ``chunks(job, index)`` after each change, ``final(job)`` last.
-        A client that disconnects cancels this generator; its sub-requests are aborted."""
+        """Server-sent events: ``chunks(job, index)`` after each change, ``final(job)`` last,
+        written as ``wire`` says (OpenAI's by default). A client that disconnects cancels
+        this generator; its sub-requests are aborted."""
+        wire = wire or OPENAI_WIRE
         try:
             async for tag in self.events(job, queue):
                 for chunk in chunks(job, tag):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield wire.event(chunk)
             for chunk in final(job):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield wire.event(chunk)
+            yield wire.done
         except ApiError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
+            yield wire.event(wire.error(e))
         except Exception:
             log.exception("a stream failed")
-            yield f"data: {json.dumps(internal_error().body())}\n\n"
+            yield wire.event(wire.error(internal_error()))
         finally:
             await self.abort_unfinished(job)
