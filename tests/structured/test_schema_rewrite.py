@@ -89,6 +89,14 @@ REWRITTEN = [
         {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
         {"anyOf": [{"properties": {"a": {"minimum": 0}}}, {"properties": {"b": {"maximum": 0}}}]}]},
      [{"a": 1}, {"b": -1}, {"a": -1, "b": -1}], [{}, {"a": -1, "b": 1}, {"a": "1"}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "not": {"required": ["a", "b"]}},
+     [{}, {"a": 1}, {"b": 2}], [{"a": 1, "b": 2}, {"a": "1"}, 3]),
+    ({"type": "object", "properties": {"a": INT, "b": STR}, "required": ["a"], "allOf": [
+        {"not": {"properties": {"b": {}}, "required": ["b"]}}]},
+     [{"a": 1}], [{"a": 1, "b": "x"}, {}, {"b": "x"}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT, "c": INT},
+      "not": {"anyOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}},
+     [{}, {"b": 1}, {"c": 1}], [{"a": 1}, {"b": 1, "c": 2}]),
 ]  # fmt: skip
 
 # (schema, path of the refused keyword, words of the message): not exact, still refused

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from radixserve.engine import SamplingParams
-from radixserve.structured.backend import allocate_bitmask
 from radixserve.structured.grammar import GrammarCompiler, check_grammar
+from testing import grammar_walk as walk
 
 STR = {"type": "string"}
 VOCAB = 49152
@@ -36,18 +36,11 @@ def compiler(default_tokenizer):
 
 
 def matcher_after(compiler, tokenizer, schema, text: str):
-    """A matcher of ``schema``'s grammar moved over ``text``'s tokens."""
-    m = compiler.start("json_schema", json.dumps(schema)).matcher
-    for t in tokenizer.hf.encode(text, add_special_tokens=False):
-        assert m.accept(t), (text, tokenizer.hf.decode([t]))
-    return m
+    return walk.matcher_after(compiler, tokenizer.hf, schema, text)
 
 
 def allowed(m) -> torch.Tensor:
-    mask = allocate_bitmask(1, VOCAB)
-    m.fill(mask, 0)
-    bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.reshape(-1).bool()
+    return walk.allowed(m, VOCAB)
 
 
 # (schema, text so far, a next text that would repeat an item, one that would not)
