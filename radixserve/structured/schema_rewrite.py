@@ -34,6 +34,7 @@ from functools import reduce
 from typing import Any
 from urllib.parse import unquote
 
+from radixserve.structured.schema_conditions import discriminated
 from radixserve.structured.schema_forms import absent_keys, one_of_closed, unique_arrays
 from radixserve.structured.schema_merge import NotExact, assertions, merge_flat
 from radixserve.structured.schema_types import ASSERTIONS, SchemaTypes
@@ -171,13 +172,18 @@ class SchemaRewrite:
         return self._unique(s, loc)
 
     def _not(self, s: dict, loc: Loc) -> dict:
-        """``not`` of ``required`` as an ``allOf`` part that closes keys out."""
+        """``not`` of ``required`` as an ``allOf`` part that closes keys out; conditions on a
+        discriminator as the ``anyOf`` of its cases."""
         alt = absent_keys(s.get("not"))
-        if alt is None or not isinstance(s.get("allOf", []), list):
-            return s
-        self._movable(loc, ["not"])
-        rest = {k: v for k, v in s.items() if k != "not"}
-        return self._note({**rest, "allOf": [*s.get("allOf", []), self._note(alt, s["not"])]}, s)
+        if alt is not None and isinstance(s.get("allOf", []), list):
+            self._movable(loc, ["not"])
+            rest = {k: v for k, v in s.items() if k != "not"}
+            s = self._note({**rest, "allOf": [*s.get("allOf", []), self._note(alt, s["not"])]}, s)
+        cases = discriminated(s)
+        if cases is not None:
+            self._movable(loc, ["allOf", "if", "then", "else"])
+            s = self._note(cases, s)
+        return s
 
     def _flat(self, s: Any) -> Any:
         """``s`` as one schema without ``allOf`` or ``$ref``, and with nothing beside an

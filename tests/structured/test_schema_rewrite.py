@@ -35,6 +35,15 @@ DEFS_AB = {  # two object shapes told apart by "kind"
     "b": {"properties": {"kind": {"const": "b"}, "y": STR}, "required": ["kind"]},
 }
 
+CASES = {"type": "object", "required": ["kind"],
+         "properties": {"kind": {"enum": ["open", "secure", "off"]}},
+         "allOf": [{"if": {"properties": {"kind": {"const": "open"}}},
+                    "then": {"properties": {"kind": True}, "additionalProperties": False}},
+                   {"if": {"properties": {"kind": {"const": "secure"}}, "required": ["kind"]},
+                    "then": {"properties": {"user": STR}, "required": ["user"]},
+                    "else": {"properties": {"user": False}}},
+                   {"if": {"properties": {"kind": {"enum": ["off"]}}},
+                    "then": {"properties": {"n": INT}, "required": ["n"]}}]}  # fmt: skip
 # (schema, instances it accepts, instances it refuses)
 REWRITTEN = [
     ({"allOf": [{"type": "object", "properties": {"a": INT}, "required": ["a"]},
@@ -97,6 +106,12 @@ REWRITTEN = [
     ({"type": "object", "properties": {"a": INT, "b": INT, "c": INT},
       "not": {"anyOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}},
      [{}, {"b": 1}, {"c": 1}], [{"a": 1}, {"b": 1, "c": 2}]),
+    (CASES, [{"kind": "open"}, {"kind": "secure", "user": "u"}, {"kind": "off", "n": 1}],
+     [{"kind": "secure"}, {"kind": "open", "user": "u"}, {"kind": "off"}, {"kind": "x"}, {}]),
+    ({"type": "object", "properties": {"t": {"enum": ["a", "b"]}, "x": INT}, "required": ["t"],
+      "if": {"properties": {"t": {"const": "a"}}}, "then": {"required": ["x"]},
+      "else": {"properties": {"x": {"maximum": 0}}}},
+     [{"t": "a", "x": 5}, {"t": "b"}, {"t": "b", "x": -1}], [{"t": "a"}, {"t": "b", "x": 1}]),
 ]  # fmt: skip
 
 # (schema, path of the refused keyword, words of the message): not exact, still refused
