@@ -11,6 +11,12 @@
   branches each closing one key out (``properties: {k: false}``); ``not`` of an ``anyOf``
   of such (none of them holds) as the ``allOf`` of the parts.
 
+- ``dependency_parts``: ``dependencies`` / ``dependentRequired`` / ``dependentSchemas``
+  (where key ``k`` is present, the object requires more keys or meets a schema), as an
+  ``anyOf`` per key: ``k`` closed out, or ``k`` required with what it brings.
+  ``dependencies`` is taken as drafts 4 to 7 define it in every draft (from 2019-09 on it
+  is no keyword, and meeting it only narrows what is written), and so are the later two.
+
 Each returns None where its form does not apply; each is exact where it returns.
 """
 
@@ -98,6 +104,30 @@ def absent_keys(n: Any) -> dict | None:
         parts = [absent_keys(b) for b in n["anyOf"]]
         return None if any(p is None for p in parts) else {"allOf": parts}
     return None
+
+
+DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
+
+
+def dependency_parts(s: dict) -> list[dict] | None:
+    """``allOf`` parts equivalent to ``s``'s dependency keywords (None: none, or a form
+    other than a list of key names or a schema)."""
+    parts = []
+    for keyword in DEPENDENCIES:
+        deps = s.get(keyword)
+        if deps is None:
+            continue
+        if not isinstance(deps, dict):
+            return None
+        for key, dep in deps.items():
+            if isinstance(dep, list) and all(isinstance(k, str) for k in dep):
+                holds: dict = {"required": [key, *dep]}
+            elif isinstance(dep, dict | bool) and keyword != "dependentRequired":
+                holds = {"allOf": [{"required": [key]}, dep]}
+            else:
+                return None
+            parts.append({"anyOf": [{"properties": {key: False}}, holds]})
+    return parts or None
 
 
 def listed_values(flat: Any) -> list | None:

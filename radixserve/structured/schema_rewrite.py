@@ -35,7 +35,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from radixserve.structured.schema_conditions import discriminated
-from radixserve.structured.schema_forms import absent_keys, one_of_closed, unique_arrays
+from radixserve.structured.schema_forms import (
+    DEPENDENCIES,
+    absent_keys,
+    dependency_parts,
+    one_of_closed,
+    unique_arrays,
+)
 from radixserve.structured.schema_merge import NotExact, assertions, merge_flat
 from radixserve.structured.schema_types import ASSERTIONS, SchemaTypes
 
@@ -172,13 +178,19 @@ class SchemaRewrite:
         return self._unique(s, loc)
 
     def _not(self, s: dict, loc: Loc) -> dict:
-        """``not`` of ``required`` as an ``allOf`` part that closes keys out; conditions on a
+        """``not`` of ``required`` as an ``allOf`` part that closes keys out, dependencies as
+        parts that close a key out or require what it brings, conditions on a
         discriminator as the ``anyOf`` of its cases."""
         alt = absent_keys(s.get("not"))
         if alt is not None and isinstance(s.get("allOf", []), list):
             self._movable(loc, ["not"])
             rest = {k: v for k, v in s.items() if k != "not"}
             s = self._note({**rest, "allOf": [*s.get("allOf", []), self._note(alt, s["not"])]}, s)
+        parts = dependency_parts(s)
+        if parts is not None and isinstance(s.get("allOf", []), list):
+            self._movable(loc, list(DEPENDENCIES))
+            rest = {k: v for k, v in s.items() if k not in DEPENDENCIES}
+            s = self._note({**rest, "allOf": [*s.get("allOf", []), *parts]}, s)
         cases = discriminated(s)
         if cases is not None:
             self._movable(loc, ["allOf", "if", "then", "else"])

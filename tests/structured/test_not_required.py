@@ -1,6 +1,7 @@
-"""``not`` of ``required`` (some listed key is absent), rewritten into branches that close one
-key out each: the key that would complete a forbidden set is masked out, the same schema
-without ``not`` allows it, and generated outputs validate."""
+"""``not`` of ``required`` (some listed key is absent) and dependencies (a key brings others),
+rewritten into branches that close a key out: the key that would complete a forbidden set is
+masked out, a key's dependency is forced, the same schemas without them allow otherwise,
+and generated outputs validate."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ PAIR = {"type": "object", "properties": {"payload": INT, "form": INT, "id": INT}
         "not": {"required": ["payload", "form"]}}  # fmt: skip
 NEITHER = {"type": "object", "properties": {"env": INT, "mode": INT}, "required": ["mode"],
            "allOf": [{"not": {"properties": {"env": {}}, "required": ["env"]}}]}  # fmt: skip
+
+DEPENDS = {"type": "object", "properties": {"a": INT, "b": INT}, "additionalProperties": False,
+           "dependencies": {"a": ["b"]}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +46,19 @@ def test_a_key_completing_a_forbidden_set_is_impossible(compiler, default_tokeni
     assert allowed(matcher_after(compiler, tok, free, prefix), VOCAB)[first]
 
 
+def test_a_key_brings_its_dependency(compiler, default_tokenizer):
+    tok = default_tokenizer.hf
+    [close] = tok.encode("}", add_special_tokens=False)
+    assert not allowed(matcher_after(compiler, tok, DEPENDS, '{"a": 1'), VOCAB)[close]
+    free = {k: v for k, v in DEPENDS.items() if k != "dependencies"}
+    assert allowed(matcher_after(compiler, tok, free, '{"a": 1'), VOCAB)[close]
+
+
 def test_generated_outputs_validate(make_engine):
     engine = make_engine()
-    schemas = {f"{i}-{seed}": s for i, s in enumerate([PAIR, NEITHER]) for seed in range(2)}
+    schemas = {
+        f"{i}-{seed}": s for i, s in enumerate([PAIR, NEITHER, DEPENDS]) for seed in range(2)
+    }
     outs: dict[str, list[int]] = {rid: [] for rid in schemas}
     reasons = {}
     for rid, schema in schemas.items():

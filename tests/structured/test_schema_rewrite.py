@@ -112,6 +112,14 @@ REWRITTEN = [
       "if": {"properties": {"t": {"const": "a"}}}, "then": {"required": ["x"]},
       "else": {"properties": {"x": {"maximum": 0}}}},
      [{"t": "a", "x": 5}, {"t": "b"}, {"t": "b", "x": -1}], [{"t": "a"}, {"t": "b", "x": 1}]),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "properties": {"a": INT, "b": INT, "c": INT},
+      "dependencies": {"a": ["b"], "c": {"properties": {"b": {"minimum": 3}}}}},
+     [{}, {"a": 1, "b": 2}, {"c": 1}, {"c": 1, "b": 3}, {"a": 1, "b": 4, "c": 0}],
+     [{"a": 1}, {"c": 1, "b": 2}, {"a": 1, "c": 1}]),
+    ({"type": "object", "properties": {"a": INT, "b": STR}, "additionalProperties": False,
+      "dependentRequired": {"a": ["b"], "b": ["a"]}},
+     [{}, {"a": 1, "b": "x"}], [{"a": 1}, {"b": "x"}]),
 ]  # fmt: skip
 
 # (schema, path of the refused keyword, words of the message): not exact, still refused
