@@ -68,7 +68,7 @@ def walk_times(backend, hf, size: int, stops: list[int], rounds: int) -> list[fl
     for schema, value in CASES:
         text = json.dumps(schema)
         prepared = backend.prepare("json_schema", text)
-        compiled = vocab.compile("json_schema", prepared)
+        compiled = vocab.compile("json_schema", prepared.text)
         tokens = hf.encode(json.dumps(value), add_special_tokens=False)
         for r in range(rounds + 1):
             m = vocab.matcher(compiled)

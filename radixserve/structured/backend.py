@@ -3,10 +3,12 @@
 A ``Backend`` (one per engine: ``xgrammar_backend``, ``llguidance_backend``) has a ``name``
 and two duties:
 
-- ``prepare(kind, text)``: without a vocabulary, the grammar text it would compile for a
-  request's ``(kind, text)``, or ``UnsupportedSchema`` (a construct it would not enforce
-  exactly, with its path) / ``ValueError`` (the grammar is invalid). Deterministic: the
-  HTTP edge and the engine process call it on the same text and get the same answer.
+- ``prepare(kind, text)``: without a vocabulary, a ``Prepared``: the grammar text it would
+  compile for a request's ``(kind, text)`` and, where a JSON Schema asks for distinct items,
+  the ``UniquePlan`` that keeps them distinct beside the grammar (``unique_matcher``); or
+  ``UnsupportedSchema`` (a construct it would not enforce exactly, with its path) /
+  ``ValueError`` (the grammar is invalid). Deterministic: the HTTP edge and the engine
+  process call it on the same text and get the same answer.
 - ``vocabulary(hf_tokenizer, vocab_size, stop_token_ids)``: a ``Vocabulary`` that compiles
   prepared texts for one model and makes a ``Matcher`` per request from a compiled grammar.
 
@@ -18,9 +20,19 @@ the grammar forces next, and whether it is complete.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a backend compiles for a grammar, and the plan of its distinct items (a
+    ``unique_plan.UniquePlan``, or None)."""
+
+    text: str
+    unique: Any = None
 
 
 class Matcher(Protocol):
@@ -51,7 +63,7 @@ class Vocabulary(Protocol):
 class Backend(Protocol):
     name: str
 
-    def prepare(self, kind: str, text: str) -> str: ...
+    def prepare(self, kind: str, text: str) -> Prepared: ...
 
     def vocabulary(self, hf_tokenizer: Any, vocab_size: int,
                    stop_token_ids: list[int]) -> Vocabulary: ...  # fmt: skip

@@ -44,10 +44,18 @@ from typing import Any
 
 import torch
 
-from radixserve.structured.backend import Backend, Matcher, Vocabulary, allocate_bitmask
+from radixserve.structured.backend import (
+    Backend,
+    Matcher,
+    Prepared,
+    Vocabulary,
+    allocate_bitmask,
+)
 from radixserve.structured.jump_forward import Drafter, Drafting
 from radixserve.structured.llguidance_backend import LLGuidanceBackend
 from radixserve.structured.schema_support import UnsupportedSchema
+from radixserve.structured.unique_matcher import UniqueMatcher
+from radixserve.structured.unique_tokens import TokenClasses
 from radixserve.structured.xgrammar_backend import XGrammarBackend
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
@@ -56,7 +64,7 @@ XGRAMMAR, LLGUIDANCE = XGrammarBackend(), LLGuidanceBackend()
 BACKENDS: tuple[Backend, ...] = (XGRAMMAR, LLGUIDANCE)  # in the order they are tried
 
 
-def choose_backend(kind: str, text: str) -> tuple[Backend, str]:
+def choose_backend(kind: str, text: str) -> tuple[Backend, Prepared]:
     """The backend that enforces ``(kind, text)`` exactly and what it compiles for it.
     ``ValueError`` for an invalid grammar; ``UnsupportedSchema`` (a ``ValueError`` with the
     JSON path) where neither backend enforces it, naming what llguidance refused (xgrammar
@@ -99,14 +107,21 @@ def grammar_backend(kind: str, text: str) -> str:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A grammar compiled for one vocabulary by ``backend``."""
+    """A grammar compiled for one vocabulary by ``backend``; where its schema asks for
+    distinct items, their plan (``unique``) and the vocabulary's ``TokenClasses``."""
 
     backend: str
     grammar: Any
     vocabulary: Vocabulary
+    unique: Any = None
+    tokens: TokenClasses | None = None
+    stops: frozenset[int] = frozenset()
 
     def matcher(self) -> Matcher:
-        return self.vocabulary.matcher(self.grammar)
+        inner = self.vocabulary.matcher(self.grammar)
+        if self.unique is None or self.tokens is None:
+            return inner
+        return UniqueMatcher(inner, self.unique, self.tokens, self.stops)
 
 
 @dataclass
@@ -207,6 +222,7 @@ class GrammarCompiler:
         xgr_vocab = XGRAMMAR.vocabulary(*self._tokenizer)
         self._vocabularies: dict[str, Vocabulary] = {XGRAMMAR.name: xgr_vocab}
         self._drafter = Drafter(hf_tokenizer, stop_token_ids, xgr_vocab.token_bytes)
+        self._tokens: TokenClasses | None = None  # built when a schema first asks for it
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()  # stats are written by the worker too
@@ -233,7 +249,11 @@ class GrammarCompiler:
         vocabulary = self._vocabularies.get(backend.name)
         if vocabulary is None:  # only the worker thread builds and reads these
             vocabulary = self._vocabularies[backend.name] = backend.vocabulary(*self._tokenizer)
-        compiled = Compiled(backend.name, vocabulary.compile(kind, prepared), vocabulary)
+        if prepared.unique is not None and self._tokens is None:
+            self._tokens = TokenClasses(self._drafter.token_bytes, self._tokenizer[1])
+        grammar = vocabulary.compile(kind, prepared.text)
+        compiled = Compiled(backend.name, grammar, vocabulary, prepared.unique, self._tokens,
+                            frozenset(self._tokenizer[2]))  # fmt: skip
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_seconds += time.perf_counter() - t0

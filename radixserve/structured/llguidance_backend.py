@@ -19,22 +19,26 @@ beside optional properties are errors, not warnings, as long as its ``lenient`` 
   no ``$recursiveRef`` / ``$dynamicRef`` reads) are dropped, and an ``https`` spelling of a
   draft's ``$schema`` (which it would try to fetch) is read as that draft.
 
-A refusal names the construct's path in the schema, found from llguidance's message
-(``_refusal``). JSON is written as xgrammar writes it: no free whitespace, ", " and ": "
-between items and after keys.
+It is given the schema as ``schema_rewrite`` rewrites it (exact rewrites: ``not``,
+``if``/``then``/``else``, patterns, ... as for xgrammar), without ``uniqueItems``, which a
+``UniquePlan`` enforces beside the grammar. A refusal names the construct's path in the schema
+as given (``llguidance_refusal``). JSON is written as xgrammar writes it: no free
+whitespace, ", " and ": " between items and after keys.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import torch
 
-from radixserve.structured.regex_support import pattern_problem
+from radixserve.structured.backend import Prepared
+from radixserve.structured.llguidance_refusal import Where, refusal
+from radixserve.structured.schema_rewrite import SchemaRewrite
 from radixserve.structured.schema_support import UnsupportedSchema, repeated_keys_problem
-from radixserve.structured.schema_walk import find_keyword, map_schemas, subschemas
+from radixserve.structured.schema_walk import map_schemas, subschemas
+from radixserve.structured.unique_plan import UniquePlan, strip_unique
 
 # the formats llguidance 1.9.1 enforces (parser/src/json/formats.rs)
 KNOWN_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname",
@@ -44,7 +48,6 @@ DRAFTS = {f"https://json-schema.org/draft-0{n}/schema": f"http://json-schema.org
 # xgrammar's compact separators, so an output reads the same whichever backend wrote it
 OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
            "lenient": False, "coerce_one_of": False}  # fmt: skip
-_KEYS = re.compile(r"Unimplemented keys: \[(.*)\]")
 
 
 def _tidy(s: dict) -> dict:
@@ -79,96 +82,33 @@ def prepared_schema(schema: Any) -> Any:
 class LLGuidanceBackend:
     name = "llguidance"
 
-    def prepare(self, kind: str, text: str) -> str:
+    def prepare(self, kind: str, text: str) -> Prepared:
         import llguidance as llg
 
         if kind != "json_schema":
             raise ValueError(f"the llguidance backend takes JSON Schemas, not {kind}")
         schema = json.loads(text)
-        given = prepared_schema(schema)
-        for node, path in subschemas(given):
+        rewrite = SchemaRewrite(schema)
+        given = prepared_schema(rewrite.result)
+        where = Where(given, rewrite)
+        plan = UniquePlan.of(given, where.locate)
+        for node, _ in subschemas(given):
             problem = repeated_keys_problem(node)
             if problem:
-                raise UnsupportedSchema(f"{path}.minProperties" if path else "minProperties",
-                                        problem)  # fmt: skip
+                raise UnsupportedSchema(where.path(node, "minProperties"), problem)
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(given, overrides=OPTIONS)
+            grammar = llg.LLMatcher.grammar_from_json_schema(strip_unique(given),
+                                                             overrides=OPTIONS)  # fmt: skip
         except ValueError as e:
             raise ValueError(f"invalid json schema: {e}") from e
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
         if failed or messages:  # a warning means something was not enforced: refused too
-            raise _refusal(given, messages[0] if messages else "refused")
-        return grammar
+            raise refusal(where, messages[0] if messages else "refused")
+        return Prepared(grammar, plan)
 
     def vocabulary(self, hf_tokenizer: Any, vocab_size: int,
                    stop_token_ids: list[int]) -> LLGuidanceVocabulary:  # fmt: skip
         return LLGuidanceVocabulary(hf_tokenizer, vocab_size, stop_token_ids)
-
-
-def _refusal(schema: Any, message: str) -> UnsupportedSchema:
-    """``UnsupportedSchema`` at the construct llguidance's ``message`` is about."""
-    first = message.strip().splitlines()[0]
-    keys = _KEYS.search(first)
-    if keys:
-        names = json.loads(f"[{keys.group(1)}]")
-        path = find_keyword(schema, lambda s: next((k for k in names if k in s), None))
-        key = (path or names[0]).rsplit(".", 1)[-1]
-        return UnsupportedSchema(path or "", f"{key} is not supported")
-    if first.startswith("regex parse error"):
-        return _pattern_refusal(schema, message)
-    if first.startswith("oneOf constraints"):
-        path = find_keyword(schema, lambda s: "oneOf" if "oneOf" in s else None)
-        return UnsupportedSchema(path or "", "oneOf whose branches may overlap is not "
-                                 "supported (an output could match two)")  # fmt: skip
-    if first.startswith("min/maxProperties"):
-        path = find_keyword(schema, _min_max)
-        return UnsupportedSchema(path or "", "minProperties/maxProperties beside properties "
-                                 "that are not all required is not supported")  # fmt: skip
-    if first.startswith("Resource '"):
-        target = first.split("'")[1]
-        path = find_keyword(schema, lambda s: "$ref" if _refers(s, target) else None)
-        return UnsupportedSchema(path or "", f"a $ref to {target}, outside the schema, is not "
-                                 "supported")  # fmt: skip
-    if first.startswith("circular references with sibling keys"):
-        pointer = first.rsplit("#", 1)[-1].strip("/")  # the definition referred to
-        path = find_keyword(schema, lambda s: "$ref" if _points_to(s, pointer) else None)
-        return UnsupportedSchema(path or "", "a $ref with keywords beside it, in a cycle of "
-                                 f"references to #/{pointer}, is not supported")  # fmt: skip
-    return UnsupportedSchema("", first)
-
-
-def _points_to(s: dict, pointer: str) -> bool:
-    ref = s.get("$ref")
-    beside = set(s) - {"$ref", "$defs", "definitions", "$schema", "$id", "id", "$comment",
-                       "title", "description", "default", "examples"}  # fmt: skip
-    return isinstance(ref, str) and ref.split("#")[-1].strip("/") == pointer and bool(beside)
-
-
-def _pattern_refusal(schema: Any, message: str) -> UnsupportedSchema:
-    """At the pattern llguidance quotes (it may have rewritten ``\\d`` and ``\\w``), else at
-    the first pattern with a construct ``pattern_problem`` names."""
-    lines = message.strip().splitlines()
-    quoted = lines[1].strip() if len(lines) > 1 else ""
-    found = []
-    for node, path in subschemas(schema):
-        where = path + "." if path else ""
-        if isinstance(node.get("pattern"), str):
-            found.append((where + "pattern", node["pattern"]))
-        if isinstance(node.get("patternProperties"), dict):
-            found += [(where + "patternProperties." + p, p) for p in node["patternProperties"]]
-    for path, pattern in found:
-        if pattern == quoted or pattern_problem(pattern):
-            return UnsupportedSchema(path, pattern_problem(pattern) or lines[-1].strip())
-    return UnsupportedSchema("", pattern_problem(quoted) or lines[-1].strip())
-
-
-def _min_max(s: dict) -> str | None:
-    return next((k for k in ("minProperties", "maxProperties") if k in s), None)
-
-
-def _refers(s: dict, target: str) -> bool:
-    ref = s.get("$ref")
-    return isinstance(ref, str) and bool(ref.split("#")[0]) and target.endswith(ref.split("#")[0])
 
 
 class LLGuidanceVocabulary:

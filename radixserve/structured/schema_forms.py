@@ -7,7 +7,17 @@
 - ``unique_arrays``: an array with ``uniqueItems`` whose items take a few listed values, as
   the list of every array it allows (for an ``enum``), at most ``UNIQUE_LIMIT`` of them.
 
-Each returns None where its form does not apply; both are exact where they return.
+- ``absent_keys``: ``not`` of ``required`` (some listed key is absent), as ``anyOf``
+  branches each closing one key out (``properties: {k: false}``); ``not`` of an ``anyOf``
+  of such (none of them holds) as the ``allOf`` of the parts.
+
+- ``dependency_parts``: ``dependencies`` / ``dependentRequired`` / ``dependentSchemas``
+  (where key ``k`` is present, the object requires more keys or meets a schema), as an
+  ``anyOf`` per key: ``k`` closed out, or ``k`` required with what it brings.
+  ``dependencies`` is taken as drafts 4 to 7 define it in every draft (from 2019-09 on it
+  is no keyword, and meeting it only narrows what is written), and so are the later two.
+
+Each returns None where its form does not apply; each is exact where it returns.
 """
 
 from __future__ import annotations
@@ -74,6 +84,50 @@ def unique_arrays(s: dict, items: Any) -> list[list] | None:
     if not 0 < sum(math.perm(len(values), k) for k in range(low, high + 1)) <= UNIQUE_LIMIT:
         return None
     return [list(p) for k in range(low, high + 1) for p in itertools.permutations(values, k)]
+
+
+def absent_keys(n: Any) -> dict | None:
+    """An equivalent of ``{"not": n}`` where ``n`` only requires keys (or is an ``anyOf`` of
+    such), else None. ``required: []`` holds for every value, so its ``not`` holds for none."""
+    if not isinstance(n, dict):
+        return None
+    keys = set(assertions(n))
+    props = n.get("properties", {})
+    if isinstance(props, dict) and all(v is True or v == {} for v in props.values()):
+        keys.discard("properties")  # properties any value meets say nothing
+    if keys == {"required"} and isinstance(n["required"], list) and n["required"]:
+        if not all(isinstance(k, str) for k in n["required"]):
+            return None
+        branches = [{"properties": {k: False}} for k in dict.fromkeys(n["required"])]
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+    if keys == {"anyOf"} and isinstance(n["anyOf"], list) and n["anyOf"]:
+        parts = [absent_keys(b) for b in n["anyOf"]]
+        return None if any(p is None for p in parts) else {"allOf": parts}
+    return None
+
+
+DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
+
+
+def dependency_parts(s: dict) -> list[dict] | None:
+    """``allOf`` parts equivalent to ``s``'s dependency keywords (None: none, or a form
+    other than a list of key names or a schema)."""
+    parts = []
+    for keyword in DEPENDENCIES:
+        deps = s.get(keyword)
+        if deps is None:
+            continue
+        if not isinstance(deps, dict):
+            return None
+        for key, dep in deps.items():
+            if isinstance(dep, list) and all(isinstance(k, str) for k in dep):
+                holds: dict = {"required": [key, *dep]}
+            elif isinstance(dep, dict | bool) and keyword != "dependentRequired":
+                holds = {"allOf": [{"required": [key]}, dep]}
+            else:
+                return None
+            parts.append({"anyOf": [{"properties": {key: False}}, holds]})
+    return parts or None
 
 
 def listed_values(flat: Any) -> list | None:

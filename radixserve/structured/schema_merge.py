@@ -126,7 +126,7 @@ def _object(a: dict, b: dict, out: dict, sub: Sub) -> bool:
         elif name in required:
             return False
         elif extra is not False:
-            raise NotExact(f"property {name!r} allowed by neither side, yet not closed out")
+            props[name] = False  # the key must be absent (other keys may be written)
     out.pop("properties", None), out.pop("additionalProperties", None)
     if "properties" in a or "properties" in b:
         out["properties"] = props

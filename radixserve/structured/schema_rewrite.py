@@ -14,8 +14,9 @@ is not, that part stays as it was, and the check refuses it as before:
   has at most ``COMBINED_LIMIT`` branches): merged into each branch (``anyOf(b1..bn)`` and
   ``K`` is ``anyOf(b1 and K, ..., bn and K)``, and so for ``oneOf``), dropping a branch no
   value then meets;
-- a ``oneOf`` of closed objects that differ only in what they require, and ``uniqueItems``
-  over a few listed values: the exclusive ``anyOf`` and the ``enum`` of ``schema_forms``.
+- a ``oneOf`` of closed objects that differ only in what they require, ``uniqueItems``
+  over a few listed values, and ``not`` of ``required``: the exclusive ``anyOf``, the
+  ``enum`` and the closed-out keys of ``schema_forms``.
 
 Nothing is rewritten in a schema with ``unevaluatedProperties``/``unevaluatedItems`` (they
 depend on what sibling schemas evaluated), an ``$id``/``$anchor`` below its root (a reference
@@ -33,7 +34,14 @@ from functools import reduce
 from typing import Any
 from urllib.parse import unquote
 
-from radixserve.structured.schema_forms import one_of_closed, unique_arrays
+from radixserve.structured.schema_conditions import discriminated
+from radixserve.structured.schema_forms import (
+    DEPENDENCIES,
+    absent_keys,
+    dependency_parts,
+    one_of_closed,
+    unique_arrays,
+)
 from radixserve.structured.schema_merge import NotExact, assertions, merge_flat
 from radixserve.structured.schema_types import ASSERTIONS, SchemaTypes
 
@@ -144,6 +152,7 @@ class SchemaRewrite:
         return out
 
     def _normal(self, s: dict, loc: Loc) -> Any:
+        s = self._not(s, loc)
         keys = list(assertions(s))
         combs = [k for k in ("anyOf", "oneOf") if k in s]
         if "$ref" in s:  # drafts up to 7 ignore the keywords beside it: nothing to merge
@@ -167,6 +176,26 @@ class SchemaRewrite:
                 branches = [self._note(new, old) for old, new in kept]
                 s = self._attach(self._note({"anyOf": branches}, s), s)
         return self._unique(s, loc)
+
+    def _not(self, s: dict, loc: Loc) -> dict:
+        """``not`` of ``required`` as an ``allOf`` part that closes keys out, dependencies as
+        parts that close a key out or require what it brings, conditions on a
+        discriminator as the ``anyOf`` of its cases."""
+        alt = absent_keys(s.get("not"))
+        if alt is not None and isinstance(s.get("allOf", []), list):
+            self._movable(loc, ["not"])
+            rest = {k: v for k, v in s.items() if k != "not"}
+            s = self._note({**rest, "allOf": [*s.get("allOf", []), self._note(alt, s["not"])]}, s)
+        parts = dependency_parts(s)
+        if parts is not None and isinstance(s.get("allOf", []), list):
+            self._movable(loc, list(DEPENDENCIES))
+            rest = {k: v for k, v in s.items() if k not in DEPENDENCIES}
+            s = self._note({**rest, "allOf": [*s.get("allOf", []), *parts]}, s)
+        cases = discriminated(s)
+        if cases is not None:
+            self._movable(loc, ["allOf", "if", "then", "else"])
+            s = self._note(cases, s)
+        return s
 
     def _flat(self, s: Any) -> Any:
         """``s`` as one schema without ``allOf`` or ``$ref``, and with nothing beside an

@@ -70,12 +70,14 @@ class UnsupportedSchema(ValueError):
         self.path, self.detail = path, detail
 
 
-def check_schema_support(schema: Any, rewrite: SchemaRewrite | None = None) -> None:
+def check_schema_support(schema: Any, rewrite: SchemaRewrite | None = None,
+                         unique: bool = False) -> None:  # fmt: skip
     """Raise ``UnsupportedSchema`` for the first construct the grammar would not enforce in
     ``rewrite.result`` (default ``SchemaRewrite(schema)``: the rewrite of ``schema``), named
-    by its path in ``schema``."""
+    by its path in ``schema``; with ``unique``, ``uniqueItems`` is enforced beside the
+    grammar (a ``UniquePlan`` took every one of them)."""
     rewrite = SchemaRewrite(schema) if rewrite is None else rewrite
-    _Walk(rewrite.result, rewrite.locate).node(rewrite.result, "")
+    _Walk(rewrite.result, rewrite.locate, unique).node(rewrite.result, "")
 
 
 def _join(path: str, *parts: str) -> str:
@@ -83,9 +85,10 @@ def _join(path: str, *parts: str) -> str:
 
 
 class _Walk:
-    def __init__(self, root: Any, locate: Callable[[Any, str], str | None]):
+    def __init__(self, root: Any, locate: Callable[[Any, str], str | None], unique: bool):
         self.schema = SchemaTypes(root)
         self.locate = locate  # where a node (or a key of it) of root was in the original
+        self.unique = unique  # uniqueItems is enforced beside the grammar
         self.seen = {"#"}  # the root is walked first
 
     def at(self, s: dict, path: str, key: str, *rest: str) -> str:
@@ -222,7 +225,8 @@ class _Walk:
                                     f"{_INT_RANGE_MAX} range is not supported")  # fmt: skip
 
     def array(self, s: dict, path: str) -> None:
-        if s.get("uniqueItems") is True and not (_num(s.get("maxItems")) and s["maxItems"] <= 1):
+        short = _num(s.get("maxItems")) and s["maxItems"] <= 1
+        if s.get("uniqueItems") is True and not (short or self.unique):
             raise UnsupportedSchema(self.at(s, path, "uniqueItems"), "uniqueItems is not supported")
         if isinstance(s.get("items"), dict):
             self.node(s["items"], _join(path, "items"))

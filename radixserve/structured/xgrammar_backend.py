@@ -6,7 +6,10 @@ a grammar goes to it whenever it enforces the whole grammar. ``prepare`` decides
 is compiled as ``schema_rewrite`` rewrites it (an equivalent xgrammar enforces exactly in
 more cases; ``compiled_schema``), and ``schema_support`` refuses the rewritten schema if
 xgrammar would still drop or approximate a construct of it; a regex gets the same pattern
-check. Compiled JSON is compact (no free whitespace for a model to wander in).
+check. Distinct items (``uniqueItems``) are left to a ``UniquePlan`` beside the grammar
+(``unique_matcher``), and a property a branch closes out (``"k": false``) is left out of
+``properties`` where xgrammar's strict mode allows no other key (``xgrammar_text``).
+Compiled JSON is compact (no free whitespace for a model to wander in).
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from typing import Any
 
 import torch
 
+from radixserve.structured.backend import Prepared
 from radixserve.structured.regex_support import pattern_problem
 from radixserve.structured.schema_rewrite import SchemaRewrite
 from radixserve.structured.schema_support import UnsupportedSchema, check_schema_support
+from radixserve.structured.schema_walk import map_schemas
+from radixserve.structured.unique_plan import UniquePlan, strip_unique
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
 ANY_OBJECT = '{"type": "object"}'
@@ -41,17 +47,35 @@ def compiled_schema(schema: Any) -> SchemaRewrite:
     text = json.dumps(rewrite.result)
     if rewrite.result is not schema and text != json.dumps(schema):
         try:
-            xgr.Grammar.from_json_schema(text)
+            xgr.Grammar.from_json_schema(xgrammar_text(rewrite.result))
             return rewrite
         except Exception:
             pass
     return SchemaRewrite(schema, enabled=False)
 
 
+def _absent(s: dict) -> dict:
+    """``s`` without ``"k": false`` in its properties where no other key may be written."""
+    props = s.get("properties")
+    closed = s.get("additionalProperties", False) is False and not s.get("patternProperties")
+    if not (closed and isinstance(props, dict) and False in props.values()):
+        return s
+    required = s.get("required") if isinstance(s.get("required"), list) else []
+    if any(props.get(k) is False for k in required):
+        return s  # no value meets it: left for xgrammar to refuse
+    return {**s, "properties": {k: v for k, v in props.items() if v is not False}}
+
+
+def xgrammar_text(schema: Any) -> str:
+    """The text xgrammar compiles for a (rewritten) schema: distinct items left to the
+    tracker, and absent keys left out where its strict mode writes no other key."""
+    return json.dumps(map_schemas(strip_unique(schema), _absent))
+
+
 class XGrammarBackend:
     name = "xgrammar"
 
-    def prepare(self, kind: str, text: str) -> str:
+    def prepare(self, kind: str, text: str) -> Prepared:
         import xgrammar as xgr
 
         try:
@@ -68,11 +92,12 @@ class XGrammarBackend:
             raise ValueError(f"invalid {kind.replace('_', ' ')}: {_message(e)}") from e
         if kind == "json_schema":
             rewrite = compiled_schema(schema)
-            check_schema_support(schema, rewrite)
-            return json.dumps(rewrite.result)
+            plan = UniquePlan.of(rewrite.result, rewrite.locate)
+            check_schema_support(schema, rewrite, unique=plan is not None)
+            return Prepared(xgrammar_text(rewrite.result), plan)
         if kind == "regex" and pattern_problem(text):
             raise UnsupportedSchema("", pattern_problem(text) or "")
-        return ANY_OBJECT if kind == "json_object" else text
+        return Prepared(ANY_OBJECT if kind == "json_object" else text)
 
     def vocabulary(self, hf_tokenizer: Any, vocab_size: int,
                    stop_token_ids: list[int]) -> XGrammarVocabulary:  # fmt: skip

@@ -283,8 +283,11 @@ NOT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
             "x": {"type": "string", "pattern": "(?=a)"}}}], "$defs": {"o": {"type": "object"}}}},
          "json_schema.allOf[1].properties.x.pattern: lookahead (?=...) is not supported"),
         ("/generate", {"sampling_params": {"json_schema": json.dumps({"type": "array",
-            "items": {"type": "string"}, "uniqueItems": True})}},
-         "sampling_params.json_schema.uniqueItems: uniqueItems is not supported"),
+            "items": {"type": "object", "properties": {"n": {"type": "integer"}}},
+            "uniqueItems": True})}},
+         "sampling_params.json_schema.uniqueItems: uniqueItems is not supported on these items "
+         "(only on free strings, numbers, objects or values, records of free strings, or a "
+         "few listed values)"),
         ("/v1/completions", {"regex": "a$b"},
          "regex: '$' that is not at the end of the pattern or of an alternative is not "
          "supported"),

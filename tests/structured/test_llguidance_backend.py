@@ -43,7 +43,8 @@ LLGUIDANCE_ONLY = [
 
 # (schema, path, words): neither backend enforces it
 REFUSED = [
-    ({"type": "array", "items": STR, "uniqueItems": True}, "uniqueItems", "uniqueItems"),
+    ({"type": "array", "prefixItems": [STR, STR], "uniqueItems": True}, "uniqueItems",
+     "uniqueItems over a tuple"),
     ({"type": "object", "properties": {"x": {"not": {"const": 1}}}}, "properties.x.not", "not"),
     ({"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
      "if", "if is not supported"),
@@ -57,8 +58,9 @@ REFUSED = [
     ({"type": "array", "items": {"type": "array", "contains": {"const": 1}}}, "items.contains",
      "contains"),
     ({"x-guidance": {"lenient": True, "coerce_one_of": True}, "type": "object",
-      "properties": {"tags": {"type": "array", "uniqueItems": True}}},
-     "properties.tags.uniqueItems", "uniqueItems"),
+      "properties": {"tags": {"type": "array", "uniqueItems": True, "items": {
+          "type": "object", "properties": {"n": INT}}}}},
+     "properties.tags.uniqueItems", "uniqueItems is not supported on these items"),
 ]  # fmt: skip
 # a key matched by additionalProperties may repeat in llguidance's (and xgrammar's) grammar
 REPEATED = {"type": "object", "additionalProperties": INT, "minProperties": 2}
@@ -113,7 +115,7 @@ def vocabulary(default_tokenizer):
 
 def compiled(vocabulary, schema) -> Compiled:
     prepared = LLGuidanceBackend().prepare("json_schema", json.dumps(schema))
-    return Compiled("llguidance", vocabulary.compile("json_schema", prepared), vocabulary)
+    return Compiled("llguidance", vocabulary.compile("json_schema", prepared.text), vocabulary)
 
 
 def allowed(bitmask: torch.Tensor, row: int) -> torch.Tensor:

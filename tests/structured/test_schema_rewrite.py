@@ -25,7 +25,7 @@ xgrammar_check = XGrammarBackend().prepare  # what xgrammar compiles, or its ref
 
 
 def exact_schema_text(text: str) -> str:
-    return xgrammar_check("json_schema", text)
+    return xgrammar_check("json_schema", text).text
 
 
 INT = {"type": "integer"}
@@ -35,6 +35,15 @@ DEFS_AB = {  # two object shapes told apart by "kind"
     "b": {"properties": {"kind": {"const": "b"}, "y": STR}, "required": ["kind"]},
 }
 
+CASES = {"type": "object", "required": ["kind"],
+         "properties": {"kind": {"enum": ["open", "secure", "off"]}},
+         "allOf": [{"if": {"properties": {"kind": {"const": "open"}}},
+                    "then": {"properties": {"kind": True}, "additionalProperties": False}},
+                   {"if": {"properties": {"kind": {"const": "secure"}}, "required": ["kind"]},
+                    "then": {"properties": {"user": STR}, "required": ["user"]},
+                    "else": {"properties": {"user": False}}},
+                   {"if": {"properties": {"kind": {"enum": ["off"]}}},
+                    "then": {"properties": {"n": INT}, "required": ["n"]}}]}  # fmt: skip
 # (schema, instances it accepts, instances it refuses)
 REWRITTEN = [
     ({"allOf": [{"type": "object", "properties": {"a": INT}, "required": ["a"]},
@@ -89,6 +98,28 @@ REWRITTEN = [
         {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
         {"anyOf": [{"properties": {"a": {"minimum": 0}}}, {"properties": {"b": {"maximum": 0}}}]}]},
      [{"a": 1}, {"b": -1}, {"a": -1, "b": -1}], [{}, {"a": -1, "b": 1}, {"a": "1"}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT}, "not": {"required": ["a", "b"]}},
+     [{}, {"a": 1}, {"b": 2}], [{"a": 1, "b": 2}, {"a": "1"}, 3]),
+    ({"type": "object", "properties": {"a": INT, "b": STR}, "required": ["a"], "allOf": [
+        {"not": {"properties": {"b": {}}, "required": ["b"]}}]},
+     [{"a": 1}], [{"a": 1, "b": "x"}, {}, {"b": "x"}]),
+    ({"type": "object", "properties": {"a": INT, "b": INT, "c": INT},
+      "not": {"anyOf": [{"required": ["a"]}, {"required": ["b", "c"]}]}},
+     [{}, {"b": 1}, {"c": 1}], [{"a": 1}, {"b": 1, "c": 2}]),
+    (CASES, [{"kind": "open"}, {"kind": "secure", "user": "u"}, {"kind": "off", "n": 1}],
+     [{"kind": "secure"}, {"kind": "open", "user": "u"}, {"kind": "off"}, {"kind": "x"}, {}]),
+    ({"type": "object", "properties": {"t": {"enum": ["a", "b"]}, "x": INT}, "required": ["t"],
+      "if": {"properties": {"t": {"const": "a"}}}, "then": {"required": ["x"]},
+      "else": {"properties": {"x": {"maximum": 0}}}},
+     [{"t": "a", "x": 5}, {"t": "b"}, {"t": "b", "x": -1}], [{"t": "a"}, {"t": "b", "x": 1}]),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "properties": {"a": INT, "b": INT, "c": INT},
+      "dependencies": {"a": ["b"], "c": {"properties": {"b": {"minimum": 3}}}}},
+     [{}, {"a": 1, "b": 2}, {"c": 1}, {"c": 1, "b": 3}, {"a": 1, "b": 4, "c": 0}],
+     [{"a": 1}, {"c": 1, "b": 2}, {"a": 1, "c": 1}]),
+    ({"type": "object", "properties": {"a": INT, "b": STR}, "additionalProperties": False,
+      "dependentRequired": {"a": ["b"], "b": ["a"]}},
+     [{}, {"a": 1, "b": "x"}], [{"a": 1}, {"b": "x"}]),
 ]  # fmt: skip
 
 # (schema, path of the refused keyword, words of the message): not exact, still refused

@@ -48,8 +48,6 @@ REFUSED = [
     ({"type": "array", "items": INT, "uniqueItems": True}, "uniqueItems", "uniqueItems",
      "[1,1]"),
     ({"type": "array", "items": INT, "contains": {"const": 5}}, "contains", "contains", "[1]"),
-    ({"type": "object", "properties": {"a": INT, "b": INT}, "dependentRequired": {"a": ["b"]}},
-     "dependentRequired", "dependentRequired", '{"a":1}'),
     ({"type": "object", "properties": {"b": INT}, "required": ["a"],
       "additionalProperties": True}, "required",
      "required property 'a' that is not in properties", '{"b":1}'),
