@@ -111,7 +111,15 @@ class Scheduler:
             if budget == 0:
                 break
             n = self._chunk(r, self.kv.prefill_chunk(r, budget))
-            if not n or not self.kv.extend(r, n):
+            if n and r.num_draft and not self.kv.extend(r, n):
+                r.trim_draft()  # memory is short: it decodes without its draft
+            if r.is_decoding:  # its draft was cut away: a decode row, as without drafts
+                if not self.kv.extend(r, 1):
+                    blocked = True
+                    break
+                step.decodes.append(r)
+                continue
+            if not n or (not r.num_draft and not self.kv.extend(r, n)):
                 blocked = True
                 break
             step.prefills.append((r, n))
@@ -193,8 +201,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
-        it is copied, not computed); any other prefills at most ``budget`` tokens. A grammar
-        draft is computed in one step with the token before it, so it is cut to fit."""
+        it is copied, not computed); any other prefills at most ``budget`` tokens. A draft is
+        computed in one step with the token before it, so it is cut to fit."""
         if req.num_draft and req.num_uncomputed > budget:
             req.trim_draft(max(req.num_draft - (req.num_uncomputed - budget), 0))
         if (

@@ -13,6 +13,7 @@ from typing import Any
 
 from radixserve.cache.base import CacheStats
 from radixserve.cache.tier_stats import TierStats
+from radixserve.engine.drafts import DraftStats
 from radixserve.engine.segments import SegmentStats
 from radixserve.structured import GrammarStats
 
@@ -62,6 +63,7 @@ class EngineStats:
     segments: SegmentStats = field(default_factory=SegmentStats)  # RAG segment reuse counters
     grammar: GrammarStats = field(default_factory=GrammarStats)  # constrained decoding
     window: WindowStats | None = None  # None: no window pool
+    drafts: DraftStats = field(default_factory=DraftStats)  # drafts verified, per source
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:
