@@ -8,8 +8,8 @@ group checks its own values and ``EngineConfig`` the rules across groups, raisin
 
 The groups: ``cache`` (the device pool and the radix tree), ``scheduler``, ``kv_events``,
 ``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation), ``segments``
-(RAG segments) and ``drafts`` (drafted tokens verified in one step). Readers use the nested name (``config.cache.page_size``); the flat
-names are only the builder's input.
+(RAG segments) and ``drafts`` (drafted tokens verified in one step). Readers use the nested
+name (``config.cache.page_size``); the flat names are only the builder's input.
 
 The KV pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such
 as ``"2GiB"``); with neither, by a share of the device's free memory. The hierarchical cache

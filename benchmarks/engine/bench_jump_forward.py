@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch", type=int, default=None,
-                    help="the jump-forward engine's jump_forward_max_batch (default: --streams, "
+                    help="the jump-forward engine's draft_max_batch (default: --streams, "
                     "so it drafts in every step)")  # fmt: skip
     args = ap.parse_args()
     if args.copies * args.rounds > len(ASKS):
@@ -79,7 +79,8 @@ def main() -> None:
     engines = {
         jump: Engine(EngineConfig.from_options(model=args.model, load_progress=False,
                                                max_total_tokens=16384,
-                                               jump_forward_max_batch=max_batch * jump),
+                                               draft_sources="grammar",
+                                               draft_max_batch=max_batch * jump),
                      loaded)
         for jump in (False, True)
     }  # fmt: skip

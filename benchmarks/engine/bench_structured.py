@@ -93,10 +93,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--validity-only", action="store_true", help="skip the unconstrained pass")
     ap.add_argument(
-        "--jump-forward-max-batch",
+        "--draft-max-batch",
         type=int,
         default=0,
-        help="drafts of grammar-forced tokens in batches up to this size (0: off)",
+        help="drafts (of grammar-forced tokens) in batches up to this size (0: off)",
     )
     ap.add_argument("--refusals-only", action="store_true",
                     help="only count the refusals, over all usable schemas and the first "
@@ -125,7 +125,8 @@ def main() -> None:
         EngineConfig.from_options(
             model=args.model,
             load_progress=False,
-            jump_forward_max_batch=args.jump_forward_max_batch,
+            draft_sources="grammar",
+            draft_max_batch=args.draft_max_batch,
         )
     )
     masks = MaskClock(sampler)
@@ -160,7 +161,7 @@ def main() -> None:
         "streams": args.streams, "model": args.model or "smollm2-135m",
         "mask_ms_per_token": masks.ms_per_row(),
         "forced_tokens": engine.grammar_stats().forced_tokens,
-        "jump_forward_max_batch": args.jump_forward_max_batch, "max_tokens": args.max_tokens,
+        "draft_max_batch": args.draft_max_batch, "max_tokens": args.max_tokens,
     }))  # fmt: skip
 
 

@@ -98,6 +98,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Step:
         self._land_loads()
+        self._drop_drafts_if_short()
         step = Step()
         decodes = [r for r in self.running if r.is_decoding]
         while decodes and not self.kv.extend_decode(decodes):
@@ -130,6 +131,20 @@ class Scheduler:
             self._retract_newest()  # memory too short for anyone: make room for the oldest
         self.decay(1)
         return step
+
+    def _drop_drafts_if_short(self) -> None:
+        """Drafts are only worth their slots while memory is plenty: when the memory
+        obtainable now does not hold every running request's next tokens, drafts included
+        (a page more each), every draft is dropped, and its request decodes (retracting
+        others, as any decode, if even that does not fit)."""
+        drafted = [r for r in self.running if r.num_draft]
+        if not drafted:
+            return
+        need = sum(r.num_uncomputed + self.kv.page_size for r in self.running if r.is_decoding
+                   or r.num_draft)  # fmt: skip
+        if need > self.kv.available():
+            for r in drafted:
+                r.trim_draft()
 
     def decay(self, steps: int) -> None:
         """Lower the output reservation ratio as ``steps`` steps with enough memory do."""

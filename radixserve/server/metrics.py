@@ -194,7 +194,7 @@ class Metrics:
                                        "Draft tokens computed (verified by the model)",
                                        labels=labels)  # fmt: skip
         accepted = CounterMetricFamily("draft_accepted_tokens",
-                                       "Draft tokens kept: output tokens without a step of their own",
+                                       "Draft tokens kept: outputs without a step of their own",
                                        labels=labels)  # fmt: skip
         per_step = GaugeMetricFamily("draft_tokens_per_step",
                                      "Output tokens per step that verified a draft (kept + 1)",
