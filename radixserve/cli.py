@@ -138,7 +138,7 @@ def _add_optional_parsers(sub: argparse._SubParsersAction, wanted: set[str]) -> 
     command line when their modules cannot be imported."""
     if "serve" in wanted:
         try:
-            from radixserve.server.cli import add_serve_parser
+            from radixserve.fleet.cli import add_serve_parser
         except ImportError:
             pass
         else:
@@ -152,7 +152,7 @@ def _add_optional_parsers(sub: argparse._SubParsersAction, wanted: set[str]) -> 
             if "router" in wanted:
                 add_router_parser(sub)
             if "ray-serve" in wanted:
-                from radixserve.server.ray_cli import add_ray_parser  # Ray Serve
+                from radixserve.fleet.ray_cli import add_ray_parser  # Ray Serve
 
                 add_ray_parser(sub)
     if "bench" in wanted:

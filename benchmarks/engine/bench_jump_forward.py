@@ -102,7 +102,7 @@ def main() -> None:
         tokens += sum(len(v) for v in outs[True].values())
     for e in engines.values():
         e.check_integrity()
-    stats = engines[True].grammar_stats()
+    grammar = engines[True].stats().drafts.sources["grammar"]
     off, on = max(rates[False]), max(rates[True])
     print(json.dumps({
         "model": args.model or "smollm2-135m", "dtype": args.dtype, "streams": args.streams,
@@ -111,7 +111,7 @@ def main() -> None:
         "tokens_per_s": {"token_by_token": round(off, 1), "jump_forward": round(on, 1)},
         "speedup": round(on / off, 3), "identical": identical,
         "round_speedups": [round(b / a, 3) for a, b in zip(rates[False], rates[True], strict=True)],
-        "forced_tokens": stats.forced_tokens, "drafted_tokens": stats.drafted_tokens,
+        "forced_tokens": grammar.accepted_tokens, "drafted_tokens": grammar.proposed_tokens,
         "rounds": {str(k): [round(r, 1) for r in v] for k, v in rates.items()},
     }))  # fmt: skip
 

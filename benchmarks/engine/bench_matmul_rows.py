@@ -7,16 +7,22 @@ layers 0 and 1 (each counted for half the layers), and the LM head, for each ``-
 products below) and the int8 path (x rounded to int8 per block, what the decoder and the
 prompt path use for GGUF block formats, and the decoder's batches for every format), one
 after the other on each matrix, best of ``--repeat`` timings each. ``step_ms`` adds the
-matrices up as a decode step runs them (every layer, the LM head once). Threads:
-``OMP_NUM_THREADS``. Prints one JSON line.
+matrices up as a decode step runs them (every layer, the LM head once). ``int8_alone`` is
+the int8 path with every row computed on its own (``alone=True``: what a step of fewer than
+8 sequences takes for a draft's rows, each weight read once for all rows), and
+``verify_vs_decode`` its step time over that many one-row steps: what verifying ``rows - 1``
+drafted tokens costs against decoding them one step each (1.0: no gain at all; 1/rows: free).
+Threads: ``OMP_NUM_THREADS``. Prints one JSON line.
 
-Usage: ``python -m benchmarks.engine.bench_matmul_rows [--model NAME] [--rows 1 16]``.
+Usage: ``python -m benchmarks.engine.bench_matmul_rows [--model NAME] [--rows 1 16]``
+(``RADIXSERVE_NATIVE_ISA=avx2`` for the AVX2-only build).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -53,20 +59,29 @@ def main() -> None:
             ("down_1", layers[1]["down"], n // 2), ("lm_head", model.lm_head, 1)]  # fmt: skip
     out: dict = {"bench": "matmul_rows", "model": args.model, "threads": torch.get_num_threads()}
     for m in args.rows:
-        paths = ("float", "int8")
+        paths = ("float", "int8", "int8_alone")
         row: dict = {p: {"step_ms": 0.0} for p in paths}
         for name, w, count in mats:
             view = w.native_view()
             x = torch.randn(m, w.shape[1])
             for path in paths:
-                int8 = path == "int8"
-                ms = best_ms(lambda v=view, x=x, i=int8: ops.qgemm(x, v, int8=i), args.repeat)
+                int8, alone = path != "float", path == "int8_alone"
+                ms = best_ms(lambda v=view, x=x, i=int8, a=alone: ops.qgemm(x, v, int8=i, alone=a),
+                             args.repeat)  # fmt: skip
                 row[path][name] = round(ms, 3)
                 row[path]["step_ms"] += ms * count
         for path in paths:
             row[path]["step_ms"] = round(row[path]["step_ms"], 2)
         row["int8_speedup"] = round(row["float"]["step_ms"] / row["int8"]["step_ms"], 2)
         out[f"rows_{m}"] = row
+    one = out.get("rows_1")
+    if one is not None:
+        out["verify_vs_decode"] = {
+            str(m): round(out[f"rows_{m}"]["int8_alone"]["step_ms"]
+                          / (m * one["int8"]["step_ms"]), 3)
+            for m in args.rows
+        }  # fmt: skip
+    out["isa"] = os.environ.get("RADIXSERVE_NATIVE_ISA", "native")
     print(json.dumps(out))
 
 

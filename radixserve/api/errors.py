@@ -1,6 +1,9 @@
-"""Every error the server and the router answer, in OpenAI's envelope, with a short message.
+"""Every error the server and the router answer, in the envelope of the API called, with a
+short message.
 
-``{"error": {"message", "type", "param", "code"}}`` for every 4xx and 5xx: our own
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (and, on the Anthropic Messages
+paths, Anthropic's ``{"type": "error", "error": {"type", "message"}}``) for every 4xx and 5xx:
+our own
 ``ApiError``s, FastAPI's validation errors, Starlette's 404/405/400 (unknown route, wrong
 method, a body that is not UTF-8), a dead or restarting engine (503 with ``Retry-After``) and
 anything unexpected (500). Clients never see a traceback: it goes to the log.
@@ -19,6 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("radixserve.server")
 
 RETRY_AFTER_SECONDS = 2
+ANTHROPIC_PATHS = ("/v1/messages",)  # errors there take Anthropic's shape
+# Anthropic's error type of each status
+_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -41,7 +49,12 @@ class ApiError(Exception):
         )
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error body in the shape of the API at ``path``."""
+        if path.startswith(ANTHROPIC_PATHS):
+            other = "api_error" if self.status >= 500 else self.kind
+            kind = _ANTHROPIC_KINDS.get(self.status, other)
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {
             "error": {
                 "message": self.message,
@@ -51,8 +64,8 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def unavailable(message: str) -> ApiError:
@@ -78,8 +91,12 @@ def _from_validation_error(e: RequestValidationError) -> ApiError:
     field = errors[0].get("loc", ())[:2]  # ("body", the field)
     # a field that takes several shapes (a prompt as text or token ids) fails once per shape:
     # the failure of one of our own checks says more than "should be a valid string"
-    ours = (x for x in errors if x.get("loc", ())[:2] == field and x.get("type") == "value_error")
-    err = next(ours, errors[0])
+    same = [x for x in errors if x.get("loc", ())[:2] == field]
+    ours = (x for x in same if x.get("type") == "value_error")
+    # a list of typed blocks: the block's unknown or missing type says more than the other
+    # shapes the field could have taken
+    tags = (x for x in same if x.get("type") in ("union_tag_invalid", "union_tag_not_found"))
+    err = next(ours, None) or next(tags, errors[0])
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None  # the top-level field the client sent
     if err.get("type") == "json_invalid":
@@ -101,19 +118,19 @@ def install_error_handlers(app: FastAPI, retryable: tuple[type[Exception], ...] 
     engine) as 503 with ``Retry-After``."""
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return e.response()
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _from_validation_error(e).response()
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _from_validation_error(e).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _from_http_exception(e).response()
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _from_http_exception(e).response(request.url.path)
 
-    async def retry_later(_: Request, e: Exception) -> JSONResponse:
-        return unavailable(str(e)).response()
+    async def retry_later(request: Request, e: Exception) -> JSONResponse:
+        return unavailable(str(e)).response(request.url.path)
 
     for kind in retryable:
         app.add_exception_handler(kind, retry_later)
@@ -121,7 +138,7 @@ def install_error_handlers(app: FastAPI, retryable: tuple[type[Exception], ...] 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
         log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=e)
-        return internal_error().response()
+        return internal_error().response(request.url.path)
 
 
 def internal_error() -> ApiError:

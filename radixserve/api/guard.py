@@ -3,7 +3,8 @@
 A plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which hides a client's
 disconnect from the handler, so a non-streaming request whose client left could not be
 aborted). It answers itself, in the OpenAI error envelope, when a request is refused:
-401 without a valid key (``/health`` needs none), 403 on the admin paths without the admin
+401 without a valid key (``Authorization: Bearer KEY``, or ``X-Api-Key: KEY`` as Anthropic's
+clients send it; ``/health`` needs none), 403 on the admin paths without the admin
 key, 413 for a body over the limit: by its ``Content-Length`` before a byte is read, or as
 soon as a chunked body passes it. The request's tenant goes into ``scope["state"]``: the
 caller's key's, or, from the holder of the admin key (a router in front), the tenant named in
@@ -51,6 +52,8 @@ class Guard:
         """(a valid key was given, it is the admin key, the caller's tenant)."""
         given = next((v for k, v in headers if k == b"authorization"), b"")
         token = given[7:] if given[:7].lower() == b"bearer " else b""
+        if not token:  # Anthropic's clients send the key in X-Api-Key
+            token = next((v for k, v in headers if k == b"x-api-key"), b"")
         if self._admin is not None and secrets.compare_digest(token, self._admin):
             return True, True, key_tenant(self.config.admin_key or "")
         valid = [tenant for key, tenant in self._keys if secrets.compare_digest(token, key)]
@@ -80,12 +83,13 @@ class Guard:
         if refusal is None and length is not None and (not length.isdigit() or int(length) > limit):
             refusal = _too_large(limit)
         if refusal is not None:
-            return await refusal.response()(scope, receive, send)
+            return await refusal.response(path)(scope, receive, send)
         state = scope.setdefault("state", {})
         if admin:
             named = next((v for k, v in headers if k == TENANT_HEADER.encode()), None)
             tenant = named.decode("latin-1") if named else tenant
         state["tenant"] = tenant if self.config.salt_from_api_key else None
+        state["caller"] = tenant  # whose stored responses (api/responses_api.py) it may read
         state["admin"] = admin
         await self.app(scope, _limited(receive, limit), send)
 

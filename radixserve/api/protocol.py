@@ -24,9 +24,10 @@ from radixserve.api.body import (
     TokenId,
     build_params,
 )
+from radixserve.api.chat_input import ChatInput
 from radixserve.api.constraints import grammar_from, parse_logit_bias, response_format_grammar
 from radixserve.api.errors import ApiError
-from radixserve.api.tools import ToolPlan, history_message
+from radixserve.api.tools import ToolPlan
 from radixserve.engine.sampling_params import SamplingParams
 
 PLACEHOLDER = "\x00reusable\x00"  # where ChatMessage.text puts a reusable part's text
@@ -112,22 +113,26 @@ class ChatCompletionRequest(Sampling):
         max_tokens = self.max_completion_tokens if self.max_tokens is None else self.max_tokens
         return self.sampling_params(defaults, max_tokens, logprobs, seed_offset)
 
-    def conversation(
-        self, mark_reusable: bool = False, template_has_tools: bool = False
-    ) -> list[dict[str, Any]]:
-        """The messages for the chat template (``template_has_tools``: it renders the
-        history's tool calls itself; else they become text, ``tools.py``)."""
+    def conversation(self, mark_reusable: bool = False) -> list[dict[str, Any]]:
+        """The messages in ``ChatInput`` form (``developer`` is OpenAI's newer name for the
+        system role)."""
         out = []
         for m in self.messages:
-            # "developer" is OpenAI's newer name for the system role
             msg = {"role": "system" if m.role == "developer" else m.role,
                    "content": m.text(mark_reusable)}  # fmt: skip
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             if m.tool_calls:
-                msg = history_message({**msg, "tool_calls": m.tool_calls}, template_has_tools)
+                msg["tool_calls"] = m.tool_calls
             out.append(msg)
         return out
+
+    def chat_input(self, defaults: dict[str, Any], mark_reusable: bool = False) -> ChatInput:
+        """This request in the form the three chat APIs share (``chat_input.py``)."""
+        params = self.choice_params(defaults)
+        messages = self.conversation(mark_reusable)
+        return ChatInput.build(messages, self.tool_plan(), self.grammar(), params,
+                               salt=self.cache_salt)  # fmt: skip
 
     def tool_plan(self) -> ToolPlan | None:
         """What ``tools`` and ``tool_choice`` ask for (None: no tools in play)."""

@@ -18,17 +18,15 @@ with a construct the grammar would not enforce (``schema_support``) is a 400 nam
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from radixserve.api.constraints import unsupported_error
 from radixserve.api.errors import ApiError
+from radixserve.api.tool_stream import CLOSE, OPEN, Call, Text, ToolStream
 from radixserve.structured import UnsupportedSchema, check_grammar
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 GENERIC_HEADER = (
     "You can call the functions below. Each is given as JSON: its name, description and a "
     "JSON Schema of its arguments.\n"
@@ -120,27 +118,20 @@ class ToolPlan:
             return [merged, *conversation[1:]], None
         return [{"role": "system", "content": system}, *conversation], None
 
+    def stream(self) -> ToolStream:
+        """A parser of this request's output into text and calls (``tool_stream.py``)."""
+        names = frozenset(f["name"] for f in self.functions)
+        return ToolStream(names, self.grammar is not None, self.parallel)
+
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """The content left and the tool calls in one output (no calls: the text as is)."""
-        if self.grammar is not None:
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []  # cut off by max_tokens
-            calls = value if isinstance(value, list) else [value]
-            return None, [_openai_call(c) for c in calls]
-        calls = []
-        for body in _CALL.findall(text):
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                calls.append(_openai_call(call))
+        """The content left and the tool calls (OpenAI's shape) in one whole output."""
+        parser = self.stream()
+        pieces = parser.feed(text) + parser.finish()
+        calls = [openai_call(p) for p in pieces if isinstance(p, Call)]
         if not calls:
             return text, []
-        content = _CALL.sub("", text).strip()
-        return content or None, calls[: None if self.parallel else 1]
+        content = "".join(p.text for p in pieces if isinstance(p, Text))
+        return content or None, calls
 
 
 def history_message(message: dict[str, Any], template_has_tools: bool) -> dict[str, Any]:
@@ -162,13 +153,14 @@ def history_message(message: dict[str, Any], template_has_tools: bool) -> dict[s
     return {"role": "assistant", "content": (message.get("content") or "") + text}
 
 
-def _openai_call(call: Any) -> dict[str, Any]:
-    args = call.get("arguments", {}) if isinstance(call, dict) else {}
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": call.get("name", ""), "arguments": json.dumps(args)},
-    }
+def call_id(prefix: str = "call_") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def openai_call(call: Call) -> dict[str, Any]:
+    """A parsed call in chat completions' ``tool_calls`` shape, with a fresh id."""
+    return {"id": call_id(), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
 
 
 def _rebased(schema: Any, base: str) -> Any:

@@ -48,6 +48,7 @@ class OutputTracker:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended the output, if one did
     usage: Usage = field(default_factory=Usage)  # the latest output's
     streamed_chars: int = 0
     streamed_tokens: int = 0
@@ -81,6 +82,7 @@ class OutputTracker:
         if not hits:
             return False
         pos, stop = min(hits)
+        self.stop_string = stop
         self.text = self.text[: pos + (len(stop) if self.params.include_stop_str_in_output else 0)]
         return True
 

@@ -10,9 +10,7 @@ token: a token both stale and read by the question (the variant measured best,
 docs/decisions.md "RAG segments"); the top of the ranking over all segments fills the budget.
 
 Other selections (K, V or attention alone, position, per-segment quotas, several probe
-layers, gradual filtering) are research variants kept with the benchmark that compares them
-(``benchmarks/rag/selection_variants.py``); they subclass this one through ``score`` and
-``choose``.
+layers, gradual filtering) were measured and rejected (docs/decisions.md, "RAG segments").
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from radixserve.router.workers import WorkerPool
 
 RETRY_STATUSES = (502, 503, 504)
 DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "transfer-encoding",
-                        "accept-encoding", "keep-alive", "authorization"}  # fmt: skip
+                        "accept-encoding", "keep-alive", "authorization", "x-api-key"}  # fmt: skip
 KEEP_RESPONSE_HEADERS = ("content-type", "cache-control", "x-accel-buffering")
 CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
 TAIL_BYTES = 8192

@@ -11,12 +11,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from radixserve.api.anthropic import CountTokensRequest, MessagesRequest
 from radixserve.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.api.responses_api import ResponsesRequest
 
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/generate": GenerateRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest,
 }
 
 

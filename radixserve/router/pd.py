@@ -10,8 +10,7 @@ relay and ticket discipline apply unchanged. Per request:
    known from its KV events, plus its load);
 2. conditional split: when that instance lacks fewer than ``local_prefill_tokens`` tokens, it
    prefills them itself (the header says ``local``) and no prefill instance is involved
-   (moving them would cost more than computing them:
-   ``benchmarks/fleet/bench_disagg_threshold.py``);
+   (moving them would cost more than computing them: docs/decisions.md, "Fleet");
 3. otherwise the prefill policy picks a prefill instance by its own tree and load, and the
    request goes to the decode instance with the ``X-Radixserve-Prefill`` header naming that
    instance's KV endpoint. The decode ticket's pending prefill work is cleared at once (it is
@@ -29,7 +28,7 @@ from typing import Any
 
 from radixserve.router.policy import Policy, Route, RouteRequest
 
-PREFILL_HEADER = "x-radixserve-prefill"  # the server reads it (server/app.py)
+PREFILL_HEADER = "x-radixserve-prefill"  # the server reads it (server/chat_run.py)
 PREFILL_HERE = "local"  # the header's value that tells the decode instance to prefill itself
 
 

@@ -15,22 +15,22 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from radixserve.api.config import ServerConfig
 from radixserve.api.errors import ApiError, install_error_handlers
-from radixserve.api.guard import Guard, cache_namespace
+from radixserve.api.guard import Guard
 from radixserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
 )
-from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.spec import RequestSpec
 from radixserve.model.generation_defaults import GenerationDefaults
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.admin_routes import add_admin_routes
+from radixserve.server.chat_run import check_model, request_spec, sse_response, start
 from radixserve.server.engine_client import EngineClient, EngineDeadError
+from radixserve.server.messages_api import add_messages_routes
 from radixserve.server.metrics import Metrics
 from radixserve.server.prefill_trust import PrefillTrust
 from radixserve.server.responses import (
@@ -39,13 +39,9 @@ from radixserve.server.responses import (
     chat_response,
     completion_response,
 )
+from radixserve.server.responses_api import add_responses_routes
 from radixserve.server.segments import encode_chat_segments, encode_segments
 from radixserve.server.serving import Job, Serving
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# On a decode instance: the prefill instance (its KV endpoint) to take the prompt's KV from;
-# the router sets it per request (docs/fleet.md); who may choose which: ``prefill_trust.py``.
-PREFILL_HEADER = "x-radixserve-prefill"
 
 
 def create_app(
@@ -68,6 +64,8 @@ def create_app(
     app.state.prefill_trust = PrefillTrust(client.config.disagg, config.trusted_prefill)
     add_info_routes(app, client, served_model_name, sampling)
     add_openai_routes(app, serving, tokenizer, served_model_name, sampling.values)
+    add_messages_routes(app, serving, tokenizer, served_model_name, sampling.values)
+    add_responses_routes(app, serving, tokenizer, served_model_name, sampling.values)
     add_generate_route(app, serving, tokenizer, sampling.values)
     add_admin_routes(app, client, tokenizer, config, metrics)
     return app
@@ -85,42 +83,27 @@ def add_openai_routes(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
         check_model(body.model, served_model_name)
-        params = body.choice_params(defaults)
-        serving.check_size(body.n)
         reusable = body.reusable_parts()
-        plan, grammar = await serving.checked(lambda: (body.tool_plan(), body.grammar()))
-        options: dict = {}
+        chat = await serving.checked(lambda: body.chat_input(defaults, bool(reusable)))
+        serving.check_size(body.n)
         if reusable:  # RAG segments (server/segments.py)
-            if plan is not None:
+            if chat.plan is not None:
                 raise ApiError(400, "tools cannot be combined with reusable content parts",
                                "tools")  # fmt: skip
-            marked = body.conversation(mark_reusable=True)
+            marked, _ = chat.render(tokenizer.template_has_tools)
             ids, ranges = await serving.off_loop(encode_chat_segments, tokenizer, marked, reusable)
             options = {"segments": tuple(ranges), "recompute_ratio": body.recompute_ratio}
+            spec = request_spec(raw, body.cache_salt, grammar=chat.grammar, **options)
+            job, queue = await serving.submit("chatcmpl", [ids] * body.n, chat.params, spec)
         else:
-            native_tools = tokenizer.template_has_tools
-            messages, tools = body.conversation(template_has_tools=native_tools), None
-            if plan is not None:
-                messages, tools = plan.render(messages, native_tools)
-            ids = await serving.off_loop(tokenizer.encode_chat, messages, tools)
-        if plan is not None and plan.grammar is not None:
-            if grammar is not None:
-                raise ApiError(400, "tool_choice required or a named function cannot be combined "
-                               "with response_format or a grammar", "tool_choice")  # fmt: skip
-            grammar = plan.grammar
-        spec = request_spec(raw, body.cache_salt, grammar=grammar, **options)
-        job, queue = await serving.submit("chatcmpl", [ids] * body.n, params, spec)
+            job, queue = await start(serving, tokenizer, chat, raw, "chatcmpl")
         want_lp = body.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            s = ChatStream(served_model_name, tokenizer, want_lp, include_usage, tools=plan)
-            return StreamingResponse(
-                serving.stream(job, queue, s.chunks, s.final),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            s = ChatStream(served_model_name, tokenizer, want_lp, include_usage, tools=chat.plan)
+            return sse_response(serving.stream(job, queue, s.chunks, s.final))
         await serving.wait(job, queue, raw)
-        return chat_response(job, served_model_name, tokenizer, want_lp, plan)
+        return chat_response(job, served_model_name, tokenizer, want_lp, chat.plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -135,11 +118,7 @@ def add_openai_routes(
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             s = CompletionStream(served_model_name, tokenizer, want_lp, include_usage, len(prompts))
-            return StreamingResponse(
-                serving.stream(job, queue, s.chunks, s.final),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return sse_response(serving.stream(job, queue, s.chunks, s.final))
         await serving.wait(job, queue, raw)
         return completion_response(job, served_model_name, tokenizer, want_lp, len(prompts))
 
@@ -163,39 +142,9 @@ def add_generate_route(
         spec = request_spec(raw, body.cache_salt, **options)
         job, queue = await serving.submit("gen", [ids], [params], spec)
         if body.stream:
-            return StreamingResponse(
-                serving.stream(job, queue, native_chunks, lambda _: []),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return sse_response(serving.stream(job, queue, native_chunks, lambda _: []))
         await serving.wait(job, queue, raw)
         return native_result(job, full=True)
-
-
-def check_model(name: str | None, served_model_name: str) -> None:
-    if name is not None and name != served_model_name:
-        raise ApiError(
-            404,
-            f"model {name!r} not found; this server serves {served_model_name!r}",
-            "model",
-            code="model_not_found",
-        )
-
-
-def request_spec(raw: Request, salt: str | None, **options: Any) -> RequestSpec:
-    """What every engine request of this HTTP request shares (``Serving.submit`` gives
-    each its id, prompt and sampling): the tenant's namespace, the prefill peer, RAG
-    segments."""
-    return RequestSpec(
-        request_id="",
-        prompt_ids=[],
-        params=SamplingParams(),
-        namespace=cache_namespace(getattr(raw.state, "tenant", None), salt),
-        prefill_peer=raw.app.state.prefill_trust.peer(
-            raw.headers.get(PREFILL_HEADER), raw.state.admin
-        ),
-        **options,
-    )
 
 
 def add_info_routes(

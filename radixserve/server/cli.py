@@ -16,12 +16,12 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from radixserve.api.config import ServerConfig, parse_sampling_overrides
 from radixserve.cli_options import add_engine_args, engine_config_from_args
 from radixserve.config import EngineConfig
-from radixserve.server.fleet_args import add_fleet_args, kv_event_options
+from radixserve.server.event_args import add_kv_event_args, kv_event_options
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixserve")
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``serve`` command of one server (``fleet.cli`` adds ``--dp`` to it)."""
     p = sub.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
@@ -60,8 +61,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_security_args(p)
     add_limit_args(p)
     add_engine_args(p)
-    add_fleet_args(p)
+    add_kv_event_args(p)
     p.set_defaults(func=cmd_serve, parser=p)
+    return p
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +139,13 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
         "default %(default)s",
     )
     g.add_argument(
+        "--stored-responses",
+        type=int,
+        default=d.stored_responses,
+        help="responses each tenant's /v1/responses keeps for previous_response_id (the "
+        "oldest go first); default %(default)s",
+    )
+    g.add_argument(
         "--default-sampling",
         action="append",
         metavar="NAME=VALUE,...",
@@ -156,6 +165,7 @@ SERVER_FLAGS = (
     "max_queued_requests",
     "shutdown_timeout",
     "engine_restarts",
+    "stored_responses",
     "served_model_name",
 )
 
@@ -188,8 +198,6 @@ def server_config_from_args(
 def step_trace_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     if args.step_trace is None:
         return None
-    if args.dp > 1:
-        parser.error("--step-trace traces one engine; it cannot be combined with --dp")
     try:
         with open(args.step_trace, "a"):
             pass
@@ -199,10 +207,18 @@ def step_trace_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    config, server_config, sock = checked_serve_args(parser, args)
+    return run_server(config, server_config, sock, args.log_level)
+
+
+def checked_serve_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[EngineConfig, ServerConfig, socket.socket]:
+    """Every flag checked (errors name the flag), logging set up, the port bound."""
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be between 0 and 65535, got {args.port}")
     config = engine_config_from_args(
-        parser, args, step_trace=step_trace_path(parser, args), **kv_event_options(parser, args)
+        parser, args, step_trace=step_trace_path(parser, args), **kv_event_options(args)
     )
     server_config = server_config_from_args(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -210,12 +226,15 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
         parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
-    if args.dp > 1:
-        from radixserve.server.dp_launch import cmd_dp
+    return config, server_config, sock
 
-        return cmd_dp(parser, args, sock)
+
+def run_server(
+    config: EngineConfig, server_config: ServerConfig, sock: socket.socket, log_level: str
+) -> NoReturn:
+    """Serve on ``sock`` until SIGTERM or Ctrl-C, then end the process with the exit code."""
     try:
-        code = asyncio.run(serve(config, server_config, sock, args.log_level))
+        code = asyncio.run(serve(config, server_config, sock, log_level))
     except KeyboardInterrupt:
         code = 0
     except SystemExit as e:  # SIGTERM, once the server has drained and closed the engine

@@ -3,28 +3,34 @@
 Starts the engine in its own (spawned) process, connected by two ZeroMQ IPC sockets in a
 private temporary directory (so several servers share a machine). One background task reads
 everything the engine sends and routes it: step outputs to each request's queue, replies to
-waiting futures, stats to the metrics. ``add`` resolves only once the engine accepted the
-request, so a rejected one becomes an HTTP 400 before any streaming starts.
+waiting futures, stats to the metrics. ``add`` sends all the engine requests of one HTTP
+request in one message, so the engine reads them between the same two steps and the
+scheduler admits them together (the choices of ``n`` are prefilled in one step; past the
+scheduler's in-flight prefix threshold, the prompt is computed once and the other choices
+start together one step later, from the cache). It resolves only once the engine took them
+all, so a rejected one becomes an HTTP 400 before any streaming starts, with none of its
+siblings left running. A caller that gives up waiting (cancelled) aborts them all.
 
 If the engine process dies (a crash, ``kill -9``, the OOM killer), every request in flight
 fails at once with ``EngineDeadError`` (a short message; the engine's traceback, if it sent
-one, goes to the log), and a new engine is started after a backoff (0.5 s, doubling). At
-most ``max_restarts`` restarts within ``RESTART_WINDOW_S``; past that the client gives up,
-``dead`` says why, and ``on_give_up`` is called so the server can exit non-zero for a
-supervisor to act. Each engine gets fresh sockets: nothing sent to a dead one reaches the
-next. Sends never block: with no engine to take a message, the request fails at once.
+one, goes to the log), and a new engine is started under ``ENGINE_RESTARTS``
+(``restart_policy.py``: a backoff from 0.5 s, doubling). At most ``max_restarts`` restarts
+within its window; past that the client gives up, ``dead`` says why, and ``on_give_up`` is
+called so the server can exit non-zero for a supervisor to act. Each engine gets fresh
+sockets: nothing sent to a dead one reaches the next. Sends never block: with no engine to
+take a message, the request fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +41,7 @@ from radixserve.config import EngineConfig
 from radixserve.engine import StepOutput
 from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineInfo, EngineStats
+from radixserve.restart_policy import RestartPolicy, Restarts
 from radixserve.server.engine_process import run_engine_process
 from radixserve.server.messages import (
     Abort,
@@ -54,8 +61,8 @@ from radixserve.server.messages import (
 
 log = logging.getLogger("radixserve.server")
 
-RESTART_WINDOW_S = 600.0
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
+ENGINE_RESTARTS = RestartPolicy(backoff_s=0.5, max_backoff_s=30.0, window_s=600.0,
+                                limit_name="--engine-restarts")  # fmt: skip
 POLL_MS = 200
 START_TIMEOUT_S = 600.0
 DIED = "the engine process failed while this request ran; it is being restarted"
@@ -86,12 +93,13 @@ class EngineClient:
         self._pending: dict[Any, asyncio.Future] = {}
         self._calls = itertools.count()
         self._supervisor: asyncio.Task | None = None
-        self._restart_times: deque[float] = deque()
+        self._restarts = Restarts(
+            dataclasses.replace(ENGINE_RESTARTS, max_restarts=max_restarts), "the engine", log
+        )
         self.info: EngineInfo | None = None
         self.pid: int | None = None  # the engine process's, as it reported when ready
         self.state = "starting"  # starting, ready, restarting, dead
         self.dead: str | None = None  # why the client gave up
-        self.num_restarts = 0
 
     # ------------------------------------------------------------------ life cycle
     @property
@@ -176,34 +184,21 @@ class EngineClient:
             if not await self._restart():
                 return
 
+    @property
+    def num_restarts(self) -> int:
+        return self._restarts.count
+
     async def _restart(self) -> bool:
+        cause = "died"
         while True:
-            now = time.monotonic()
-            while self._restart_times and self._restart_times[0] < now - RESTART_WINDOW_S:
-                self._restart_times.popleft()
-            recent = len(self._restart_times)
-            if recent >= self.max_restarts:
-                self.state = "dead"
-                self.dead = (
-                    f"the engine died and {recent} restart(s) within {RESTART_WINDOW_S:.0f} s "
-                    "used up the limit (--engine-restarts); giving up"
-                )
-                log.critical(self.dead)
+            delay = self._restarts.schedule(time.monotonic(), cause)
+            if delay is None:
+                self.state, self.dead = "dead", self._restarts.gave_up
                 if self.on_give_up is not None:
                     self.on_give_up()
                 return False
             self.state = "restarting"
-            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**recent)
-            log.warning(
-                "restarting the engine in %.1f s (restart %d of at most %d within %.0f s)",
-                delay,
-                recent + 1,
-                self.max_restarts,
-                RESTART_WINDOW_S,
-            )
             await asyncio.sleep(delay)
-            self._restart_times.append(time.monotonic())
-            self.num_restarts += 1
             if self._process is not None and self._process.is_alive():
                 self._process.kill()
             if self._process is not None:
@@ -213,6 +208,7 @@ class EngineClient:
                 self.info = await self._wait_ready(START_TIMEOUT_S)
             except EngineDeadError as e:
                 log.error("the restarted engine did not come up: %s", e)
+                cause = "did not come back"
                 continue
             self.state = "ready"
             log.warning("the engine is back (pid %s)", self.pid)
@@ -242,9 +238,9 @@ class EngineClient:
                         del self._queues[out.request_id]
             self.on_stats(msg.stats, msg.after_step)
         elif isinstance(msg, Added | Rejected):
-            fut = self._pending.pop(("add", msg.request_id), None)
+            fut = self._pending.pop(("add", tuple(msg.request_ids)), None)
             if fut is not None and not fut.done():
-                fut.set_result(msg.message if isinstance(msg, Rejected) else None)
+                fut.set_result(msg if isinstance(msg, Rejected) else None)
         elif isinstance(msg, RpcReply):
             self.on_stats(msg.stats, False)
             fut = self._pending.pop(("rpc", msg.call_id), None)
@@ -279,30 +275,44 @@ class EngineClient:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return True
 
-    async def add(self, spec: RequestSpec, queue: asyncio.Queue, tag: Any = None) -> None:
-        """Queue a request; its outputs arrive in ``queue`` as ``(tag, StepOutput)``.
-        Raises ``ValueError`` with the engine's message if the engine rejects it, and
-        ``EngineDeadError`` if there is no engine to take it."""
+    async def add(self, specs: list[RequestSpec], queue: asyncio.Queue) -> None:
+        """Queue the engine requests of one HTTP request, together; their outputs arrive in
+        ``queue`` as ``(index in specs, StepOutput)``. Raises ``ValueError`` with the engine's
+        message if it refuses any of them (then none runs), and ``EngineDeadError`` if there
+        is no engine to take them."""
         self._check_ready()
-        rid = spec.request_id
-        # the engine's step trace records when the request left here
+        ids = [spec.request_id for spec in specs]
+        # the engine's step trace records when the requests left here
         sent_at = time.monotonic() if self.config.step_trace else None
         try:
-            data = encode(AddRequest(spec, sent_at))
+            data = encode(AddRequest(specs, sent_at))
         except OverflowError as e:  # an integer past 64 bits: only token ids can be one
             vocab = self.info.vocab_size if self.info is not None else None
             raise ValueError(f"prompt token ids must be in [0, {vocab})") from e
+        key = ("add", tuple(ids))
         fut = asyncio.get_running_loop().create_future()
-        self._pending[("add", rid)] = fut
-        self._queues[rid] = (queue, tag)
+        self._pending[key] = fut
+        for i, rid in enumerate(ids):
+            self._queues[rid] = (queue, i)
         if not self._send(data):
-            self._pending.pop(("add", rid), None)
-            self._queues.pop(rid, None)
+            self._forget(key, ids)
             raise EngineDeadError("the engine is not taking requests; retry shortly")
-        error = await fut
-        if error is not None:
+        try:
+            rejected = await fut
+        except asyncio.CancelledError:  # nobody waits for them any more
+            self._forget(key, ids)
+            for rid in ids if self.ready else ():
+                self._send(Abort(rid, "abort"))  # after the add, on the same socket
+            raise
+        if rejected is not None:
+            self._forget(key, ids)
+            log.debug("request %s refused: %s", ids[rejected.index], rejected.message)
+            raise ValueError(rejected.message)
+
+    def _forget(self, key: tuple, request_ids: list[str]) -> None:
+        self._pending.pop(key, None)
+        for rid in request_ids:
             self._queues.pop(rid, None)
-            raise ValueError(error)
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.ready:

@@ -1,7 +1,8 @@
 """The engine process: runs the step loop, talks to the HTTP process over ZeroMQ.
 
-Messages in and out are the typed ones of ``messages.py``: requests arrive as a
-``RequestSpec`` inside an ``AddRequest``, outputs leave in an ``Outputs`` after every step.
+Messages in and out are the typed ones of ``messages.py``: requests arrive as ``RequestSpec``
+values inside an ``AddRequest`` (all of one HTTP request's, taken together or not at all),
+outputs leave in an ``Outputs`` after every step.
 
 New messages are read between steps: the loop never blocks while requests are running, and
 sleeps on the socket when idle. In a disaggregation mode it also wakes on KV transfer
@@ -37,6 +38,7 @@ from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.disagg import Disaggregation
 from radixserve.engine import Engine
+from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineStats
 from radixserve.engine.step_trace import StepTraceWriter, TierTrace
 from radixserve.kvevents.publisher import KVEventPublisher
@@ -107,25 +109,38 @@ class EngineLoop:
             raise ValueError(f"unknown message {msg!r}")
 
     def _add(self, msg: AddRequest) -> None:
-        rid = msg.spec.request_id
-        if self.trace is not None:
-            self.trace.added(rid, msg.sent_at, time.monotonic())
-        try:
-            self.engine.add(msg.spec)
-        except ValueError as e:
-            self.push.send_pyobj(Rejected(rid, str(e)))
-        except Exception:
-            log.exception("request %s could not be added", rid)
-            self._forget(rid)
-            self.push.send_pyobj(Rejected(rid, ADD_ERROR))
-        else:
-            self.push.send_pyobj(Added(rid))
+        """Admit every request of ``msg``, or none: one refused drops those already taken."""
+        ids = [spec.request_id for spec in msg.specs]
+        received = time.monotonic()
+        for i, spec in enumerate(msg.specs):
+            if self.trace is not None:
+                self.trace.added(spec.request_id, msg.sent_at, received)
+            error = self._add_one(spec)
+            if error is not None:
+                for rid in ids[:i]:
+                    self._forget(rid, "abort")
+                self.push.send_pyobj(Rejected(ids, i, error))
+                return
+        self.push.send_pyobj(Added(ids))
 
-    def _forget(self, rid: str) -> None:
-        """Drop what a failed ``add_request`` may have left of request ``rid``."""
+    def _add_one(self, spec: RequestSpec) -> str | None:
+        """Admit one request; the reason it was refused, or None."""
+        try:
+            self.engine.add(spec)
+        except ValueError as e:
+            return str(e)
+        except Exception:
+            log.exception("request %s could not be added", spec.request_id)
+            self._forget(spec.request_id)
+            return ADD_ERROR
+        return None
+
+    def _forget(self, rid: str, reason: str = "error") -> None:
+        """Drop request ``rid``, or what a failed ``add`` may have left of it (its final
+        output goes nowhere: its sender has given it up)."""
         if rid in self.engine.requests:
             try:
-                self.engine.abort_request(rid, "error")
+                self.engine.abort_request(rid, reason)
             except Exception:
                 log.exception("request %s could not be dropped", rid)
 
@@ -239,7 +254,7 @@ def _leave_shutdown_to_the_server() -> None:
     """Ignore the SIGINT and SIGTERM meant for the whole server: a terminal's Ctrl-C and
     ``kill -TERM -PGID`` signal the process group, systemd's stop the whole cgroup. The
     server drains its running requests (which need this engine) and then sends
-    ``shutdown``. A SIGTERM once the server is gone (``_die_with_parent``) still ends this
+    ``shutdown``. A SIGTERM once the server is gone (``die_with_parent``) still ends this
     process, through the clean-up below."""
     parent = os.getppid()
 
@@ -251,7 +266,7 @@ def _leave_shutdown_to_the_server() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, however it dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -265,7 +280,7 @@ def run_engine_process(
     """Entry point of the spawned process (which inherits no logging set-up: redo it)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(message)s")
     _leave_shutdown_to_the_server()
-    _die_with_parent()
+    die_with_parent()
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)

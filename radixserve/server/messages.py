@@ -3,7 +3,7 @@
 To the engine (PUSH -> PULL) as msgpack, decoded against the ``ToEngine`` union (a message
 that does not match the schema is refused whole, never half-read):
 
-    AddRequest(spec, sent_at)  -> Added(request_id) or Rejected(request_id, message)
+    AddRequest(specs, sent_at) -> Added(request_ids) or Rejected(request_ids, index, message)
     Abort(request_id, reason)  -> the request's final output (in an ``Outputs``)
     Rpc(call_id, name, kwargs) -> RpcReply(call_id, ok, value, stats)
     Shutdown()                 -> the process exits
@@ -12,6 +12,11 @@ From the engine (PUSH -> PULL) as pickled dataclasses (they carry the engine's t
 boundary objects, ``EngineInfo``, ``EngineStats``, ``StepOutput``): the replies above,
 ``Outputs(outputs, stats, after_step)`` after every step (``after_step``) or abort,
 ``Ready(info, pid)`` once the model is loaded and ``Fatal(traceback)`` before dying on a bug.
+
+One ``AddRequest`` carries all the engine requests of one HTTP request (its prompts x ``n``),
+so the engine reads them between the same two steps and they share their first step. The
+engine takes all of them or none: ``Rejected`` names the one it refused (``index``) and the
+others were never admitted.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from radixserve.engine.stats import EngineInfo, EngineStats
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
-    spec: RequestSpec
+    specs: list[RequestSpec]  # one HTTP request's engine requests, taken together or not at all
     sent_at: float | None = None  # the HTTP side's monotonic clock, with --step-trace
 
 
@@ -62,12 +67,13 @@ def decode(data: bytes) -> ToEngine:
 
 @dataclass(frozen=True)
 class Added:
-    request_id: str
+    request_ids: list[str]  # those of the AddRequest, in its order
 
 
 @dataclass(frozen=True)
 class Rejected:
-    request_id: str
+    request_ids: list[str]  # those of the AddRequest: none of them was admitted
+    index: int  # the one refused
     message: str
 
 

@@ -183,6 +183,14 @@ class Metrics:
                       g.cache_hits)  # fmt: skip
         yield counter(m, "grammar_compile_seconds", "Time spent compiling grammars",
                       g.compile_seconds)  # fmt: skip
+        backends = CounterMetricFamily(
+            "grammar_backend_requests", "Constrained requests by the grammar engine enforcing "
+            "them (xgrammar first, llguidance where xgrammar would not enforce the schema)",
+            labels=["model_name", "backend"],
+        )  # fmt: skip
+        backends.add_metric([m, "xgrammar"], g.xgrammar_requests)
+        backends.add_metric([m, "llguidance"], g.llguidance_requests)
+        yield backends
 
     def _draft_families(self):
         """Per draft source: steps that verified one of its drafts, draft tokens computed and

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.api.tools import ToolPlan
+from radixserve.api.tool_stream import Text, ToolStream
+from radixserve.api.tools import ToolPlan, openai_call
 from radixserve.engine.request import TokenLogprob
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.chat_run import new_pieces
 from radixserve.server.serving import Job
 
 
@@ -156,8 +158,8 @@ class _Stream:
 
 
 class ChatStream(_Stream):
-    """With ``tools``, a choice's text is held back until it ends, then sent as content or
-    as ``tool_calls`` deltas (one per call, its arguments whole)."""
+    """With ``tools``, a choice's text streams as content, and each tool call as one
+    ``tool_calls`` delta (its arguments whole) once its block closed."""
 
     object_name = "chat.completion.chunk"
 
@@ -165,6 +167,8 @@ class ChatStream(_Stream):
         super().__init__(*args, **kwargs)
         self.started: set[int] = set()
         self.tools = tools
+        self.parsers: dict[int, ToolStream] = {}  # per choice, with tools
+        self.num_calls: dict[int, int] = {}
 
     def chunks(self, job: Job, index: int) -> list[dict]:
         t = job.trackers[index]
@@ -213,18 +217,22 @@ class ChatStream(_Stream):
         return out
 
     def _tool_chunks(self, job: Job, index: int) -> list[dict]:
+        """Text as it comes and each call once whole (``api/tool_stream.py``)."""
         t = job.trackers[index]
-        if not t.finished:
-            return []
-        message, reason = chat_message(t.text, t.finish_reason, self.tools)
+        parser = self.parsers.setdefault(index, self.tools.stream())
+        pieces = new_pieces(parser, t)
         deltas = []
-        if message.get("content"):
-            deltas.append({"content": message["content"]})
-        for k, call in enumerate(message.get("tool_calls", [])):
-            deltas.append({"tool_calls": [{"index": k, **call}]})
+        for piece in pieces:
+            if isinstance(piece, Text):
+                deltas.append({"content": piece.text})
+                continue
+            k = self.num_calls[index] = self.num_calls.get(index, 0) + 1
+            deltas.append({"tool_calls": [{"index": k - 1, **openai_call(piece)}]})
         choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
                    for d in deltas]  # fmt: skip
-        choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        if t.finished:
+            reason = "tool_calls" if self.num_calls.get(index) else t.finish_reason
+            choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return [self._chunk(job, c) for c in choices]
 
 

@@ -1,9 +1,11 @@
 """Running HTTP requests through the engine: fan-out to sub-requests, streaming, aborts.
 
 One HTTP request becomes one engine request per (prompt, choice) pair (``n`` choices of
-several prompts). Their outputs share one queue; ``OutputTracker`` turns them into text and
-applies stop strings (which abort the engine request). If the client goes away, streaming or
-not, every unfinished sub-request is aborted, so its locks and slots are released at once.
+several prompts), all sent in one message: the engine reads them between the same two steps
+and takes all or none (``engine_client.py``). Their outputs share one queue;
+``OutputTracker`` turns them into text and applies stop strings (which abort the engine
+request). If the client goes away, streaming or not, every unfinished sub-request is
+aborted, so its locks and slots are released at once.
 
 Admission: at most ``max_request_sequences`` sub-requests per request (400 beyond), and at
 most ``max_queued_requests`` waiting beyond the engine's running batch (503 with
@@ -41,6 +43,24 @@ ENGINE_ERROR = "the engine failed while computing this request; the details are 
 
 log = logging.getLogger("radixserve.server")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How a stream's events are written: OpenAI's ``data:`` lines ending in ``[DONE]``, or
+    (``named``) events named by their ``type``, as the Messages and Responses APIs send
+    them; ``error`` is the event a failure becomes."""
+
+    named: bool = False
+    done: str = "data: [DONE]\n\n"
+    error: Callable[[ApiError], dict] = ApiError.body
+
+    def event(self, chunk: dict) -> str:
+        data = json.dumps(chunk)
+        return f"event: {chunk['type']}\ndata: {data}\n\n" if self.named else f"data: {data}\n\n"
+
+
+OPENAI_WIRE = Wire()
 
 
 @dataclass
@@ -139,18 +159,18 @@ class Serving:
         job = Job(
             kind=kind, prompts=prompts, trackers=[], request_ids=[], response_id=f"{kind}-{base}"
         )
+        specs = []
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"{base}-{i}"
+            job.trackers.append(OutputTracker(rid, self.tokenizer, p))
+            job.request_ids.append(rid)
+            specs.append(spec.with_prompt(rid, ids, p))
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-                rid = f"{base}-{i}"
-                job.trackers.append(OutputTracker(rid, self.tokenizer, p))
-                job.request_ids.append(rid)
-                await self.client.add(spec.with_prompt(rid, ids, p), queue, tag=i)
+        try:  # all of them, or (refused, no engine) none
+            await self.client.add(specs, queue)
         except ValueError as e:
-            await self.abort_unfinished(job)
             raise ApiError(400, str(e)) from e
         except EngineDeadError as e:
-            await self.abort_unfinished(job)
             raise unavailable(str(e)) from e
         return job, queue
 
@@ -217,20 +237,23 @@ class Serving:
         queue: asyncio.Queue,
         chunks: Callable[[Job, int], list[dict]],
         final: Callable[[Job], list[dict]],
+        wire: Wire | None = None,
     ) -> AsyncIterator[str]:
-        """Server-sent events: ``chunks(job, index)`` after each change, ``final(job)`` last.
-        A client that disconnects cancels this generator; its sub-requests are aborted."""
+        """Server-sent events: ``chunks(job, index)`` after each change, ``final(job)`` last,
+        written as ``wire`` says (OpenAI's by default). A client that disconnects cancels
+        this generator; its sub-requests are aborted."""
+        wire = wire or OPENAI_WIRE
         try:
             async for tag in self.events(job, queue):
                 for chunk in chunks(job, tag):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield wire.event(chunk)
             for chunk in final(job):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield wire.event(chunk)
+            yield wire.done
         except ApiError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
+            yield wire.event(wire.error(e))
         except Exception:
             log.exception("a stream failed")
-            yield f"data: {json.dumps(internal_error().body())}\n\n"
+            yield wire.event(wire.error(internal_error()))
         finally:
             await self.abort_unfinished(job)

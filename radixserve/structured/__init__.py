@@ -3,15 +3,20 @@
 What the rest of radixserve calls (nothing imports the modules below directly):
 
 - ``GRAMMAR_KINDS``, ``check_grammar(kind, text)``: the edge's check that a grammar parses and
-  is enforced exactly (else ``ValueError`` / ``UnsupportedSchema``, a 400 there);
+  that a backend enforces it exactly (else ``ValueError`` / ``UnsupportedSchema``, a 400
+  there); ``grammar_backend(kind, text)`` names that backend;
 - ``GrammarCompiler`` (per model vocabulary: ``start(kind, text) -> GrammarState``),
-  ``GrammarStats``: the engine's compile queue and its counters;
+  ``GrammarStats``: the engine's compile queue and its counters (requests by backend too);
+- ``GrammarState``: one request's matcher; ``forced_tokens(limit)`` proposes the tokens the
+  grammar forces next (a draft) and ``settle(drafted, kept, token)`` takes the outcome;
 - ``apply_masks(logits, spans)``: the sampler's token bitmasks, draft rows included.
 
-Inside: ``grammar`` (compilation, matcher state, masks), ``jump_forward`` (grammar-forced
-tokens proposed as a draft), ``schema_support`` / ``schema_rewrite`` / ``schema_forms`` /
-``schema_merge`` / ``schema_types`` (which JSON Schemas are enforced exactly, and exact
-rewrites of some that are not), ``regex_support``.
+Inside: ``grammar`` (the backend choice, compilation, matcher state, masks), ``backend`` (the
+interface of a grammar engine), ``xgrammar_backend`` and ``llguidance_backend`` (the two
+engines, tried in that order), ``jump_forward`` (grammar-forced tokens proposed as a draft),
+``schema_walk`` (the sub-schemas of a document), ``schema_support`` / ``schema_rewrite`` /
+``schema_forms`` / ``schema_merge`` / ``schema_types`` (which JSON Schemas xgrammar enforces
+exactly, and exact rewrites of some that it does not), ``regex_support``.
 """
 
 from radixserve.structured.grammar import (
@@ -21,6 +26,7 @@ from radixserve.structured.grammar import (
     GrammarStats,
     apply_masks,
     check_grammar,
+    grammar_backend,
 )
 from radixserve.structured.schema_support import UnsupportedSchema
 
@@ -32,4 +38,5 @@ __all__ = [
     "UnsupportedSchema",
     "apply_masks",
     "check_grammar",
+    "grammar_backend",
 ]

@@ -14,7 +14,9 @@ are dropped, and so are some keywords it cannot express (it logs a warning, or n
   ``dependentRequired``, ``dependentSchemas``, ``contains``, ``uniqueItems``, ``$ref``
   outside the document, ``$dynamicRef``, ``$recursiveRef``;
 - a ``required`` property not in ``properties``; a property also matched by a
-  ``patternProperties`` pattern or not allowed by ``propertyNames``;
+  ``patternProperties`` pattern or not allowed by ``propertyNames``; ``minProperties``
+  that two or more keys matched by ``additionalProperties`` / ``patternProperties`` must
+  meet (such a key may repeat);
 - ``minLength`` / ``maxLength`` beside a ``pattern`` or a format it knows, a ``pattern``
   beside such a format, ``multipleOf`` on numbers, and on integers when it is not a whole
   number, over 1024, or with a one-sided or wider-than-10,000 range;
@@ -231,6 +233,8 @@ class _Walk:
 
     def object(self, s: dict, path: str) -> None:
         props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        if repeated_keys_problem(s):
+            raise UnsupportedSchema(self.at(s, path, "minProperties"), repeated_keys_problem(s))
         for name in s.get("required") or []:
             if name not in props:
                 raise UnsupportedSchema(self.at(s, path, "required"), f"required property {name!r} "
@@ -267,6 +271,23 @@ class _Walk:
             if kept or not _name_fits(name, names):
                 raise UnsupportedSchema(path, "propertyNames that the listed property "
                                         f"{name!r} may not meet is not supported")  # fmt: skip
+
+
+def repeated_keys_problem(s: dict) -> str | None:
+    """Why ``minProperties`` of ``s`` is not enforced, or None: both grammar engines let a
+    key matched by ``additionalProperties`` / ``patternProperties`` repeat (``{"a": 1, "a":
+    2}``), which counts once once parsed, so a minimum two or more such keys must meet is
+    not enforced."""
+    low, props = s.get("minProperties"), s.get("properties")
+    names = props if isinstance(props, dict) else {}
+    required = {n for n in s.get("required") or [] if isinstance(n, str) and n in names}
+    closed = s.get("additionalProperties") is False and not s.get("patternProperties")
+    if _num(low) and not closed and low - len(required) >= 2:
+        return (
+            "minProperties that keys matched by additionalProperties or patternProperties "
+            "must meet is not supported (such a key may repeat)"
+        )
+    return None
 
 
 def _num(v: Any) -> bool:

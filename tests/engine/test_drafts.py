@@ -244,3 +244,23 @@ def test_the_length_policy_drafts_less_as_batches_grow_and_acceptance_falls():
     fresh = RequestDrafting()  # another request starts from what all requests showed
     assert policy.rate(fresh, "text", bucket(3)) < 0.1
     assert policy.rate(fresh, "text", bucket(20)) == pytest.approx(0.3)
+
+
+def test_a_repeated_request_drafts_from_the_cache_of_its_own_namespace_only(make_engine):
+    """A request asked again writes what the first wrote, drafted from the cache (its output
+    is in the tree); asked in another namespace, nothing is proposed from the first's text.
+    All three write the same tokens (greedy, float32)."""
+    prompt = list(range(40, 70))
+
+    def spec(rid: str, namespace: str) -> RequestSpec:
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        return RequestSpec(request_id=rid, prompt_ids=prompt, namespace=namespace, params=params)
+
+    engine = make_engine(draft_sources="cache")
+    first = run(engine, [spec("a", "t1")])
+    other = run(engine, [spec("b", "t2")])
+    assert engine.stats().drafts.sources["cache"].proposed_tokens == 0
+    again = run(engine, [spec("c", "t1")])
+    assert first[0]["a"] == other[0]["b"] == again[0]["c"]
+    cache = engine.stats().drafts.sources["cache"]
+    assert cache.accepted_tokens >= 20 and again[3]["c"] < 0.7 * first[3]["a"]

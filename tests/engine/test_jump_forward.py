@@ -77,7 +77,7 @@ def compare(make_engine, loaded, schemas, params, prompts, **options):
         engine = make_engine(loaded, draft_sources="grammar" if jump else "none", **options)
         runs.append((engine, *generate(engine, prompts, schemas, params)))
     (_, off, off_reasons, off_steps), (on_engine, on, on_reasons, on_steps) = runs
-    assert on == off and on_reasons == off_reasons  # the very same tokens
+    assert on == off and on_reasons == off_reasons, (on, off)  # the very same tokens
     return on_engine, on, on_reasons, off_steps, on_steps
 
 
@@ -101,6 +101,43 @@ def test_real_model_outputs_are_identical_and_take_fewer_steps(make_engine, real
         if reasons[str(i)] == "stop":
             jsonschema.validate(json.loads(on_engine.tokenizer.decode(outs[str(i)])), schema)
     assert sum(r == "stop" for r in reasons.values()) >= 3
+
+
+# keys and values only llguidance enforces exactly (xgrammar drops maxLength beside a format
+# and beside a pattern): grammars of the second backend
+SIGNUP = {
+    "type": "object",
+    "properties": {
+        "contact_email_address": {"type": "string", "format": "email", "maxLength": 30},
+        "repository_name": {"type": "string", "pattern": "^[a-z][a-z0-9-]*$", "maxLength": 16},
+        "delete_branch_on_merge": {"type": "boolean"},
+    },
+    "required": ["contact_email_address", "repository_name", "delete_branch_on_merge"],
+    "additionalProperties": False,
+}
+
+
+def test_llguidance_outputs_are_identical_with_and_without_drafts(make_engine, real_loaded):
+    from radixserve.structured import grammar_backend
+
+    assert grammar_backend("json_schema", json.dumps(SIGNUP)) == "llguidance"
+    engine = make_engine(real_loaded)
+    chat = engine.tokenizer.encode_chat
+    prompts = [chat([{"role": "user", "content": f"Sign up {who} as JSON."}])
+               for who in ("Ada", "Linus", "Grace")]  # fmt: skip
+    params = [SamplingParams(max_tokens=80, temperature=0)] * 2
+    params.append(SamplingParams(max_tokens=80, temperature=0.8, seed=3))
+    on_engine, outs, reasons, off_steps, on_steps = compare(
+        make_engine, real_loaded, [SIGNUP] * 3, params, prompts
+    )
+    stats = on_engine.grammar_stats()
+    assert stats.llguidance_requests == 3 and stats.xgrammar_requests == 0
+    assert on_engine.stats().drafts.sources["grammar"].accepted_tokens > 10
+    assert on_steps < off_steps
+    assert sum(r == "stop" for r in reasons.values()) >= 2
+    for i in range(3):
+        if reasons[str(i)] == "stop":
+            jsonschema.validate(json.loads(on_engine.tokenizer.decode(outs[str(i)])), SIGNUP)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -158,15 +195,21 @@ def letters_state(drafter=None):
 
     import xgrammar as xgr
 
-    from radixserve.structured.grammar import GrammarState, GrammarStats
+    from radixserve.structured.grammar import Compiled, GrammarState, GrammarStats
     from radixserve.structured.jump_forward import Drafter
+    from radixserve.structured.xgrammar_backend import XGrammarMatcher
+
+    class Vocabulary:
+        def matcher(self, grammar):
+            return XGrammarMatcher(grammar)
 
     info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[len(VOCAB) - 1])
     compiled = Future()
-    compiled.set_result(xgr.GrammarCompiler(info).compile_regex(LETTERS))
+    grammar = xgr.GrammarCompiler(info).compile_regex(LETTERS)
+    compiled.set_result(Compiled("xgrammar", grammar, Vocabulary()))
     drafter = drafter or Drafter(Letters(), [len(VOCAB) - 1], [t.encode() for t in VOCAB])
     state = GrammarState(compiled, drafter, GrammarStats())
-    state.matcher.accept_token(0)
+    state.matcher.accept(0)
     return state, drafter
 
 
@@ -195,7 +238,7 @@ def test_tokenizer_drafts_are_sized_by_how_much_of_the_last_one_was_kept():
     for _ in range(DRAFT_PAUSE):  # after a draft cut at its first token: paused
         assert state.forced_tokens(64) == []
         state.fill_rows(bitmask, 0, [])
-        state.settle(0, 0, VOCAB.index(state.matcher.find_jump_forward_string()[0]))
+        state.settle(0, 0, VOCAB.index(state.matcher.forced_bytes().decode()[0]))
     assert len(state.forced_tokens(64)) == 2
 
 

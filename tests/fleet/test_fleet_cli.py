@@ -3,7 +3,7 @@
 import pytest
 
 from radixserve.cli import main
-from radixserve.server.dp_launch import child_argv
+from radixserve.fleet.dp_launch import child_argv
 
 
 @pytest.mark.parametrize(
@@ -16,6 +16,7 @@ from radixserve.server.dp_launch import child_argv
         ),
         (["serve", "--kv-events-block-size", "7", "--page-size", "2"], "--kv-events-block-size"),
         (["serve", "--dp", "0"], "--dp must be at least 1"),
+        (["serve", "--step-trace", "t.jsonl", "--dp", "2"], "cannot be combined with --dp"),
         (["router", "--gate-ratio", "0.5"], "--gate-ratio must be >= 1"),
         (["router", "--candidates", "0"], "--candidates must be a positive integer"),
         (["router", "--policy", "random"], "invalid choice"),

@@ -33,3 +33,31 @@ def test_requests_hash_in_the_namespace_the_server_gives_them(default_tokenizer)
     assert set(tenant).isdisjoint(shared)
     both = routed({"cache_salt": "s1"}, key_tenant("k1"))
     assert both == hashes(default_tokenizer, cache_namespace(key_tenant("k1"), "s1"))
+
+
+def test_the_agent_apis_route_on_the_prompt_the_worker_renders(default_tokenizer):
+    """A Messages and a Responses body with the same conversation and tools hash like the
+    chat completions body the worker renders alike; their own session keys keep a
+    conversation on one worker, and a continuation of a stored response routes by key."""
+    from radixserve.router.prompts import prompt_ids, session_key
+
+    fn = {"name": "f", "description": "d", "parameters": {"type": "object"}}
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}],
+            "tools": [{"type": "function", "function": fn}]}  # fmt: skip
+    messages = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+    }
+    responses = {"instructions": "Be brief.", "input": "Hi", "tools": [{"type": "function", **fn}]}
+    ids = prompt_ids("/v1/chat/completions", chat, default_tokenizer)
+    assert ids and prompt_ids("/v1/messages", messages, default_tokenizer) == ids
+    assert prompt_ids("/v1/responses", responses, default_tokenizer) == ids
+    assert prompt_ids("/v1/responses", {**responses, "previous_response_id": "r"},
+                      default_tokenizer) is None  # fmt: skip
+    assert session_key({}, {**responses, "prompt_cache_key": "k"}) == "k"
+    assert session_key({}, {**messages, "metadata": {"user_id": "u"}}) == "u"
+    assert session_key({"x-session-id": "s"}, {"prompt_cache_key": "k"}) == "s"

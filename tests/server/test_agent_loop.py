@@ -81,3 +81,98 @@ def test_three_round_agent_loop_reuses_every_previous_round(qwen_server):
                "finish": final.finish_reason, "answer": final.message.content}  # fmt: skip
     print(json.dumps(summary))
     assert final.finish_reason in ("stop", "tool_calls")
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+QUESTION = "What is the weather in Oslo, and what time is it there?"
+MAX_ROUNDS = 5
+
+
+@pytest.mark.slow
+def test_anthropic_sdk_tool_loop_streams_and_ends_with_an_answer(qwen_server):
+    """Claude-style: streamed messages with tools through the ``anthropic`` client; a call is
+    forced in the first round, then the model chooses, and a last round (``none``) asks for
+    the answer, as agents do at their limit; the session ends with text that is not a call,
+    every round's prompt served from the cache up to what the previous round sent."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=qwen_server, api_key="x", max_retries=0, timeout=900)
+    messages = [{"role": "user", "content": QUESTION}]
+    prompts, cached, calls = [], [], []
+    for round_ in range(MAX_ROUNDS):
+        # a call forced first, then the model's choice; the last round asks for the answer
+        choice = ({"type": "any", "disable_parallel_tool_use": True} if round_ == 0 else
+                  {"type": "none"} if round_ == MAX_ROUNDS - 1 else None)  # fmt: skip
+        with client.messages.stream(
+            model="qwen", max_tokens=200, system="You are a travel assistant. Use the tools.",
+            messages=messages, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0},
+            **({"tool_choice": choice} if choice else {}),
+        ) as stream:  # fmt: skip
+            kinds = {event.type for event in stream}
+            out = stream.get_final_message()
+        assert {"message_start", "message_stop", "content_block_stop"} <= kinds
+        u = out.usage
+        prompts.append(u.input_tokens + u.cache_read_input_tokens)
+        cached.append(u.cache_read_input_tokens)
+        if round_ > 0:
+            assert cached[-1] >= prompts[-2], (prompts, cached)
+        if out.stop_reason != "tool_use":
+            break
+        uses = [b for b in out.content if b.type == "tool_use"]
+        calls += [b.name for b in uses]
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                           for b in out.content]})  # fmt: skip
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": RESULTS[b.name]}
+            for b in uses]})  # fmt: skip
+    counted = client.messages.count_tokens(
+        model="qwen",
+        messages=messages,
+        tools=ANTHROPIC_TOOLS,
+        system="You are a travel assistant. Use the tools.",
+    )
+    assert counted.input_tokens == prompts[-1]
+    text = "".join(b.text for b in out.content if b.type == "text")
+    rounds = len(prompts)
+    print(json.dumps({"prompts": prompts, "cached": cached, "calls": calls, "answer": text,
+                      "rounds": rounds}))  # fmt: skip
+    assert calls and out.stop_reason == "end_turn" and text.strip()
+    assert "<tool_call>" not in text and '"arguments"' not in text
+
+
+@pytest.mark.slow
+def test_openai_sdk_responses_tool_loop_with_previous_response_id(qwen_server):
+    """Codex-style: streamed ``responses.create`` with function tools, each round continuing
+    the last with ``previous_response_id`` and sending only the function outputs."""
+    client = openai.OpenAI(base_url=qwen_server + "/v1", api_key="x", max_retries=0, timeout=900)
+    new_input: list | str = QUESTION
+    previous, prompts, cached, calls = None, [], [], []
+    for round_ in range(MAX_ROUNDS):
+        stream = client.responses.create(
+            model="qwen", input=new_input, previous_response_id=previous,
+            instructions="You are a travel assistant. Use the tools.", tools=RESPONSES_TOOLS,
+            tool_choice=("required", "auto", "auto", "auto", "none")[round_],
+            parallel_tool_calls=False,
+            max_output_tokens=200, temperature=0, stream=True,
+        )  # fmt: skip
+        events = list(stream)
+        seq = [e.sequence_number for e in events]
+        assert seq == list(range(len(seq))) and events[-1].type == "response.completed"
+        response = events[-1].response
+        prompts.append(response.usage.input_tokens)
+        cached.append(response.usage.input_tokens_details.cached_tokens)
+        if round_ > 0:
+            assert cached[-1] >= prompts[-2], (prompts, cached)
+        fcalls = [item for item in response.output if item.type == "function_call"]
+        if not fcalls:
+            break
+        calls += [c.name for c in fcalls]
+        previous = response.id
+        new_input = [{"type": "function_call_output", "call_id": c.call_id,
+                      "output": RESULTS[c.name]} for c in fcalls]  # fmt: skip
+    print(json.dumps({"prompts": prompts, "cached": cached, "calls": calls,
+                      "answer": response.output_text}))  # fmt: skip
+    assert calls and response.output_text.strip() and not fcalls
+    assert "<tool_call>" not in response.output_text and '"arguments"' not in response.output_text

@@ -96,10 +96,6 @@ def test_served_calibration_scales_steps_and_sets_the_outside_time():
 def test_serve_step_trace_flag_errors_name_it(capsys, tmp_path):
     from radixserve.cli import main
 
-    for argv, needle in [
-        (["--step-trace", str(tmp_path / "no" / "dir" / "t.jsonl")], "--step-trace: cannot write"),
-        (["--step-trace", str(tmp_path / "t.jsonl"), "--dp", "2"], "cannot be combined with --dp"),
-    ]:
-        with pytest.raises(SystemExit):
-            main(["serve", *argv])
-        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--step-trace", str(tmp_path / "no" / "dir" / "t.jsonl")])
+    assert "--step-trace: cannot write" in capsys.readouterr().err

@@ -280,8 +280,8 @@ NOT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
          "response_format.json_schema.schema.properties.id.pattern: lookahead (?=...) is not "
          "supported"),
         ("/v1/completions", {"json_schema": {"allOf": [{"type": "string", "pattern": "^a"},
-                                                       {"pattern": "b$"}]}},
-         "json_schema.allOf: allOf with several schemas is not supported"),
+                                                       {"pattern": "b$", "not": {"const": "ab"}}]}},
+         "json_schema.allOf[1].not: not is not supported"),
         ("/v1/completions", {"json_schema": {"allOf": [{"$ref": "#/$defs/o"}, {"properties": {
             "x": {"type": "string", "pattern": "(?=a)"}}}], "$defs": {"o": {"type": "object"}}}},
          "json_schema.allOf[1].properties.x.pattern: lookahead (?=...) is not supported"),

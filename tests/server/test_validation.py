@@ -90,19 +90,19 @@ def outputs_of(sent: list) -> list:
 
 
 def add_message(rid, prompt, params, sent_at=None) -> AddRequest:
-    return AddRequest(RequestSpec(request_id=rid, prompt_ids=prompt, params=params), sent_at)
+    return AddRequest([RequestSpec(request_id=rid, prompt_ids=prompt, params=params)], sent_at)
 
 
 def test_request_messages_round_trip_typed_and_refuse_what_breaks_the_schema():
     spec = RequestSpec(request_id="r", prompt_ids=[5, 6, 7], namespace="ns-1",
                        params=SamplingParams(max_tokens=3, stop=["x"]), segments=((0, 2),),
                        recompute_ratio=0.5, prefill_peer="tcp://127.0.0.1:9")  # fmt: skip
-    got = decode(encode(AddRequest(spec, 1.5)))
-    assert got == AddRequest(spec, 1.5) and isinstance(got.spec.params, SamplingParams)
+    got = decode(encode(AddRequest([spec], 1.5)))
+    assert got == AddRequest([spec], 1.5) and isinstance(got.specs[0].params, SamplingParams)
     assert decode(encode(Abort("r", "stop"))) == Abort("r", "stop")
     bad = msgspec.structs.replace(spec, namespace=7)  # a namespace is text or nothing
-    with pytest.raises(ValueError, match=r"\$\.spec\.namespace"):
-        decode(encode(AddRequest(bad)))
+    with pytest.raises(ValueError, match=r"\$\.specs\[1\]\.namespace"):
+        decode(encode(AddRequest([spec, bad])))
     with pytest.raises(ValueError):
         decode(b"garbage")
 
@@ -114,7 +114,7 @@ def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monk
     loop.receive()  # an unreadable message: logged and dropped
     loop.handle(add_message("a", [5, 6, 7, 8], SamplingParams(max_tokens=50)))
     loop.handle(add_message("b", [9, 10], {"not": "params"}))
-    assert push.sent[:2] == [Added("a"), Rejected("b", "params must be a SamplingParams")]
+    assert push.sent[:2] == [Added(["a"]), Rejected(["b"], 0, "params must be a SamplingParams")]
     loop.step()  # the prefill of "a"
     real_step = engine.step
 
@@ -133,6 +133,25 @@ def test_engine_loop_survives_a_failing_step_and_a_bad_message(make_engine, monk
         loop.step()
     last = outputs_of(push.sent)[-1]
     assert last.request_id == "c" and last.finish_reason == "length"
+
+
+def test_the_engine_loop_takes_one_requests_sequences_all_or_none(make_engine):
+    engine = make_engine()
+    push = Recorder()
+    loop = EngineLoop(engine, None, push)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    specs = [RequestSpec(request_id=f"r{i}", prompt_ids=[5, 6, 7 + i], params=params)
+             for i in range(3)]  # fmt: skip
+    empty = RequestSpec(request_id="r3", prompt_ids=[], params=params)
+    loop.handle(AddRequest([*specs, empty]))
+    assert push.sent == [Rejected(["r0", "r1", "r2", "r3"], 3, "the prompt is empty")]
+    assert not engine.has_unfinished() and not outputs_of(push.sent)
+    engine.check_integrity()
+    loop.handle(AddRequest(specs))  # the ids are free again
+    assert push.sent[-1] == Added(["r0", "r1", "r2"])
+    loop.step()
+    first = outputs_of(push.sent)
+    assert sorted(o.request_id for o in first if o.new_token_ids) == ["r0", "r1", "r2"]
 
 
 def test_request_bodies_refuse_nan_lone_surrogates_and_loose_types():

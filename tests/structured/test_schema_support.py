@@ -12,8 +12,10 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from radixserve.structured.grammar import check_grammar
 from radixserve.structured.schema_support import UnsupportedSchema, check_schema_support
+from radixserve.structured.xgrammar_backend import XGrammarBackend
+
+check_grammar = XGrammarBackend().prepare  # xgrammar alone: what it enforces, or its refusal
 
 OBJ = {"type": "object"}
 INT = {"type": "integer"}

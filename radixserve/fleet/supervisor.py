@@ -2,10 +2,11 @@
 
 Each child is a command line and an environment. A thread polls them (which also reaps a
 dead one, so none stays a zombie); a child that exited is started again with the same
-command after a back-off that doubles with each death in a row (``backoff_s`` up to
-``max_backoff_s``) and starts over once a child has lived ``stable_s``. ``stop`` ends the
-thread and terminates every child (killing those still up after ``grace_s``). The children
-die with this process (``PR_SET_PDEATHSIG``). Self-contained: it knows nothing of what the
+command after the delay its ``Restarts`` gives (``restart_policy.py``, the engine client's
+policy too; by default ``INSTANCE_RESTARTS``: from 1 s, doubling for each restart within a
+minute, up to 30 s, never giving up). ``stop`` ends the thread and terminates every child
+(killing those still up after ``grace_s``). The children die with this process when the
+caller passes ``preexec_fn=die_with_parent``. Self-contained: it knows nothing of what the
 children are; ``radixserve serve --dp`` runs its instances under one.
 """
 
@@ -18,17 +19,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from radixserve.restart_policy import RestartPolicy, Restarts
+
 log = logging.getLogger("radixserve")
+INSTANCE_RESTARTS = RestartPolicy(backoff_s=1.0, max_backoff_s=30.0, window_s=60.0)
 
 
 @dataclass
 class Child:
     argv: list[str]
     env: dict[str, str]
+    restarts: Restarts
     proc: subprocess.Popen | None = None
-    started: float = 0.0
-    deaths: int = 0  # deaths in a row, without living stable_s in between
-    restarts: int = 0
     restart_at: float | None = None  # when a dead child is due to start again
     exits: list[int] = field(default_factory=list)
 
@@ -38,14 +40,14 @@ class Supervisor:
         self,
         commands: list[tuple[list[str], dict[str, str]]],
         preexec_fn: Callable[[], None] | None = None,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 30.0,
-        stable_s: float = 60.0,
+        policy: RestartPolicy = INSTANCE_RESTARTS,
         poll_s: float = 0.5,
     ):
-        self.children = [Child(list(argv), dict(env)) for argv, env in commands]
+        self.children = [
+            Child(list(argv), dict(env), Restarts(policy, f"instance {i}", log))
+            for i, (argv, env) in enumerate(commands)
+        ]
         self.preexec_fn = preexec_fn
-        self.backoff_s, self.max_backoff_s, self.stable_s = backoff_s, max_backoff_s, stable_s
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,7 +59,7 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(child.argv, env=child.env, preexec_fn=self.preexec_fn)
-        child.started, child.restart_at = time.monotonic(), None
+        child.restart_at = None
 
     def watch(self) -> None:
         """Restart dead children from now on, on a thread of its own."""
@@ -67,24 +69,23 @@ class Supervisor:
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
             now = time.monotonic()
-            for i, child in enumerate(self.children):
-                self._tend(i, child, now)
+            for child in self.children:
+                self._tend(child, now)
 
-    def _tend(self, i: int, child: Child, now: float) -> None:
+    def _tend(self, child: Child, now: float) -> None:
         if child.restart_at is not None:
             if now >= child.restart_at and not self._stop.is_set():
-                child.restarts += 1
-                log.warning("restarting instance %d (restart %d)", i, child.restarts)
                 self._spawn(child)
             return
         code = child.proc.poll() if child.proc is not None else None
         if code is None:
             return
         child.exits.append(code)
-        child.deaths = 1 if now - child.started >= self.stable_s else child.deaths + 1
-        delay = min(self.backoff_s * 2 ** (child.deaths - 1), self.max_backoff_s)
+        delay = child.restarts.schedule(now, f"exited with code {code}")
+        if delay is None:  # the policy gave up: the child stays down
+            child.proc = None
+            return
         child.restart_at = now + delay
-        log.warning("instance %d exited with code %d; restarting in %.1f s", i, code, delay)
 
     def alive(self) -> list[bool]:
         return [c.proc is not None and c.proc.poll() is None for c in self.children]

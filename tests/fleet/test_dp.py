@@ -1,7 +1,7 @@
-"""The router in front of real ``radixserve serve`` workers (tiny model, free ports).
+"""``radixserve serve --dp 2``: two real instances (tiny model, free ports) under the
+supervisor, the router in front on one port.
 
-One fleet, ``radixserve serve --dp 2`` (two instances and the router on one port), serves the
-tests in order; the last ones kill instances (and watch one come back).
+One fleet serves the tests in order; the last ones kill instances (and watch one come back).
 """
 
 import asyncio

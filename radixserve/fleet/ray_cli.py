@@ -57,7 +57,7 @@ def cmd_ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     import ray
     from ray import serve
 
-    from radixserve.server.ray_serve import build_app
+    from radixserve.fleet.ray_serve import build_app
 
     ray.init(address=args.address or "local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": args.host, "port": args.port})

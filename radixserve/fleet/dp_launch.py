@@ -25,11 +25,11 @@ import time
 import httpx
 
 from radixserve.cli_options import flag
+from radixserve.fleet.supervisor import Supervisor
 from radixserve.router.cli import policy_config_from_args, serve_router
 from radixserve.router.config import router_config_from_args
 from radixserve.router.policy import PolicyConfig
-from radixserve.server.engine_process import _die_with_parent
-from radixserve.server.supervisor import Supervisor
+from radixserve.server.engine_process import die_with_parent
 
 PLACEMENT_FLAGS = {"--dp", "--port", "--host", "--device", "--router-policy", "--admin-key",
                    "--kv-events-endpoint", "--kv-events-replay-endpoint"}  # fmt: skip
@@ -79,7 +79,7 @@ def cmd_dp(parser: argparse.ArgumentParser, args: argparse.Namespace, sock: sock
                 "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]  # fmt: skip
         commands.append((argv, env))
         urls.append(f"http://127.0.0.1:{port}")
-    supervisor = Supervisor(commands, preexec_fn=_die_with_parent)
+    supervisor = Supervisor(commands, preexec_fn=die_with_parent)
     try:
         supervisor.start()
         _wait_healthy(supervisor, urls, timeout=600.0)

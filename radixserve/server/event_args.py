@@ -1,4 +1,4 @@
-"""``serve`` flags for running in a fleet: KV events for a router, and ``--dp N``."""
+"""``serve`` flags that publish the engine's KV events, for a router's index."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import argparse
 from typing import Any
 
 
-def add_fleet_args(parser: argparse.ArgumentParser) -> None:
-    from radixserve.router.cli import add_router_policy_args
-
-    g = parser.add_argument_group("fleet")
+def add_kv_event_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("KV events")
     g.add_argument(
         "--kv-events-endpoint",
         help="publish KV events (vLLM's format) on this ZeroMQ address, e.g. "
@@ -24,19 +22,9 @@ def add_fleet_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="tokens per KV event block (default: 16, rounded up to whole pages)",
     )
-    g.add_argument(
-        "--dp",
-        type=int,
-        default=1,
-        help="run N engine instances (CPU threads split between them; one per GPU) and the "
-        "router in front, on this port; default %(default)s",
-    )
-    add_router_policy_args(parser, prefix="router-")
 
 
-def kv_event_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
-    if args.dp < 1:
-        parser.error(f"--dp must be at least 1, got {args.dp}")
+def kv_event_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "kv_events_endpoint": args.kv_events_endpoint,
         "kv_events_replay_endpoint": args.kv_events_replay_endpoint,

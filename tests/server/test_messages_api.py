@@ -1,0 +1,195 @@
+"""The Anthropic Messages API against a real server (tiny model): the whole message and the
+stream's exact event sequence agree, stop reasons, usage from the cache, tool use forced and
+answered, count_tokens, and every refusal in Anthropic's error shape; the server is whole
+after each (``check_integrity``)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from testing.agents import (
+    ADMIN,
+    CONTEXT,
+    KEYS,
+    MAX_REQUEST_BYTES,
+    agent_server_flags,
+    assert_whole,
+    sse_events,
+)
+from testing.server import running_server
+
+URL_PATH = "/v1/messages"
+GREEDY = {"temperature": 0}  # the SDK has no temperature argument any more
+HEADERS = {"x-api-key": KEYS[0], "anthropic-version": "2023-06-01",
+           "anthropic-beta": "claude-code-20250219"}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string",
+            "maxLength": 20}}, "required": ["city"], "additionalProperties": False}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model_dir):
+    with running_server(*agent_server_flags(tiny_model_dir)) as url:
+        yield url
+
+
+def post(url, body, headers=HEADERS, path=URL_PATH):
+    return httpx.post(url + path + "?beta=true", json=body, headers=headers, timeout=60)
+
+
+def message(**extra):
+    return {"model": "tiny", "max_tokens": 12, "temperature": 0, "messages": ASK, **extra}
+
+
+def test_stream_events_add_up_to_the_whole_message(url):
+    whole = post(url, message()).json()
+    assert whole["type"] == "message" and whole["role"] == "assistant"
+    assert whole["stop_reason"] == "max_tokens" and whole["usage"]["output_tokens"] == 12
+    r = httpx.post(url + URL_PATH, json=message(stream=True), headers=HEADERS, timeout=60)
+    events = sse_events(r.text)
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"]
+    assert names[-2:] == ["message_delta", "message_stop"]
+    assert names[2] == "content_block_start" and names[-3] == "content_block_stop"
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert all(name == data["type"] for name, data in events)
+    text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+    assert [{"type": "text", "text": text}] == whole["content"]
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    usage = delta["usage"]
+    # the same prompt again: all but its last token comes from the cache
+    assert usage["cache_read_input_tokens"] == sum(whole["usage"][k] for k in (
+        "input_tokens", "cache_read_input_tokens")) - 1 and usage["input_tokens"] == 1  # fmt: skip
+    assert usage["cache_creation_input_tokens"] == 0
+    assert_whole(url)
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(url):
+    text = post(url, message()).json()["content"][0]["text"]
+    stop = text[len(text) // 2 :][:2]  # greedy: the same output comes again, up to it
+    out = post(url, message(stop_sequences=[stop])).json()
+    assert out["stop_reason"] == "stop_sequence" and out["stop_sequence"] == stop
+    kept = out["content"][0]["text"] if out["content"] else ""
+    assert kept == text[: text.find(stop)].rstrip() or kept == text[: text.find(stop)]
+
+
+def test_forced_tool_use_streams_input_json_and_a_result_round_trip_is_cached(url):
+    client = anthropic.Anthropic(base_url=url, api_key=KEYS[0], max_retries=0)
+    anyone = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[WEATHER],
+                                    tool_choice={"type": "any"}, extra_body=GREEDY)  # fmt: skip
+    assert anyone.stop_reason in ("tool_use", "max_tokens")  # an array of calls may run on
+    one = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    first = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[WEATHER],
+                                   tool_choice=one, extra_body=GREEDY)  # fmt: skip
+    assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["tool_use"]
+    call = first.content[0]
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    r = post(url, message(tools=[WEATHER], max_tokens=60, stream=True, tool_choice=one))
+    events = sse_events(r.text)
+    start = next(d for n, d in events if n == "content_block_start")["content_block"]
+    assert start["type"] == "tool_use" and start["input"] == {}
+    parts = [d["delta"] for n, d in events if n == "content_block_delta"]
+    assert {p["type"] for p in parts} == {"input_json_delta"}
+    assert json.loads("".join(p["partial_json"] for p in parts)) == call.input  # greedy
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    history = ASK + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": "rain, 14 C"}]}]},
+    ]  # fmt: skip
+    second = client.messages.create(model="tiny", max_tokens=8, messages=history,
+                                    tools=[WEATHER], extra_body=GREEDY)  # fmt: skip
+    before = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens >= before
+    counted = client.messages.count_tokens(model="tiny", messages=history, tools=[WEATHER])
+    u = second.usage
+    assert counted.input_tokens == u.input_tokens + u.cache_read_input_tokens
+    assert_whole(url)
+
+
+def test_claude_code_shaped_request_is_served(url):
+    """The fields Claude Code sends, in its shape (our own text): an attribution block, cache
+    breakpoints, a mid-conversation system turn, adaptive thinking, effort, context edits,
+    metadata, and a max_tokens far over the context left, which is lowered to what remains."""
+    body = {
+        "model": "tiny", "max_tokens": 32000, "stream": True,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0.abc;"},
+                   {"type": "text", "text": "You help with code.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "<context>today</context>"},
+                {"type": "text", "text": "Read notes.txt", "cache_control": {
+                    "type": "ephemeral", "ttl": "1h"}}]},
+            {"role": "system", "content": "Agent types: general."},
+        ],
+        "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search"}],
+        "metadata": {"user_id": json.dumps({"session_id": "s1"})},
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }  # fmt: skip
+    r = post(url, body)
+    assert r.status_code == 200, r.text
+    assert "web_search" in r.headers["x-radixserve-warning"]
+    events = sse_events(r.text)
+    assert events[-1][0] == "message_stop"
+    done = events[-2][1]
+    assert done["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    prompt = done["usage"]["input_tokens"] + done["usage"]["cache_read_input_tokens"]
+    if done["delta"]["stop_reason"] == "max_tokens":  # the context, less the prompt
+        assert done["usage"]["output_tokens"] == CONTEXT - prompt
+    assert_whole(url)
+
+
+@pytest.mark.parametrize(
+    "change, status, words",
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, 400,
+         "video"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f"}]}]}, 400,
+         "messages"),
+        ({"messages": ASK + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "1"}]}]}, 400,
+         "toolu_nope"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "iVBO"}}]}]}, 400, "text only"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "does not think"),
+        ({"messages": ASK + [{"role": "assistant", "content": "The answer is"}]}, 400, "prefill"),
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, 400,
+         "clear_tool_uses"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "'nope'"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "claude-opus"}, 404, "claude-opus"),
+        ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, str(CONTEXT)),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {
+            "type": "object", "not": {"required": ["a"]}}}}}, 400, "output_config.format.schema"),
+    ],
+)  # fmt: skip
+def test_refusals_are_anthropic_errors_and_leave_the_server_whole(url, change, status, words):
+    r = post(url, {**message(), **change})
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    kind = {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert body["error"]["type"] == kind and words in body["error"]["message"], body
+    assert_whole(url)
+
+
+def test_keys_headers_and_body_limit(url):
+    assert post(url, message(), headers={}).json()["error"]["type"] == "authentication_error"
+    bearer = {"Authorization": f"Bearer {KEYS[1]}"}
+    assert post(url, message(), headers=bearer).status_code == 200
+    big = message(messages=[{"role": "user", "content": "x" * MAX_REQUEST_BYTES}])
+    r = post(url, big)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.get(url + "/v1/messages/nowhere", headers=HEADERS)
+    assert r.status_code == 404 and r.json()["type"] == "error"
+    assert httpx.get(url + "/debug/check_integrity", headers=ADMIN).status_code == 200
