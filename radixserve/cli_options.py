@@ -16,8 +16,8 @@ from typing import Any
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import (
+    DEFAULT_DRAFT_SOURCES,
     DISAGGREGATION_MODES,
-    DRAFT_SOURCES,
     DTYPES,
     SCHEDULE_POLICIES,
     EngineConfig,
@@ -81,7 +81,7 @@ ENGINE_FLAGS = {
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
     # drafts (docs/drafts.md)
     "draft_sources": dict(
-        default=",".join(DRAFT_SOURCES),
+        default=",".join(DEFAULT_DRAFT_SOURCES),
         help="where drafts of a request's next tokens come from, verified by the model in one "
         "step: a comma-separated list of grammar (the text a grammar forces), text (the "
         "request's own prompt and output), cache (the prefix cache's text of the same "
@@ -92,7 +92,7 @@ ENGINE_FLAGS = {
     ),
     "draft_max_batch": dict(
         type=int,
-        default=8,
+        default=2,
         help="no drafts while more requests than this run (0: never); default %(default)s",
     ),
     "draft_row_cost": dict(

@@ -8,7 +8,7 @@ answer). The answer is mostly the file again: text the request's own prompt hold
 drafts turn into speed. Four servers are started once on free loopback ports, serving the
 same GGUF file (default: Qwen2.5-Coder-0.5B Q4_K_M) with ``--threads`` CPU threads each:
 
-- ``radix``: radixserve with its default draft settings;
+- ``radix``: radixserve with every draft source (``--draft-sources grammar,text,cache``);
 - ``radix-nodrafts``: ``--draft-sources none``;
 - ``llamacpp``: llama.cpp's server (``xllamacpp``), no drafts;
 - ``llamacpp-<spec>``: the same with a model-free draft type (``--llamacpp-spec``, default
@@ -121,7 +121,8 @@ def main() -> None:
                                     threads=args.threads, log_dir=log_dir)  # fmt: skip
     extra = tuple(args.radix_args.split())
     systems = {
-        "radix": ("radix", dataclasses.replace(base, radix_args=extra)),
+        "radix": ("radix", dataclasses.replace(
+            base, radix_args=("--draft-sources", "grammar,text,cache", *extra))),
         "radix-nodrafts": ("radix", dataclasses.replace(
             base, radix_args=(*extra, "--draft-sources", "none"))),
         "llamacpp": ("llamacpp", base),

@@ -160,7 +160,7 @@ def test_text_drafts_on_a_real_model_copying_text(make_engine, real_loaded):
     spec = RequestSpec(request_id="a", prompt_ids=prompt,
                        params=SamplingParams(max_tokens=60, temperature=0))  # fmt: skip
     off = run(make_engine(real_loaded, draft_sources="none"), [spec])
-    engine = make_engine(real_loaded)
+    engine = make_engine(real_loaded, draft_sources="text")
     on = run(engine, [spec])
     assert on[:2] == off[:2]
     text = engine.stats().drafts.sources["text"]
@@ -264,3 +264,14 @@ def test_a_repeated_request_drafts_from_the_cache_of_its_own_namespace_only(make
     assert first[0]["a"] == other[0]["b"] == again[0]["c"]
     cache = engine.stats().drafts.sources["cache"]
     assert cache.accepted_tokens >= 20 and again[3]["c"] < 0.7 * first[3]["a"]
+
+
+def test_a_prediction_coming_true_lengthens_drafts_before_it_is_decided():
+    policy = LengthPolicy(row_cost=0.1, max_tokens=16)
+    state = RequestDrafting()
+    p = state.pending["cache"] = Prediction("cache", bucket(40), list(range(16)))
+    before = policy.length(policy.rate(state, "cache", bucket(40)), 1, 16)
+    assert p.check(list(range(6))) is None  # six came true, ten to go
+    after = policy.length(policy.rate(state, "cache", bucket(40)), 1, 16)
+    assert before == 1 and after >= 10
+    assert policy.rate(state, "text", bucket(40)) == pytest.approx(0.3)  # another source's

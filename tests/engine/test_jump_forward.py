@@ -74,7 +74,12 @@ def compare(make_engine, loaded, schemas, params, prompts, **options):
     """Run the same requests with jump forward off and on; return both runs."""
     runs = []
     for jump in (False, True):
-        engine = make_engine(loaded, draft_sources="grammar" if jump else "none", **options)
+        drafts = (
+            dict(draft_sources="grammar", draft_max_batch=64)
+            if jump
+            else dict(draft_sources="none")
+        )
+        engine = make_engine(loaded, **drafts, **options)
         runs.append((engine, *generate(engine, prompts, schemas, params)))
     (_, off, off_reasons, off_steps), (on_engine, on, on_reasons, on_steps) = runs
     assert on == off and on_reasons == off_reasons, (on, off)  # the very same tokens

@@ -93,11 +93,18 @@ class LengthPolicy:
         state.tallies.setdefault(key, Tally()).add(kept, refused, REQUEST_DECAY)
 
     def rate(self, state: RequestDrafting, source: str, b: int) -> float:
-        """The per-token acceptance expected of ``source``'s proposal in bucket ``b``."""
+        """The per-token acceptance expected of ``source``'s proposal in bucket ``b``; the
+        tokens of a prediction still being checked that came true so far count as kept (a
+        long prediction coming true raises the draft length before it is decided)."""
         known = self.tallies.get((source, b))
         prior = known.rate(PRIOR_RATE) if known is not None else PRIOR_RATE
         own = state.tallies.get((source, b))
-        return own.rate(prior) if own is not None else prior
+        pending = state.pending.get(source)
+        so_far = pending.matched if pending is not None and pending.bucket == b else 0
+        if own is None and not so_far:
+            return prior
+        kept, refused = (own.kept, own.refused) if own is not None else (0.0, 0.0)
+        return Tally(kept + so_far, refused).rate(prior)
 
     def threshold(self, batch: int) -> float:
         """The least chance of being kept that pays for a draft row in a step of ``batch``
