@@ -135,12 +135,13 @@ def test_any_executor_drives_the_same_core_bookkeeping(make_engine, tier):
         config = dict(max_total_tokens=200, chunked_prefill_size=48, max_running_requests=1,
                       schedule_policy="fcfs", host_kv_memory="4MiB",
                       write_policy="write_back")  # fmt: skip
+    config["draft_sources"] = "grammar,text,cache"  # every source: the core's drafts replayed too
     engine = make_engine(**config)
     timing = dataclasses.replace(TIMING, kv_bytes_per_token=engine.pool.shape.bytes_per_token())
     alloc = PagedAllocator(engine.allocator.num_slots)
     cache, tiers, host = sim_cache(engine.config, alloc, None, timing)
     assert (host is None) == (tier == "device")
-    drafts = build_drafts(engine.config.drafts, frozenset(engine.tokenizer.eos_token_ids))
+    drafts = build_drafts(engine.config.drafts, frozenset(engine.tokenizer.eos_token_ids), cache)
     core = EngineCore(engine.config, RequestKV(cache, alloc, tiers), Limits(engine.max_model_len),
                       drafts=drafts)  # fmt: skip
     executor = TimingExecutor(timing)
