@@ -17,6 +17,7 @@ from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.kv_format import KV_CACHE_DTYPES
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import (
+    DEFAULT_DRAFT_SOURCES,
     DISAGGREGATION_MODES,
     DTYPES,
     SCHEDULE_POLICIES,
@@ -96,12 +97,27 @@ ENGINE_FLAGS = {
         type=int, default=64, help="most requests decoding at once; default %(default)s"
     ),
     "max_model_len": dict(type=int, help="context limit (default: the model's)"),
-    "jump_forward_max_batch": dict(
+    # drafts (docs/drafts.md)
+    "draft_sources": dict(
+        default=",".join(DEFAULT_DRAFT_SOURCES),
+        help="where drafts of a request's next tokens come from, verified by the model in one "
+        "step: a comma-separated list of grammar (the text a grammar forces), text (the "
+        "request's own prompt and output), cache (the prefix cache's text of the same "
+        "namespace), or none; default %(default)s",
+    ),
+    "max_draft_tokens": dict(
+        type=int, default=16, help="most draft tokens verified in one step; default %(default)s"
+    ),
+    "draft_max_batch": dict(
         type=int,
         default=2,
-        help="structured output: the tokens a grammar forces next are drafted and verified "
-        "in one step while at most this many requests run (0: never; on CPUs a step costs "
-        "per row, so drafts pay in small batches); default %(default)s",
+        help="no drafts while more requests than this run (0: never); default %(default)s",
+    ),
+    "draft_row_cost": dict(
+        type=float,
+        default=0.1,
+        help="what one more row adds to a step, as a share of a one-row step: a draft token "
+        "is verified only if the chance it is kept pays for its row; default %(default)s",
     ),
     "seed": dict(type=int, default=0, help="seed for requests that set none; default %(default)s"),
     # RAG segments (docs/rag-segments.md)

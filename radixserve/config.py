@@ -8,8 +8,9 @@ group checks its own values and ``EngineConfig`` the rules across groups, raisin
 
 The groups: ``cache`` (the device pool and the radix tree), ``scheduler``, ``kv_events``,
 ``tiers`` (the hierarchical cache), ``disagg`` (prefill/decode disaggregation),
-``segments`` (RAG segments) and ``links`` (the keys of the ZeroMQ sockets). Readers use the
-nested name (``config.cache.page_size``); the flat names are only the builder's input.
+``segments`` (RAG segments), ``links`` (the keys of the ZeroMQ sockets) and ``drafts``
+(drafted tokens verified in one step). Readers use the nested name
+(``config.cache.page_size``); the flat names are only the builder's input.
 
 The KV pool is sized by ``max_total_tokens`` or ``kv_cache_memory`` (bytes, or a string such
 as ``"2GiB"``); with neither, by a share of the device's free memory. The hierarchical cache
@@ -112,18 +113,47 @@ class SchedulerConfig:
     max_model_len: int | None = None  # context limit; default: the model's
     schedule_policy: str = "lpm"
     max_overtakes: int = 32  # a waiting request passed over this often goes first
-    # grammar-forced tokens drafted ahead and verified in one step (kept as far as the model
-    # agrees) while at most this many requests run; 0: never. On CPUs a step costs per row,
-    # so drafts pay in small batches only (docs/structured-output.md)
-    jump_forward_max_batch: int = 2
 
     def __post_init__(self) -> None:
         for name in ("chunked_prefill_size", "max_running_requests", "max_overtakes"):
             check_int(name, getattr(self, name), 1)
-        check_int("jump_forward_max_batch", self.jump_forward_max_batch, 0)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
+
+
+DRAFT_SOURCES = ("grammar", "text", "cache")
+# on by default only where a benchmark shows drafts never lose (docs/drafts.md): the grammar's
+# forced text in batches of up to two; text and cache drafts are opt-in until measured
+DEFAULT_DRAFT_SOURCES = ("grammar",)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Drafts (engine/drafts/, docs/drafts.md): tokens proposed for a request's next step
+    and verified by the model in that step, from the sources named here, in this order of
+    preference on ties (grammar: the text a grammar forces; text: the request's own prompt
+    and output; cache: what the prefix cache holds of the same namespace)."""
+
+    draft_sources: tuple[str, ...] = DEFAULT_DRAFT_SOURCES
+    max_draft_tokens: int = 16  # most draft tokens verified in one step, per request
+    # no drafts while more requests than this run (0: never)
+    draft_max_batch: int = 2
+    # a step's cost per row as a share of a one-row step's (what a draft row must pay for)
+    draft_row_cost: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft_sources, tuple):
+            raise ValueError(f"draft_sources must be a tuple of names, got {self.draft_sources!r}")
+        for name in self.draft_sources:
+            check_choice("draft_sources", name, DRAFT_SOURCES)
+        if len(set(self.draft_sources)) != len(self.draft_sources):
+            raise ValueError(f"draft_sources names a source twice: {self.draft_sources!r}")
+        check_int("max_draft_tokens", self.max_draft_tokens, 1)
+        check_int("draft_max_batch", self.draft_max_batch, 0)
+        r = self.draft_row_cost
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
+            raise ValueError(f"draft_row_cost must be in (0, 1], got {r!r}")
 
 
 @dataclass(frozen=True)
@@ -257,6 +287,7 @@ GROUPS = {
     "disagg": DisaggConfig,
     "segments": SegmentConfig,
     "links": LinkConfig,
+    "drafts": DraftConfig,
 }
 # flat option name -> its group (every option name is unique across the groups)
 OPTION_GROUP = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
@@ -281,6 +312,7 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     segments: SegmentConfig = field(default_factory=SegmentConfig)
     links: LinkConfig = field(default_factory=LinkConfig)
+    drafts: DraftConfig = field(default_factory=DraftConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
@@ -340,10 +372,20 @@ def resolve_defaults(options: dict[str, Any]) -> dict[str, Any]:
         )
     if out.get("kv_storage") is not None:
         out["kv_storage"] = storage_url(out["kv_storage"])
+    if isinstance(out.get("draft_sources"), str | list):
+        out["draft_sources"] = draft_sources(out["draft_sources"])
     tiered = out.get("host_kv_memory") is not None or out.get("kv_storage") is not None
     if out.get("write_policy") is None and tiered:
         out["write_policy"] = "write_through" if out.get("kv_storage") else "write_back"
     return out
+
+
+def draft_sources(value: str | list[str]) -> tuple[str, ...]:
+    """``draft_sources`` as a tuple: a comma-separated string (``"text,cache"``; ``"none"`` or
+    an empty string for none) or a list of names."""
+    if isinstance(value, str):
+        value = [] if value.strip() in ("", "none") else value.split(",")
+    return tuple(v.strip() for v in value)
 
 
 def storage_url(value: str) -> str:

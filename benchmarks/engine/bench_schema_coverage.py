@@ -103,7 +103,8 @@ def outputs(args, verdicts) -> dict:
         taken[row["split"], both] += 1
         chosen.append((row, text, both))
     engine = Engine(EngineConfig.from_options(model=args.model, load_progress=False,
-                                              jump_forward_max_batch=2))  # fmt: skip
+                                              draft_sources="grammar",
+                                              draft_max_batch=2))  # fmt: skip
     tok = engine.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": "Write a short JSON document "
                                  f"for this schema: {row['schema'].get('title', row['file'])}"}])

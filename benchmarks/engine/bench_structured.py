@@ -99,10 +99,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--validity-only", action="store_true", help="skip the unconstrained pass")
     ap.add_argument(
-        "--jump-forward-max-batch",
+        "--draft-max-batch",
         type=int,
         default=0,
-        help="drafts of grammar-forced tokens in batches up to this size (0: off)",
+        help="drafts (of grammar-forced tokens) in batches up to this size (0: off)",
     )
     ap.add_argument("--refusals-only", action="store_true",
                     help="only count the refusals, over all usable schemas and the first "
@@ -134,7 +134,8 @@ def main() -> None:
         EngineConfig.from_options(
             model=args.model,
             load_progress=False,
-            jump_forward_max_batch=args.jump_forward_max_batch,
+            draft_sources="grammar",
+            draft_max_batch=args.draft_max_batch,
         )
     )
     masks = MaskClock(sampler)
@@ -172,8 +173,8 @@ def main() -> None:
         "ratio": round(best["constrained"] / best["free"], 3) if "free" in best else None,
         "streams": args.streams, "model": args.model or "smollm2-135m",
         "mask_ms_per_token": masks.ms_per_row(),
-        "forced_tokens": engine.grammar_stats().forced_tokens,
-        "jump_forward_max_batch": args.jump_forward_max_batch, "max_tokens": args.max_tokens,
+        "forced_tokens": engine.stats().drafts.sources["grammar"].accepted_tokens,
+        "draft_max_batch": args.draft_max_batch, "max_tokens": args.max_tokens,
     }))  # fmt: skip
 
 

@@ -61,6 +61,7 @@ class ServerSettings:
     context_length: int = 4096  # tokens of context per request
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # llama.cpp CPU threads
     radix_args: tuple[str, ...] = ()  # extra `radixserve serve` flags
+    llamacpp_args: tuple[str, ...] = ()  # extra `llamacpp_server` flags (``--spec ngram_mod``)
     startup_timeout: float = 300.0
     log_dir: Path = Path(".")
     instances: int = 2  # fleet systems: N
@@ -111,6 +112,7 @@ def command(system: str, settings: ServerSettings) -> Callable[[int], list[str]]
             sys.executable, "-m", "radixserve.bench.llamacpp_server", "--model", model,
             "--port", str(port), "--parallel", str(settings.slots),
             "--ctx-per-slot", str(settings.context_length), "--threads", str(settings.threads),
+            *settings.llamacpp_args,
         ]  # fmt: skip
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")

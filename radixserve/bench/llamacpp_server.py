@@ -24,6 +24,9 @@ Settings, and why:
 - ``--flash-attn`` (``auto``, ``on``, ``off``) and ``--kv-type`` (``f16``, ``f32``): its
   attention kernel and KV cache type (defaults ``auto`` and ``f16``), to see which of its
   numerics an answer depends on.
+- ``--spec``: llama.cpp's model-free drafts (its speculative ``types``: ``ngram_mod``,
+  ``ngram_simple``, ``ngram_map_k``, ``ngram_cache``) with their default settings; ``none``
+  (the default) decodes token by token.
 """
 
 from __future__ import annotations
@@ -54,7 +57,15 @@ def build_params(args: argparse.Namespace):
     params.flash_attn_type = getattr(xllamacpp.llama_flash_attn_type, FLASH_ATTN[args.flash_attn])
     kv_type = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{args.kv_type.upper()}")
     params.cache_type_k = params.cache_type_v = kv_type
+    if args.spec != "none":
+        kind = getattr(
+            xllamacpp.common_speculative_type, f"COMMON_SPECULATIVE_TYPE_{args.spec.upper()}"
+        )
+        params.speculative.types = [kind]
     return params
+
+
+SPEC_TYPES = ("none", "ngram_mod", "ngram_simple", "ngram_map_k", "ngram_cache")
 
 
 FLASH_ATTN = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED",
@@ -72,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompt tokens per micro-batch (llama.cpp's n_ubatch)")  # fmt: skip
     parser.add_argument("--flash-attn", choices=FLASH_ATTN, default="auto")
     parser.add_argument("--kv-type", choices=("f16", "f32"), default="f16")
+    parser.add_argument("--spec", choices=SPEC_TYPES, default="none",
+                        help="model-free drafts (llama.cpp's speculative type)")  # fmt: skip
     args = parser.parse_args(argv)
     for name in ("port", "parallel", "ctx_per_slot", "threads", "ubatch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

@@ -56,12 +56,13 @@ class Proc:
 
 
 def read_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
-    """Unlabelled (or model-labelled) samples of ``/metrics``: name -> value."""
+    """The samples of ``/metrics``: name -> value, keyed ``name{label=value,...}`` where they
+    have labels other than ``model_name`` (``draft_accepted_tokens_total{source=text}``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", headers=headers).text):
         for s in family.samples:
-            if set(s.labels) <= {"model_name"}:
-                out[s.name] = s.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out

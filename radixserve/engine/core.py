@@ -12,10 +12,10 @@ request's KV ledger. It never runs a model: an *executor* does (``ModelExecutor`
                                          and finish requests, one StepOutput per change
 
 so whatever runs the step, the bookkeeping is this one. Features that need to act around
-it (KV transfer, the step trace) attach as ``Feature`` hooks (``hooks.py``). A constrained
-request whose grammar forces its next tokens gets them appended as a draft (jump forward,
-``structured/``); the step that computes it keeps what the sampler verified, commits that
-KV and frees the rest.
+it (KV transfer, the step trace) attach as ``Feature`` hooks (``hooks.py``). With draft
+sources (``drafts/``: the text a grammar forces, the request's own text, the cache's), a
+request that goes on may get a draft of its next tokens appended after its step; the step
+that computes it keeps what the sampler verified, commits that KV and frees the rest.
 
 ``add`` validates a ``RequestSpec`` (clear ``ValueError``s for empty, out-of-vocabulary,
 too-long or pool-exceeding prompts); a failed request (``fail``) and an aborted one
@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.engine.drafts import Drafts
 from radixserve.engine.hooks import Feature
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.kv_source import KVSource
-from radixserve.engine.request import Request, RequestStatus, TokenLogprob, Usage
+from radixserve.engine.request import Request, RequestStatus, TokenLogprob, Usage, Verified
 from radixserve.engine.scheduler import Scheduler, Step
 from radixserve.engine.spec import RequestSpec
-
-MAX_DRAFT_TOKENS = 64  # the longest grammar-forced run computed ahead in one step
 
 # What an executor drew for one request: the token and its logprob (None unless asked), or
 # the exception sampling its row raised.
@@ -64,8 +63,8 @@ class StepResult:
 
     sampled: list[tuple[Request, Drawn]] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
-    # request id -> how many of its grammar draft's tokens it keeps (requests with a draft)
-    forced: dict[str, int] = field(default_factory=dict)
+    # request id -> what it keeps of its draft (requests with a draft)
+    verified: dict[str, Verified] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,10 +85,12 @@ class EngineCore:
         limits: Limits,
         source: KVSource | None = None,
         features: Iterable[Feature] = (),
+        drafts: Drafts | None = None,
     ):
+        """``drafts``: the draft sources and their policy (None: no drafts)."""
         self.config, self.kv, self.limits = config, kv, limits
         self.scheduler = Scheduler(config.scheduler, kv, source)
-        self._jump_forward_max_batch = config.scheduler.jump_forward_max_batch
+        self.drafts = drafts
         self.features = list(features)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -194,8 +195,12 @@ class EngineCore:
         for r, n in step.prefills:
             if r.status is running:
                 if r.num_draft:  # computed all, keeps what the model agreed with
-                    dropped = r.num_draft - result.forced.get(r.request_id, 0)
-                    r.settle_draft(r.num_draft - dropped)
+                    v = result.verified.get(r.request_id)
+                    kept = v.kept if v is not None else 0
+                    if self.drafts is not None:
+                        self.drafts.verified(r, r.num_draft, kept)
+                    dropped = r.num_draft - kept
+                    r.settle_draft(kept)
                     kv.commit(r, n - dropped)
                     kv.trim(r)
                 else:
@@ -203,42 +208,24 @@ class EngineCore:
                 kv.publish(r)
         for f in self.features:
             f.after_forward(step)
+        batch = len(self.scheduler.running)
         for r, drawn in result.sampled:
             if isinstance(drawn, Exception):
                 outputs.append(self.fail(r, drawn))
                 continue
             token, logprob = drawn
-            k = result.forced.get(r.request_id, 0)
-            kept = r.output_ids[-k:] if k else []  # draft tokens verified this step
+            v = result.verified.get(r.request_id)
+            kept = r.output_ids[-v.kept :] if v is not None and v.kept else []
+            logprobs = [*(v.logprobs if v is not None else []), *([logprob] if logprob else [])]
             r.append_token(token)
-            if logprob is not None:
-                r.logprobs.append(logprob)
+            r.logprobs += logprobs
             reason = self._stop_reason(r, token)
             if reason is not None:
                 self._finish(r, reason)
-            elif r.grammar is not None and self._drafts_pay():
-                self._draft(r)
-            outputs.append(self._output(r, kept + [token], [logprob] if logprob else []))
+            elif self.drafts is not None:
+                self.drafts.after_tokens(r, [*kept, token], batch)
+            outputs.append(self._output(r, [*kept, token], logprobs))
         return outputs
-
-    def _drafts_pay(self) -> bool:
-        """Whether a grammar draft saves time now: in a small batch (a step's cost there is
-        mostly reading the weights, shared by its rows), not in a large one (on CPUs, every
-        row then costs about as much as a step of its own)."""
-        return len(self.scheduler.running) <= self._jump_forward_max_batch
-
-    def _draft(self, req: Request) -> None:
-        """Append the tokens the grammar forces next as a draft (jump forward), for requests
-        whose draws do not depend on their output so far (no penalties) and that ask no
-        logprobs (a kept draft token has none)."""
-        p = req.params
-        if p.needs_penalties or p.logprobs is not None:
-            return
-        draft = req.grammar.forced_tokens(min(req.remaining_output - 1, MAX_DRAFT_TOKENS))
-        stops = [i for i, t in enumerate(draft) if t in p.stop_token_ids]
-        draft = draft[: stops[0]] if stops else draft
-        if draft:
-            req.add_draft(draft)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -35,6 +35,7 @@ from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
 from radixserve.engine.cache_setup import build_cache, build_pool, pin_table, window_share
 from radixserve.engine.core import EngineCore, Limits, StepOutput
+from radixserve.engine.drafts import build_drafts
 from radixserve.engine.executor import ModelExecutor
 from radixserve.engine.features import StepRecord, StepShape, TierTransfers
 from radixserve.engine.hooks import Feature, KVTransfer
@@ -102,7 +103,8 @@ class Engine:
         vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
         limits = Limits(self.max_model_len, vocab, eos)
         source = self.disagg and self.disagg.kv_source
-        self.core = EngineCore(config, self.kv, limits, source, features)
+        self.drafts = build_drafts(config.drafts, eos, self.cache)
+        self.core = EngineCore(config, self.kv, limits, source, features, self.drafts)
         self.scheduler, self.requests = self.core.scheduler, self.core.requests
         seg = config.segments
         select = RecomputeSelector(
@@ -256,6 +258,7 @@ class Engine:
             tiers=self.tiers.stats(),
             segments=dataclasses.replace(self.segments.stats),
             grammar=self.grammar_stats(),
+            drafts=self.drafts.stats.copy(),
             num_loading=len(self.scheduler.loading),
             kv_transfer=self.disagg.stats() if self.disagg is not None else None,
             window=self._window_stats(),

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from radixserve.engine.core import Drawn, StepResult
-from radixserve.engine.request import Request
+from radixserve.engine.request import Request, Verified
 from radixserve.engine.sampler import sample
 from radixserve.engine.scheduler import Step
 from radixserve.engine.segments import SegmentBlender
@@ -37,7 +37,7 @@ class ModelExecutor:
         blended, logits = self._blend(step, result)
         done = {r.request_id for r, _ in result.failed} | {r.request_id for r in blended}
         prefills = [(r, n) for r, n in step.prefills if r.request_id not in done]
-        # a grammar draft and the token before it run as decode rows, one per token (a step
+        # a draft and the token before it run as decode rows, one per token (a step
         # of decode rows only is one native call), not as a prefill chunk
         drafted = [r for r, n in prefills if r.num_draft and n == 1 + r.num_draft]
         prefills = [(r, n) for r, n in prefills if not (r.num_draft and n == 1 + r.num_draft)]
@@ -54,7 +54,7 @@ class ModelExecutor:
         sampling = decodes + Step(prefills=prefills).sampling() + blended
         if sampling:
             logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-            drawn = self.sample(logits, sampling, result.forced)
+            drawn = self.sample(logits, sampling, result.verified)
             result.sampled = list(zip(sampling, drawn, strict=True))
         return result
 
@@ -110,12 +110,12 @@ class ModelExecutor:
         return self.model.forward(batch, self.pool)
 
     def sample(
-        self, logits: torch.Tensor, reqs: list[Request], forced: dict[str, int]
+        self, logits: torch.Tensor, reqs: list[Request], verified: dict[str, Verified]
     ) -> list[Drawn]:
-        """One ``(token, logprob)`` per request, or the exception its rows raised; the draft
-        tokens each request keeps go to ``forced``."""
+        """One ``(token, logprob)`` per request, or the exception its rows raised; what each
+        request with a draft keeps of it goes to ``verified``."""
         try:
-            return list(sample(logits, reqs, forced))
+            return list(sample(logits, reqs, verified))
         except Exception:
             log.exception("sampling a batch failed; sampling its rows one by one")
         drawn: list[Drawn] = []
@@ -125,7 +125,7 @@ class ModelExecutor:
         for r in reqs:
             rows = 1 + r.num_draft
             try:
-                drawn.append(sample(logits[at : at + rows], [r], forced)[0])
+                drawn.append(sample(logits[at : at + rows], [r], verified)[0])
             except Exception as e:
                 drawn.append(e)
             at += rows

@@ -5,9 +5,10 @@ so appending is O(1) and the radix tree gets a zero-copy view. The request's KV 
 far they are cached, computed and allocated live in its ledger ``kv`` (a ``KVLedger``), which
 only ``RequestKV`` writes; ``num_computed`` reads it.
 
-A constrained request may carry a *draft*: the ``num_draft`` last tokens, which its grammar
-forces and which are computed in the next step but count as output only once the
-sampler has checked that the model would have drawn each of them (``structured/``).
+A request may carry a *draft*: the ``num_draft`` last tokens, proposed by a draft source
+(``drafts/``: the text its grammar forces, its own text, the cache's), which are computed in
+the next step but count as output only once the sampler has checked that the model would
+have drawn each of them; ``drafting`` is its drafting state (``drafts/policy.py``).
 
 States: WAITING (no slots) -> RUNNING (prefilling while ``num_computed < num_tokens - 1``,
 then decoding) -> FINISHED; a retracted request goes back to WAITING keeping its output.
@@ -24,7 +25,7 @@ its prompt, the one declaration of those figures, also carried by every output),
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,15 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass
+class Verified:
+    """What a step made of a request's draft: how many of its tokens were kept, and their
+    logprobs (when the request asks for logprobs)."""
+
+    kept: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,8 @@ class Request:
         self.generator = torch.Generator().manual_seed(seed)
         self.logprobs: list[TokenLogprob] = []
         self.grammar: Any = None  # its GrammarState (structured/) when the spec has a grammar
-        self.num_draft = 0  # trailing tokens the grammar forces, appended but not yet verified
+        self.num_draft = 0  # trailing draft tokens, appended but not yet verified
+        self.drafting: Any = None  # its RequestDrafting (drafts/policy.py) once it drew a token
 
     # ------------------------------------------------------------------ the spec
     @property
@@ -151,8 +162,8 @@ class Request:
         self.num_tokens += n
 
     def add_draft(self, token_ids: list[int]) -> None:
-        """Append tokens the grammar forces next (jump forward); they are computed in the
-        next step and kept as far as the model's own choice agrees (``settle_draft``)."""
+        """Append a draft of the next tokens; they are computed in the next step and kept as
+        far as the model's own choice agrees (``settle_draft``)."""
         if self.num_draft:
             raise RuntimeError(f"{self!r} already has a draft")
         self.append_tokens(np.asarray(token_ids, dtype=np.int32))

@@ -8,9 +8,17 @@ top-k, top-p and min-p masks over one sort, then a draw. Each request draws with
 exponential race ``argmax(p / E)`` with ``E ~ Exp(1)``, so its tokens do not depend on what
 else is in the batch.
 Logprobs are of the model's distribution (raw logits, before penalties and temperature).
-Each constrained request's matcher then accepts the token drawn for it. A request with a
-grammar draft (``structured/``) has one row per draft token plus one; it keeps the draft up
-to the first row whose token differs from it and takes that row's token as its next.
+Each constrained request's matcher then accepts the token drawn for it.
+
+A request with a draft (``drafts/``) has one row per draft token plus one, each row the
+distribution after the tokens before it. It keeps the draft up to the first row whose token
+differs from it and takes that row's token as its next. A random request draws at each row
+in turn, as it would token by token, and keeps the draft token if the draw is that token:
+that is speculative sampling's rejection rule for a draft proposed with certainty (keep
+draft token ``d`` with probability ``p(d)``; else draw from ``p`` without ``d``,
+renormalised, which is what a draw that came out other than ``d`` is). So the tokens follow
+the model's distribution exactly, and a seeded request writes the same tokens with drafts
+or without. Logprobs of kept draft tokens come from their own rows.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixserve.engine.request import Request, TokenLogprob
+from radixserve.engine.request import Request, TokenLogprob, Verified
 from radixserve.model import native
 from radixserve.structured import apply_masks
 
@@ -102,11 +110,12 @@ def _draw(logits: torch.Tensor, reqs: list[Request], first: list[int], drafts: l
 
 
 def sample(
-    logits: torch.Tensor, reqs: list[Request], forced: dict[str, int] | None = None
+    logits: torch.Tensor, reqs: list[Request], verified: dict[str, Verified] | None = None
 ) -> list[tuple[int, TokenLogprob | None]]:
     """``logits``: float32, one row per request, or ``1 + num_draft`` rows for a request with
     a draft (the row after each draft token). One (token, logprob or None) per request; for
-    a request with a draft, ``forced[request_id]`` is how many draft tokens it keeps."""
+    a request with a draft, ``verified[request_id]`` says how many draft tokens it keeps
+    (and their logprobs)."""
     rows = [1 + r.num_draft for r in reqs]
     first = [sum(rows[:i]) for i in range(len(reqs))]
     raw_logprobs = None
@@ -136,18 +145,23 @@ def sample(
         token = tokens[first[i] + kept]
         if r.grammar is not None:
             r.grammar.settle(len(drafts[i]), kept, token)
-        if drafts[i] and forced is not None:
-            forced[r.request_id] = kept
-        lp = None
+        lps = None
         if raw_logprobs is not None and r.params.logprobs is not None:
-            row = raw_logprobs[first[i]]
-            top = []
-            if r.params.logprobs > 0:
-                values, ids = row.topk(r.params.logprobs)
-                top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            lp = TokenLogprob(token, float(row[token]), top)
-        out.append((token, lp))
+            lps = [_logprob(raw_logprobs[first[i] + j], t, r.params.logprobs)
+                   for j, t in enumerate([*drafts[i][:kept], token])]  # fmt: skip
+        if drafts[i] and verified is not None:
+            verified[r.request_id] = Verified(kept, lps[:-1] if lps else [])
+        out.append((token, lps[-1] if lps else None))
     return out
+
+
+def _logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s logprob in ``row`` (raw log-softmax), with the ``top`` most likely."""
+    best = []
+    if top > 0:
+        values, ids = row.topk(top)
+        best = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(row[token]), best)
 
 
 def _draft(r: Request) -> list[int]:

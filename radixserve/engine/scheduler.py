@@ -98,6 +98,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Step:
         self._land_loads()
+        self._drop_drafts_if_short()
         step = Step()
         decodes = [r for r in self.running if r.is_decoding]
         while decodes and not self.kv.extend_decode(decodes):
@@ -111,7 +112,15 @@ class Scheduler:
             if budget == 0:
                 break
             n = self._chunk(r, self.kv.prefill_chunk(r, budget))
-            if not n or not self.kv.extend(r, n):
+            if n and r.num_draft and not self.kv.extend(r, n):
+                r.trim_draft()  # memory is short: it decodes without its draft
+            if r.is_decoding:  # its draft was cut away: a decode row, as without drafts
+                if not self.kv.extend(r, 1):
+                    blocked = True
+                    break
+                step.decodes.append(r)
+                continue
+            if not n or (not r.num_draft and not self.kv.extend(r, n)):
                 blocked = True
                 break
             step.prefills.append((r, n))
@@ -122,6 +131,20 @@ class Scheduler:
             self._retract_newest()  # memory too short for anyone: make room for the oldest
         self.decay(1)
         return step
+
+    def _drop_drafts_if_short(self) -> None:
+        """Drafts are only worth their slots while memory is plenty: when the memory
+        obtainable now does not hold every running request's next tokens, drafts included
+        (a page more each), every draft is dropped, and its request decodes (retracting
+        others, as any decode, if even that does not fit)."""
+        drafted = [r for r in self.running if r.num_draft]
+        if not drafted:
+            return
+        need = sum(r.num_uncomputed + self.kv.page_size for r in self.running if r.is_decoding
+                   or r.num_draft)  # fmt: skip
+        if need > self.kv.available():
+            for r in drafted:
+                r.trim_draft()
 
     def decay(self, steps: int) -> None:
         """Lower the output reservation ratio as ``steps`` steps with enough memory do."""
@@ -195,8 +218,8 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """A request reusing RAG segments prefills its whole prompt in one sparse pass (most of
-        it is copied, not computed); any other prefills at most ``budget`` tokens. A grammar
-        draft is computed in one step with the token before it, so it is cut to fit."""
+        it is copied, not computed); any other prefills at most ``budget`` tokens. A draft is
+        computed in one step with the token before it, so it is cut to fit."""
         if req.num_draft and req.num_uncomputed > budget:
             req.trim_draft(max(req.num_draft - (req.num_uncomputed - budget), 0))
         if (

@@ -15,6 +15,7 @@ from radixserve.cache.base import CacheStats
 from radixserve.cache.eviction_base import EvictionStats
 from radixserve.cache.pins import PinStats
 from radixserve.cache.tier_stats import TierStats
+from radixserve.engine.drafts import DraftStats
 from radixserve.engine.segments import SegmentStats
 from radixserve.structured import GrammarStats
 
@@ -72,6 +73,7 @@ class EngineStats:
     kv_events_refused: dict[str, int] = field(default_factory=dict)
     pins: PinStats | None = None  # None: pins are off
     eviction: EvictionStats | None = None  # None: the eviction policy predicts nothing
+    drafts: DraftStats = field(default_factory=DraftStats)  # drafts verified, per source
 
     @classmethod
     def idle(cls, kv_capacity_tokens: int) -> EngineStats:

@@ -101,6 +101,7 @@ class Metrics:
         yield from self._segment_families()
         yield from self._grammar_families()
         yield self._refused_family()
+        yield from self._draft_families()
         yield from tier_families(self.stats, self.model_name)
         yield from pin_families(self.stats, self.model_name)
         yield from eviction_families(self.stats, self.model_name)
@@ -186,12 +187,6 @@ class Metrics:
                       g.cache_hits)  # fmt: skip
         yield counter(m, "grammar_compile_seconds", "Time spent compiling grammars",
                       g.compile_seconds)  # fmt: skip
-        yield counter(m, "grammar_drafted_tokens",
-                      "Grammar-forced tokens computed ahead in one chunk (jump forward)",
-                      g.drafted_tokens)  # fmt: skip
-        yield counter(m, "grammar_forced_tokens",
-                      "Output tokens taken from grammar drafts, without a decode step each",
-                      g.forced_tokens)  # fmt: skip
         backends = CounterMetricFamily(
             "grammar_backend_requests", "Constrained requests by the grammar engine enforcing "
             "them (xgrammar first, llguidance where xgrammar would not enforce the schema)",
@@ -218,6 +213,29 @@ class Metrics:
             for reason in ("key", "protocol", "handshake"):
                 refused.add_metric([self.model_name, link, reason], counts.get(reason, 0))
         return refused
+
+    def _draft_families(self):
+        """Per draft source: steps that verified one of its drafts, draft tokens computed and
+        kept, and output tokens per such step."""
+        sources = self.stats.drafts.sources
+        labels = ["model_name", "source"]
+        steps = CounterMetricFamily("draft_steps", "Steps that verified a draft", labels=labels)
+        proposed = CounterMetricFamily("draft_proposed_tokens",
+                                       "Draft tokens computed (verified by the model)",
+                                       labels=labels)  # fmt: skip
+        accepted = CounterMetricFamily("draft_accepted_tokens",
+                                       "Draft tokens kept: outputs without a step of their own",
+                                       labels=labels)  # fmt: skip
+        per_step = GaugeMetricFamily("draft_tokens_per_step",
+                                     "Output tokens per step that verified a draft (kept + 1)",
+                                     labels=labels)  # fmt: skip
+        for name, s in sources.items():
+            key = [self.model_name, name]
+            steps.add_metric(key, s.steps)
+            proposed.add_metric(key, s.proposed_tokens)
+            accepted.add_metric(key, s.accepted_tokens)
+            per_step.add_metric(key, s.tokens_per_step)
+        yield from (steps, proposed, accepted, per_step)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

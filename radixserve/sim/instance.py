@@ -48,7 +48,7 @@ from radixserve.engine.cache_setup import (
 )
 from radixserve.engine.core import EngineCore, Limits, StepOutput, StepResult
 from radixserve.engine.kv_manager import RequestKV
-from radixserve.engine.request import Request, Usage
+from radixserve.engine.request import Request, Usage, Verified
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Step
 from radixserve.engine.spec import RequestSpec
@@ -60,7 +60,8 @@ NO_CONTEXT_LIMIT = 2**62  # a simulated instance is bounded by its pool alone
 
 class TimingExecutor:
     """The simulator's executor: a step takes the timing model's time, and each request
-    draws the next token of its known output."""
+    draws the next token of its known output (a request with a draft keeps it as far as it
+    agrees with that output, as the model's sampler would)."""
 
     def __init__(self, timing: TimingModel):
         self.timing = timing
@@ -73,7 +74,18 @@ class TimingExecutor:
         return float(feats @ self.timing.coefficients())
 
     def run(self, step: Step) -> StepResult:
-        return StepResult([(r, (int(self.next_tokens(r, 1)[0]), None)) for r in step.sampling()])
+        result = StepResult()
+        for r in step.sampling():
+            start = r.num_output - r.num_draft
+            known = self.outputs[r.request_id][start : start + r.num_draft + 1]
+            kept = 0
+            if r.num_draft:
+                draft = r.token_ids[r.num_tokens - r.num_draft :]
+                while kept < r.num_draft and draft[kept] == known[kept]:
+                    kept += 1
+                result.verified[r.request_id] = Verified(kept)
+            result.sampled.append((r, (int(known[kept]), None)))
+        return result
 
     def next_tokens(self, req: Request, k: int) -> np.ndarray:
         k0 = req.num_output

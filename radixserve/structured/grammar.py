@@ -130,8 +130,6 @@ class GrammarStats:
     cache_hits: int = 0
     compile_seconds: float = 0.0
     constrained_requests: int = 0
-    drafted_tokens: int = 0  # grammar-forced tokens computed ahead (jump forward)
-    forced_tokens: int = 0  # of which kept: output tokens that took no decode step
     # constrained requests by the backend that enforced their grammar (``choose_backend``)
     xgrammar_requests: int = 0
     llguidance_requests: int = 0
@@ -148,6 +146,7 @@ class GrammarState:
         self._drafting, self._stats = Drafting(drafter), stats
         self._matcher: Matcher | None = None
         self._draft: list[int] = []  # the draft the masks were filled for
+        self._proposed: list[int] = []  # the last forced_tokens answer
         self._tentative = 0  # draft tokens the matcher went over to fill masks
 
     @property
@@ -191,9 +190,9 @@ class GrammarState:
         if self._tentative > kept:
             self.matcher.rollback(self._tentative - kept)
         self._tentative = 0
-        self._stats.drafted_tokens += drafted
-        self._stats.forced_tokens += kept
-        self._drafting.settle(self._draft[:drafted], kept, token)
+        draft = self._draft[:drafted]  # its own proposal, or another draft source's
+        own = bool(draft) and draft == self._proposed[:drafted]
+        self._drafting.settle(draft, kept, token, own)
         self._draft = []
         if not self.matcher.accept(token):
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
@@ -204,7 +203,8 @@ class GrammarState:
         if self._matcher is None or self._matcher.terminated:
             return []
         forced = self._matcher.forced_bytes().decode("utf-8", errors="ignore")
-        return self._drafting.propose(forced, limit)
+        self._proposed = self._drafting.propose(forced, limit)
+        return self._proposed
 
     @property
     def terminated(self) -> bool:

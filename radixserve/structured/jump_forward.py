@@ -99,9 +99,10 @@ class Drafting:
         draft = self._drafter.encode(forced, min(limit, self._limit))
         return draft if len(draft) >= MIN_DRAFT_TOKENS else []
 
-    def settle(self, draft: list[int], kept: int, token: int) -> None:
-        """``kept`` tokens of ``draft`` were kept, then ``token`` was drawn."""
-        drafted = len(draft)
+    def settle(self, draft: list[int], kept: int, token: int, own: bool = True) -> None:
+        """``kept`` tokens of ``draft`` were kept, then ``token`` was drawn; ``own``: the draft
+        was this request's proposal (another source's draft does not size these)."""
+        drafted = len(draft) if own else 0
         if drafted and not self._remembered:
             if kept < drafted:
                 self._limit = max(MIN_DRAFT_TOKENS, kept)

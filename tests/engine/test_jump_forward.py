@@ -1,6 +1,6 @@
 """Jump forward: grammar-forced tokens computed ahead in one chunk give exactly the output of
 token-by-token constrained decoding (greedy and seeded), also through retraction and with
-pages, and the kept tokens are counted."""
+pages, and the kept tokens are counted (the grammar alone drafts here: ``draft_sources``)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,12 @@ def compare(make_engine, loaded, schemas, params, prompts, **options):
     """Run the same requests with jump forward off and on; return both runs."""
     runs = []
     for jump in (False, True):
-        engine = make_engine(loaded, jump_forward_max_batch=64 if jump else 0, **options)
+        drafts = (
+            dict(draft_sources="grammar", draft_max_batch=64)
+            if jump
+            else dict(draft_sources="none")
+        )
+        engine = make_engine(loaded, **drafts, **options)
         runs.append((engine, *generate(engine, prompts, schemas, params)))
     (_, off, off_reasons, off_steps), (on_engine, on, on_reasons, on_steps) = runs
     assert on == off and on_reasons == off_reasons, (on, off)  # the very same tokens
@@ -94,8 +99,8 @@ def test_real_model_outputs_are_identical_and_take_fewer_steps(make_engine, real
     on_engine, outs, reasons, off_steps, on_steps = compare(
         make_engine, real_loaded, SCHEMAS * 2, params, prompts
     )
-    stats = on_engine.grammar_stats()
-    assert stats.forced_tokens > 20 and stats.drafted_tokens >= stats.forced_tokens
+    stats = on_engine.stats().drafts.sources["grammar"]
+    assert stats.accepted_tokens > 20 and stats.proposed_tokens >= stats.accepted_tokens
     assert on_steps < off_steps
     for i, schema in enumerate(SCHEMAS * 2):
         if reasons[str(i)] == "stop":
@@ -132,7 +137,8 @@ def test_llguidance_outputs_are_identical_with_and_without_drafts(make_engine, r
     )
     stats = on_engine.grammar_stats()
     assert stats.llguidance_requests == 3 and stats.xgrammar_requests == 0
-    assert stats.forced_tokens > 10 and on_steps < off_steps
+    assert on_engine.stats().drafts.sources["grammar"].accepted_tokens > 10
+    assert on_steps < off_steps
     assert sum(r == "stop" for r in reasons.values()) >= 2
     for i in range(3):
         if reasons[str(i)] == "stop":
@@ -151,24 +157,28 @@ def test_drafts_survive_retraction_and_pages(make_engine, page_size):
         max_total_tokens=160, page_size=page_size, chunked_prefill_size=16,
     )  # fmt: skip
     assert engine.scheduler.num_retractions > 0
-    assert engine.grammar_stats().drafted_tokens > 0
+    assert grammar_drafted(engine) > 0
+
+
+def grammar_drafted(engine) -> int:
+    return engine.stats().drafts.sources["grammar"].proposed_tokens
 
 
 @pytest.mark.parametrize("max_batch", [0, 1, 2])
 def test_drafts_are_made_only_in_batches_up_to_the_limit(make_engine, max_batch):
     """Two requests that run side by side to the end (the same greedy request twice): with
-    ``jump_forward_max_batch`` 2 they draft, with 1 or 0 they do not; alone (a batch of one), a
+    ``draft_max_batch`` 2 they draft, with 1 or 0 they do not; alone (a batch of one), a
     request drafts unless the limit is 0. The outputs are the same whatever the limit."""
     prompts = [[5, 6, 7, 8, 9]] * 2
     params = [SamplingParams(max_tokens=60, temperature=0.0)] * 2
-    engine = make_engine(None, jump_forward_max_batch=max_batch)
+    engine = make_engine(None, draft_sources="grammar", draft_max_batch=max_batch)
     alone = generate(engine, prompts[:1], [ADDRESS], params[:1])[0]
-    drafted_alone = engine.grammar_stats().drafted_tokens
+    drafted_alone = grammar_drafted(engine)
     assert (drafted_alone > 0) == (max_batch >= 1)
     # the grammar is compiled now, so both requests are admitted in the same step
     pair = generate(engine, prompts, [ADDRESS] * 2, params)[0]
-    assert (engine.grammar_stats().drafted_tokens > drafted_alone) == (max_batch >= 2)
-    off = make_engine(None, jump_forward_max_batch=0)
+    assert (grammar_drafted(engine) > drafted_alone) == (max_batch >= 2)
+    off = make_engine(None, draft_sources="none")
     assert generate(off, prompts, [ADDRESS] * 2, params)[0] == pair
     assert generate(off, prompts[:1], [ADDRESS], params[:1])[0] == alone
 

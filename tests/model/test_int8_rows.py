@@ -5,9 +5,10 @@ With ``int8=True`` (what the native decoder asks for on batches of 8 sequences o
 chunks included), ``qgemm`` must compute exactly ``round_int8(x) @ dequantize(W).T`` up to
 float summation order, for every format it takes (the file's blocks checked against the
 ``gguf`` package's dequantization), stacks mixing formats included; fewer rows, and formats
-it does not take, keep their own paths. A step's rows up to a few hundred never dequantize
-such a matrix. The older CPUs' builds (AVX2 without VNNI, plain C++) are checked by a slow
-test that builds them on this machine.
+it does not take, keep their own paths; with ``alone``, any number of rows takes the few-row
+paths, each row getting the numbers it gets alone. A step's rows up to a few hundred never
+dequantize such a matrix. The older CPUs' builds (AVX2 without VNNI, plain C++) are checked by
+a slow test that builds them on this machine.
 """
 
 from __future__ import annotations
@@ -125,6 +126,18 @@ def check_int8(ops, weight: QuantizedWeight, dense: torch.Tensor, takes_int8: bo
         assert torch.equal(y, torch.cat(alone)), m
         base = torch.randn(m, dense.shape[0])
         assert torch.equal(ops.qgemm(x, view, base.clone(), int8=True), base + y), m
+    check_rows_alone(ops, view, dense.shape[1])
+
+
+def check_rows_alone(ops, view, k: int) -> None:
+    """With ``alone`` (the decoder's draft rows in a batch of few sequences), any number of
+    rows (up to several passes of 16) gets exactly the numbers each row gets alone, with int8
+    and without, whatever path a lone row takes."""
+    x = outlier_rows(37, k)
+    for int8 in (True, False):
+        one = torch.cat([ops.qgemm(x[i : i + 1], view, int8=int8) for i in range(len(x))])
+        for m in (2, 5, 8, 16, 37):
+            assert torch.equal(ops.qgemm(x[:m], view, int8=int8, alone=True), one[:m]), (m, int8)
 
 
 @pytest.mark.parametrize("qtype", FILE_TYPES)

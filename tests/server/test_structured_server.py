@@ -38,7 +38,7 @@ class Colour(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     args = "--max-total-tokens 2048 --api-key {key} --admin-key admin-key --served-model-name tiny"
-    args += " --jump-forward-max-batch 64"  # streaming, tools and metrics with grammar drafts
+    args += " --draft-max-batch 64"  # streaming, tools and metrics with grammar drafts
     with running_server("--model", str(tiny_model_dir), *args.format(key=KEY).split()) as url:
         yield url
 
@@ -78,8 +78,11 @@ def test_json_object_and_json_schema_outputs_parse_and_validate(client, server):
     assert after["grammar_cache_hits_total"] == before["grammar_cache_hits_total"] + 1
     assert after["grammar_compiles_total"] == before["grammar_compiles_total"] >= 2
     # the schema forces its first key: computed ahead as a draft (jump forward)
-    assert after["grammar_drafted_tokens_total"] > before["grammar_drafted_tokens_total"]
-    assert after["grammar_forced_tokens_total"] <= after["grammar_drafted_tokens_total"]
+    proposed, accepted = (
+        f"draft_{k}_tokens_total{{source=grammar}}" for k in ("proposed", "accepted")
+    )
+    assert after[proposed] > before[proposed]
+    assert after[accepted] <= after[proposed]
 
 
 def test_openai_parse_returns_the_pydantic_object(client):

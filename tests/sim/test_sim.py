@@ -15,6 +15,7 @@ from radixserve.cache.window_pages import WindowedAllocator
 from radixserve.cli import main
 from radixserve.config import EngineConfig
 from radixserve.engine.core import EngineCore, Limits
+from radixserve.engine.drafts import build_drafts
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
@@ -119,7 +120,8 @@ def test_any_executor_drives_the_same_core_bookkeeping(make_engine, tier):
     """The executor interface: an executor only computes a step and draws tokens
     (``run(step) -> StepResult``); the core does the rest. A bare ``EngineCore`` driven by the
     simulator's ``TimingExecutor``, replaying the tokens the model drew, schedules the same
-    steps, emits the same outputs and gets the same cache hits as the model engine; with a
+    steps (its drafts too), emits the same outputs and gets the same cache hits as the model
+    engine; with a
     host tier, over the simulator's cache (the server's tree and tier controller over a host
     pool without KV), the same hits loaded back from the host."""
     rng = np.random.default_rng(1)
@@ -133,12 +135,15 @@ def test_any_executor_drives_the_same_core_bookkeeping(make_engine, tier):
         config = dict(max_total_tokens=200, chunked_prefill_size=48, max_running_requests=1,
                       schedule_policy="fcfs", host_kv_memory="4MiB",
                       write_policy="write_back")  # fmt: skip
+    config["draft_sources"] = "grammar,text,cache"  # every source: the core's drafts replayed too
     engine = make_engine(**config)
     timing = dataclasses.replace(TIMING, kv_bytes_per_token=engine.pool.shape.bytes_per_token())
     alloc = PagedAllocator(engine.allocator.num_slots)
     cache, tiers, host = sim_cache(engine.config, alloc, None, timing)
     assert (host is None) == (tier == "device")
-    core = EngineCore(engine.config, RequestKV(cache, alloc, tiers), Limits(engine.max_model_len))
+    drafts = build_drafts(engine.config.drafts, frozenset(engine.tokenizer.eos_token_ids), cache)
+    core = EngineCore(engine.config, RequestKV(cache, alloc, tiers), Limits(engine.max_model_len),
+                      drafts=drafts)  # fmt: skip
     executor = TimingExecutor(timing)
     specs = [RequestSpec(request_id=str(i), prompt_ids=p,
                          params=SamplingParams(max_tokens=5 + i, ignore_eos=True))

@@ -184,7 +184,6 @@ def test_masks_of_draft_rows_are_the_masks_of_single_steps(vocabulary, default_t
     single.fill(one, 0)
     assert torch.equal(one[0], mask[len(draft)])
     state.settle(len(draft), 2, draft[2])  # two kept, then the third drawn: rolled back to it
-    assert stats.drafted_tokens == len(draft) and stats.forced_tokens == 2
     assert stats.llguidance_requests == 1
     rest = tok.encode('c", "default_branch_name": "', add_special_tokens=False)[3:]
     assert all(state.matcher.accept(t) for t in rest)

@@ -184,7 +184,8 @@ struct QWeight {
   QWeight() = default;
 };
 
-torch::Tensor qgemm_op(torch::Tensor x, const QWeight& w, std::optional<torch::Tensor> out, bool int8) {
+torch::Tensor qgemm_op(torch::Tensor x, const QWeight& w, std::optional<torch::Tensor> out, bool int8,
+                       bool alone) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 &&
                   x.size(1) == w.view.k,
               "x must be contiguous float32 [M, K]");
@@ -193,7 +194,7 @@ torch::Tensor qgemm_op(torch::Tensor x, const QWeight& w, std::optional<torch::T
   TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 &&
                   y.size(0) == x.size(0) && y.size(1) == w.view.n,
               "out must be contiguous float32 [M, N]");
-  qgemm(x.data_ptr<float>(), x.size(0), w.view, y.data_ptr<float>(), accumulate, int8);
+  qgemm(x.data_ptr<float>(), x.size(0), w.view, y.data_ptr<float>(), accumulate, int8, alone);
   return y;
 }
 
@@ -518,7 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_reference", &rs::dequantize_reference_op, "a GGUF block format's plain C++ dequantization",
         nogil());
   m.def("qgemm", &rs::qgemm_op, "x @ W^T (added into out, when given)", py::arg("x"), py::arg("w"),
-        py::arg("out") = py::none(), py::arg("int8") = false, nogil());
+        py::arg("out") = py::none(), py::arg("int8") = false, py::arg("alone") = false, nogil());
   m.def("use_int8_lanes", &rs::use_int8_lanes, "whether batches of 8+ rows round x to int8 (set: 0 off, 1 on, -1 ask)",
         py::arg("set") = -1);
   m.def("dequantize", &rs::dequantize_op, "W (or some of its rows) as float32", py::arg("w"),

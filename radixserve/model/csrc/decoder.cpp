@@ -123,16 +123,15 @@ void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64
   }
 }
 
-// How a step's matmuls run: int8 activations or not, and at most `rows` rows per call.
-// qgemm picks its kernel by row count; a batch of fewer than 8 sequences with more rows (a
-// draft's) goes in calls of at most 7 rows, the kernel of a batch of those sequences one
-// row each, whose rows are computed independently: each row gets the same numbers.
+// How a step's matmuls run: int8 activations or not, and whether each row is computed on its
+// own. qgemm picks its kernel by row count; a batch of fewer than 8 sequences with more rows
+// (a draft's) takes the kernels of a batch of those sequences, one row each, whose rows are
+// computed independently (rows_alone), in one call: each row gets the numbers it gets alone,
+// and each weight is read once for all of them.
 struct Gemm {
-  bool int8;
-  int64_t rows;
+  bool int8, alone;
   void operator()(const float* x, int64_t B, const WeightView& w, float* y, bool accumulate) const {
-    for (int64_t r = 0; r < B; r += rows)
-      qgemm(x + r * w.k, std::min(rows, B - r), w, y + r * w.n, accumulate, int8);
+    qgemm(x, B, w, y, accumulate, int8, alone);
   }
 };
 
@@ -192,7 +191,7 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
   if (w.embed_scale != 1.f)
     for (float& v : s.h) v *= w.embed_scale;
   const bool many = batch.sequences >= 8;
-  const Gemm gemm{use_int8_lanes(-1), many ? B : 7};
+  const Gemm gemm{use_int8_lanes(-1), !many};
   switch (batch.kv_type) {
     case KVType::F32:
     case KVType::I8: layers<float>(w, batch, s, gemm); break;  // I8 rows are encoded apart

@@ -25,6 +25,8 @@ namespace {
 
 // x's rows rounded to int8: codes [M][K]; per half-block h (16 inputs), its block's dx and
 // dx times the half's code sum, [M][2 nb] each
+constexpr int64_t kPassRows = 16;  // rows of x that meet a row of W unpacked once
+
 struct XRows {
   std::vector<int8_t> q;
   std::vector<float> dx, xsum;
@@ -118,47 +120,65 @@ inline void unpack_q5x8(const uint8_t* p, int64_t bytes, SuperBlock& sb) {
            sb.c);
 }
 
-// A row of W in format F against rows r0..r0+MR of x: eight blocks at a time (a K-quant
-// super-block, or eight Q5 blocks), then a Q5 row's last nb % 8 blocks one by one.
-template <int MR, WFormat F>
-void row_dot(const XRows& x, int64_t r0, int64_t K, const uint8_t* row, float* y, int64_t ldy,
-             bool accumulate) {
+// lanes 0..3 take half 2t of the block, lanes 4..7 half 2t + 1 (t: the block within a vector)
+struct Picks {
+  __m256i at[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                   _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+};
+
+// One group of eight blocks (unpacked in sb) against rows r0..r0+MR of x, into their sums
+template <int MR>
+__attribute__((always_inline)) inline void group_rows(const SuperBlock& sb, const XRows& x, int64_t r0, int64_t K, int64_t g,
+                       const Picks& pick, __m256 (&acc)[MR][2], __m256 (&mins)[MR]) {
+  const int64_t nb = K / kBlock;
+  for (int r = 0; r < MR; ++r) {
+    const int64_t h0 = (r0 + r) * 2 * nb + 16 * g;
+    const __m256 lane0 = _mm256_mul_ps(sb.s[0], _mm256_loadu_ps(x.dx.data() + h0));
+    const __m256 lane1 = _mm256_mul_ps(sb.s[1], _mm256_loadu_ps(x.dx.data() + h0 + 8));
+    mins[r] = _mm256_fmadd_ps(sb.c[0], _mm256_loadu_ps(x.xsum.data() + h0), mins[r]);
+    mins[r] = _mm256_fmadd_ps(sb.c[1], _mm256_loadu_ps(x.xsum.data() + h0 + 8), mins[r]);
+    const int8_t* xq = x.q.data() + (r0 + r) * K + 256 * g;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i dot = dot4(_mm256_setzero_si256(), sb.codes[j], load32(xq + 32 * j));
+      const __m256 scale = _mm256_permutevar8x32_ps(j < 4 ? lane0 : lane1, pick.at[j % 4]);
+      acc[r][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][j & 1]);
+    }
+  }
+}
+
+// rows t..t+MR of the sums of row_dot_many, as group_rows' arrays
+template <int MR>
+inline void group_rows_at(const SuperBlock& sb, const XRows& x, int64_t r0, int64_t K, int64_t g,
+                          const Picks& pick, __m256 (*acc)[2], __m256* mins) {
+  group_rows<MR>(sb, x, r0, K, g, pick, *reinterpret_cast<__m256(*)[MR][2]>(acc),
+                 *reinterpret_cast<__m256(*)[MR]>(mins));
+}
+
+template <WFormat F>
+__attribute__((always_inline)) inline void unpack_group(const uint8_t* row, int64_t g, int64_t bytes,
+                                                        SuperBlock& sb) {
+  constexpr bool q5 = F == WFormat::Q5_0 || F == WFormat::Q5_1;
+  if constexpr (q5) unpack_q5x8<F == WFormat::Q5_1>(row + 8 * g * bytes, bytes, sb);
+  else if constexpr (F == WFormat::Q6_K) unpack_q6k(row + g * bytes, sb);
+  else unpack_k45<F == WFormat::Q5_K>(row + g * bytes, sb);
+}
+
+// A Q5 row's last nb % 8 blocks, one by one, against rows r0..r0+M of x; then each row's sum
+template <WFormat F>
+inline void finish_rows(const XRows& x, int64_t r0, int64_t M, int64_t K, const uint8_t* row,
+                        __m256 (*acc)[2], const __m256* mins, float* y, int64_t ldy, bool accumulate) {
   constexpr bool q5 = F == WFormat::Q5_0 || F == WFormat::Q5_1, q51 = F == WFormat::Q5_1;
   const int64_t bytes = block_bytes(F);
   const int64_t nb = K / kBlock, groups = nb / 8;
-  // lanes 0..3 take half 2t of the block, lanes 4..7 half 2t + 1 (t: the block within a vector)
-  const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                           _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-  __m256 acc[MR][2], mins[MR];
-  float tail_mins[MR] = {};
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm256_setzero_ps();
-  SuperBlock sb;
-  for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (q5) unpack_q5x8<q51>(row + 8 * g * bytes, bytes, sb);
-    else if constexpr (F == WFormat::Q6_K) unpack_q6k(row + g * bytes, sb);
-    else unpack_k45<F == WFormat::Q5_K>(row + g * bytes, sb);
-    for (int r = 0; r < MR; ++r) {
-      const int64_t h0 = (r0 + r) * 2 * nb + 16 * g;
-      const __m256 lane0 = _mm256_mul_ps(sb.s[0], _mm256_loadu_ps(x.dx.data() + h0));
-      const __m256 lane1 = _mm256_mul_ps(sb.s[1], _mm256_loadu_ps(x.dx.data() + h0 + 8));
-      mins[r] = _mm256_fmadd_ps(sb.c[0], _mm256_loadu_ps(x.xsum.data() + h0), mins[r]);
-      mins[r] = _mm256_fmadd_ps(sb.c[1], _mm256_loadu_ps(x.xsum.data() + h0 + 8), mins[r]);
-      const int8_t* xq = x.q.data() + (r0 + r) * K + 256 * g;
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256i dot = dot4(_mm256_setzero_si256(), sb.codes[j], load32(xq + 32 * j));
-        const __m256 scale = _mm256_permutevar8x32_ps(j < 4 ? lane0 : lane1, pick[j % 4]);
-        acc[r][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][j & 1]);
-      }
-    }
-  }
+  float tail_mins[kPassRows] = {};
   if constexpr (q5) {
     for (int64_t b = 8 * groups; b < nb; ++b) {
       uint16_t dbits, mbits = 0;
       const __m256i codes = q5_block<q51>(row + b * bytes, dbits, mbits);
       const float d = static_cast<float>(c10::Half(dbits, c10::Half::from_bits()));
       const float c = q51 ? static_cast<float>(c10::Half(mbits, c10::Half::from_bits())) : -16.f * d;
-      for (int r = 0; r < MR; ++r) {
+      for (int64_t r = 0; r < M; ++r) {
         const int64_t h = (r0 + r) * 2 * nb + 2 * b;
         const __m256i dot = dot4(_mm256_setzero_si256(), codes, load32(x.q.data() + (r0 + r) * K + 32 * b));
         acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.dx[h]), acc[r][b & 1]);
@@ -166,23 +186,76 @@ void row_dot(const XRows& x, int64_t r0, int64_t K, const uint8_t* row, float* y
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
+  for (int64_t r = 0; r < M; ++r) {
     const float out = hsum8((v8)acc[r][0] + (v8)acc[r][1]) + hsum8((v8)mins[r]) + tail_mins[r];
     float& dst = y[r * ldy];
     dst = accumulate ? dst + out : out;
   }
 }
 
-template <int MR>
-void format_row_dot(const XRows& x, int64_t r0, const WeightView& w, int64_t row, float* y,
-                    int64_t ldy, bool accumulate) {
+// A row of W in format F against rows r0..r0+MR of x, their sums in registers: eight blocks at
+// a time (a K-quant super-block, or eight Q5 blocks), then a Q5 row's last nb % 8 blocks.
+template <int MR, WFormat F>
+void row_dot(const XRows& x, int64_t r0, int64_t K, const uint8_t* row, float* y, int64_t ldy,
+             bool accumulate) {
+  const int64_t groups = K / kBlock / 8, bytes = block_bytes(F);  // (a call: not per group)
+  const Picks pick;
+  __m256 acc[MR][2], mins[MR];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm256_setzero_ps();
+  SuperBlock sb;
+  for (int64_t g = 0; g < groups; ++g) {
+    unpack_group<F>(row, g, bytes, sb);
+    group_rows<MR>(sb, x, r0, K, g, pick, acc, mins);
+  }
+  finish_rows<F>(x, r0, MR, K, row, acc, mins, y, ldy, accumulate);
+}
+
+// The same for rows r0..r0+M of x, M up to kPassRows: each group of eight blocks unpacked
+// once for all of them, met by four rows at a time (each row's steps as in row_dot)
+template <WFormat F>
+void row_dot_many(const XRows& x, int64_t r0, int64_t M, int64_t K, const uint8_t* row,
+                  float* y, int64_t ldy, bool accumulate) {
+  const int64_t groups = K / kBlock / 8, bytes = block_bytes(F);  // (a call: not per group)
+  const Picks pick;
+  __m256 acc[kPassRows][2], mins[kPassRows];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm256_setzero_ps();
+  SuperBlock sb;
+  for (int64_t g = 0; g < groups; ++g) {
+    unpack_group<F>(row, g, bytes, sb);
+    int64_t t = 0;
+    for (; t + 4 <= M; t += 4) group_rows_at<4>(sb, x, r0 + t, K, g, pick, acc + t, mins + t);
+    switch (M - t) {
+      case 3: group_rows_at<3>(sb, x, r0 + t, K, g, pick, acc + t, mins + t); break;
+      case 2: group_rows_at<2>(sb, x, r0 + t, K, g, pick, acc + t, mins + t); break;
+      case 1: group_rows_at<1>(sb, x, r0 + t, K, g, pick, acc + t, mins + t); break;
+      default: break;
+    }
+  }
+  finish_rows<F>(x, r0, M, K, row, acc, mins, y, ldy, accumulate);
+}
+
+template <WFormat F>
+void rows_dot(const XRows& x, int64_t r0, int64_t M, int64_t K, const uint8_t* row, float* y,
+              int64_t ldy, bool accumulate) {
+  switch (M) {
+    case 1: return row_dot<1, F>(x, r0, K, row, y, ldy, accumulate);
+    case 2: return row_dot<2, F>(x, r0, K, row, y, ldy, accumulate);
+    case 3: return row_dot<3, F>(x, r0, K, row, y, ldy, accumulate);
+    case 4: return row_dot<4, F>(x, r0, K, row, y, ldy, accumulate);
+    default: return row_dot_many<F>(x, r0, M, K, row, y, ldy, accumulate);
+  }
+}
+
+// A row of W against rows r0..r0+M of x (M up to kPassRows)
+void format_rows_dot(const XRows& x, int64_t r0, int64_t M, const WeightView& w, int64_t row,
+                     float* y, int64_t ldy, bool accumulate) {
   const uint8_t* p = static_cast<const uint8_t*>(w.qs) + row * w.row_bytes;
   switch (w.fmt) {
-    case WFormat::Q5_0: return row_dot<MR, WFormat::Q5_0>(x, r0, w.k, p, y, ldy, accumulate);
-    case WFormat::Q5_1: return row_dot<MR, WFormat::Q5_1>(x, r0, w.k, p, y, ldy, accumulate);
-    case WFormat::Q4_K: return row_dot<MR, WFormat::Q4_K>(x, r0, w.k, p, y, ldy, accumulate);
-    case WFormat::Q5_K: return row_dot<MR, WFormat::Q5_K>(x, r0, w.k, p, y, ldy, accumulate);
-    case WFormat::Q6_K: return row_dot<MR, WFormat::Q6_K>(x, r0, w.k, p, y, ldy, accumulate);
+    case WFormat::Q5_0: return rows_dot<WFormat::Q5_0>(x, r0, M, w.k, p, y, ldy, accumulate);
+    case WFormat::Q5_1: return rows_dot<WFormat::Q5_1>(x, r0, M, w.k, p, y, ldy, accumulate);
+    case WFormat::Q4_K: return rows_dot<WFormat::Q4_K>(x, r0, M, w.k, p, y, ldy, accumulate);
+    case WFormat::Q5_K: return rows_dot<WFormat::Q5_K>(x, r0, M, w.k, p, y, ldy, accumulate);
+    case WFormat::Q6_K: return rows_dot<WFormat::Q6_K>(x, r0, M, w.k, p, y, ldy, accumulate);
     default: return;  // int8_few_ok admits no other format
   }
 }
@@ -209,15 +282,8 @@ void gemm_int8_few(const float* x, int64_t M, const WeightView& w, float* y, boo
   const XRows& xr = rows;
   at::parallel_for(0, w.n, 16, [&](int64_t begin, int64_t end) {
     for_rows(w, begin, end, [&](const WeightView& part, int64_t row, int64_t n) {
-      for (int64_t r0 = 0; r0 < M; r0 += 4) {
-        float* yr = y + r0 * w.n + n;
-        switch (std::min<int64_t>(M - r0, 4)) {
-          case 1: format_row_dot<1>(xr, r0, part, row, yr, w.n, accumulate); break;
-          case 2: format_row_dot<2>(xr, r0, part, row, yr, w.n, accumulate); break;
-          case 3: format_row_dot<3>(xr, r0, part, row, yr, w.n, accumulate); break;
-          default: format_row_dot<4>(xr, r0, part, row, yr, w.n, accumulate); break;
-        }
-      }
+      for (int64_t r0 = 0; r0 < M; r0 += kPassRows)
+        format_rows_dot(xr, r0, std::min(M - r0, kPassRows), part, row, y + r0 * w.n + n, w.n, accumulate);
     });
   });
 #else

@@ -117,9 +117,10 @@ void gguf_row_dot(const XBlocks& x, int64_t M, const WeightView& w, int64_t row,
 // int8_rows: x may be rounded to int8 per block: 8 rows or more through gemm_int8_lanes
 // instead of the float path, fewer through gemm_int8_few instead of the int16 dot products
 // (GGUF block formats only); the decoder and the prompt path ask for it while
-// use_int8_lanes says so.
+// use_int8_lanes says so. rows_alone: every row of x gets the numbers it gets alone, whatever
+// M (the few-row kernels, which compute each row on its own, for any M).
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate,
-           bool int8_rows = false);
+           bool int8_rows = false, bool rows_alone = false);
 // The same for M >= 8 with float FMAs over lanes of x's rows (lane_gemm.cpp; qgemm picks it).
 void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // The same for M >= 8 with x rounded to int8 per block and W's codes as bytes (int8_lanes.cpp),
@@ -128,8 +129,9 @@ void gemm_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool a
 bool use_int8_lanes(int set);
 bool int8_lanes_ok(const WeightView& w);
 void gemm_int8_lanes(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
-// The same for 1..7 rows (int8_few_rows.cpp), for W whose every piece int8_few_ok accepts
-// (GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K on AVX2 builds); qgemm takes it when int8_rows.
+// The same for few rows (int8_few_rows.cpp: 1..7, or any number with rows_alone; each row
+// on its own), for W whose every piece int8_few_ok accepts (GGUF's Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K on AVX2 builds); qgemm takes it when int8_rows.
 bool int8_few_ok(const WeightView& w);
 void gemm_int8_few(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate);
 // Rows [row0, row0 + rows) of W as floats, row-major into out.

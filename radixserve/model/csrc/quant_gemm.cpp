@@ -331,14 +331,15 @@ int64_t integer_rows(const WeightView& w) {
 }
 
 void qgemm(const float* x, int64_t M, const WeightView& w, float* y, bool accumulate,
-           bool int8_rows) {
+           bool int8_rows, bool rows_alone) {
   if (M <= 0) return;
-  if (int8_rows && M >= kLaneRows && int8_lanes_ok(w)) return gemm_int8_lanes(x, M, w, y, accumulate);
-  if (int8_rows && M < kLaneRows && int8_few_ok(w)) return gemm_int8_few(x, M, w, y, accumulate);
+  const bool lanes = M >= kLaneRows && !rows_alone;  // else each row is computed on its own
+  if (int8_rows && lanes && int8_lanes_ok(w)) return gemm_int8_lanes(x, M, w, y, accumulate);
+  if (int8_rows && !lanes && int8_few_ok(w)) return gemm_int8_few(x, M, w, y, accumulate);
 #ifdef RS_AVX2
-  if (M <= integer_rows(w)) return gemm_small(x, M, w, y, accumulate);
+  if (M <= integer_rows(w) || (!lanes && integer_rows(w) > 0)) return gemm_small(x, M, w, y, accumulate);
 #endif
-  if (M < kLaneRows) return gemm_buffered(x, M, w, y, accumulate);
+  if (!lanes) return gemm_buffered(x, M, w, y, accumulate);
   gemm_lanes(x, M, w, y, accumulate);
 }
 
