@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
-from radixserve.cache.tiered_cache import WRITE_POLICIES
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import (
     DISAGGREGATION_MODES,
     DTYPES,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES, check_cache_threshold
-from radixserve.cache.tiered_cache import WRITE_POLICIES
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config_checks import (
     check_choice,
     check_endpoint,

@@ -1,4 +1,5 @@
-"""KV storage and the prefix cache: pool, slot allocator, radix tree, null cache, events."""
+"""KV storage and the prefix cache: pool, slot allocator, radix tree and its listeners, null
+cache, events, the lower tiers as the engine holds them."""
 
 from radixserve.cache.allocator import OutOfSlotsError, PagedAllocator
 from radixserve.cache.base import (
@@ -12,11 +13,14 @@ from radixserve.cache.base import (
 from radixserve.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.cache.kv_pool import KVPool, KVShape
+from radixserve.cache.lower_tiers import NO_TIERS, LowerTiers
 from radixserve.cache.null_cache import NullCache
 from radixserve.cache.radix_cache import RadixCache, TreeNode
+from radixserve.cache.tree_listener import TreeListener
 
 __all__ = [
     "EVICTION_POLICIES",
+    "NO_TIERS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -25,6 +29,7 @@ __all__ = [
     "KVEventQueue",
     "KVPool",
     "KVShape",
+    "LowerTiers",
     "MatchResult",
     "NullCache",
     "OutOfSlotsError",
@@ -32,6 +37,7 @@ __all__ = [
     "PrefixCache",
     "PrefixPeek",
     "RadixCache",
+    "TreeListener",
     "TreeNode",
     "as_token_array",
 ]

@@ -17,16 +17,10 @@ leading tokens already cached). Only page-aligned runs are cached: the caller pa
 A match describes one contiguous cached prefix, tier by tier: ``device_len`` tokens whose KV
 is in the device pool now (``device_indices``), then ``host_len`` tokens held in host memory,
 then ``storage_len`` tokens a storage backend holds. Only the device part can be read by
-attention; the lower tiers must be loaded first. The ``handle`` is opaque: callers pass it
-back to lock, unlock and credit the prefix, and never look inside. ``peek_prefix`` answers
-"how long is the cached prefix?" without touching anything (no split, no recency update).
-
-Lower tiers (a tiered cache; every other cache answers these trivially): ``load_back(match)``
-copies the host part of a match onto the device (all of it, or the leading part the device
-has room for; skipped when too short to be
-worth it) and returns the match it became; ``start_prefetch`` asks the storage tier for the
-pages after the cached prefix of a waiting request (``None``: nothing worth fetching), and
-``poll_transfers`` applies finished transfers, waiting up to ``timeout`` seconds for one.
+attention; the lower tiers must be loaded first, by the tier controller the engine holds
+beside the cache (``lower_tiers.py``). The ``handle`` is opaque: callers pass it back to lock,
+unlock and credit the prefix, and never look inside. ``peek_prefix`` answers "how long is the
+cached prefix?" without touching anything (no split, no recency update).
 
 Token ids are converted once to an ``int32`` numpy array (``as_token_array``); callers that
 already hold one (the engine does) pay nothing for it.
@@ -41,8 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-
-from radixserve.cache.storage.base import ClearResult
 
 if TYPE_CHECKING:
     from radixserve.cache.allocator import PagedAllocator
@@ -223,33 +215,6 @@ class PrefixCache(ABC):
 
     def summary(self, top: int = 10) -> TreeSummary:
         return TreeSummary(num_nodes=0, cached_tokens=self.total_size())
-
-    # ------------------------------------------------------------------ lower tiers
-    def load_back(self, match: MatchResult) -> MatchResult:
-        """Bring the host part of ``match`` onto the device; the match it became."""
-        return match
-
-    def start_prefetch(self, token_ids: TokenIds, namespace: Namespace = None) -> Any:
-        """Start fetching from storage what follows the cached prefix; an opaque ticket with
-        ``done`` and ``expired(now)``, or None when there is nothing worth fetching."""
-        return None
-
-    def poll_transfers(self, timeout: float = 0.0) -> None:
-        """Apply finished transfers between tiers (wait up to ``timeout`` s for one)."""
-        return None
-
-    def tier_stats(self) -> Any:
-        """A snapshot of the lower tiers (``TierStats``), or None without them."""
-        return None
-
-    def clear_storage(self) -> ClearResult | None:
-        """Delete every page in the storage tier: whether none is left (else why not), or
-        None when there is no storage tier."""
-        return None
-
-    def close(self) -> None:
-        """Finish pending writes to lower tiers and stop their threads."""
-        return None
 
     # KV events (``events.py``): a cache that keeps nothing has nothing to announce.
     event_block_size: int = 0

@@ -3,9 +3,11 @@ pool (L2) and a storage tier (L3), with their queues and acknowledgements.
 
 The radix tree (``radix_cache.py``) records where each node's KV lives; this controller
 decides and performs the copies, then tells the tree (``set_host``, ``set_device``,
-``attach_host``). The tree calls it back through ``LowerTiers``: a node was cached, was hit,
-is about to leave the device. Storage I/O runs on ``storage_io.StorageIO``'s threads, which
-this controller alone drives and polls.
+``attach_host``: ``host_nodes.py``). It listens to the tree (``tree_listener.py``, last in
+order): a node was cached, was hit, is about to leave the device, was deleted from the host
+(its host slots are freed here). The engine holds it directly, as its ``LowerTiers``
+(``lower_tiers.py``: ``load_back``, ``start_prefetch``, ``poll``, ``stats``, ...). Storage I/O
+runs on ``storage_io.StorageIO``'s threads, which this controller alone drives and polls.
 
 Write policies, i.e. when a node's KV is copied to the host:
 
@@ -58,16 +60,21 @@ from radixserve.cache.storage import (
 )
 from radixserve.cache.storage_io import Fetched, Prefetch, StorageIO
 from radixserve.cache.tier_stats import TierStats
+from radixserve.cache.tree_check import check_host_tier
+from radixserve.cache.tree_listener import TreeListener
 
 WRITE_POLICIES = ("write_through_selective", "write_through", "write_back")
 SELECTIVE_MIN_HITS = 1  # write_through_selective copies a node once it was hit this often
 LOOKUP_WAIT_S = 0.005  # how long a step's start waits for storage lookups still out
 
 
-class TierController:
+class TierController(TreeListener):
+    order = 2  # last: a copy reads what the other listeners set
+
     def __init__(self, tree: RadixCache, host: HostKVPool,
                  write_policy: str = "write_through_selective",
                  load_back_min_tokens: int = 1):  # fmt: skip
+        """Below ``tree`` (an empty one), with ``host`` as its host pool."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"unknown write policy {write_policy!r}; choose one of {WRITE_POLICIES}"
@@ -81,7 +88,9 @@ class TierController:
                                host_bytes_per_token=host.page_nbytes // host.page_size)  # fmt: skip
         self.storage: StorageIO | None = None
         self._scope: StorageScope | None = None
-        tree.attach_tiers(self)
+        if tree.total_size() or tree.host_size():
+            raise RuntimeError("lower tiers are attached to an empty tree only")
+        tree.add_listener(self)
 
     # ------------------------------------------------------------------ what the tree tells
     def on_cached(self, node: TreeNode) -> None:
@@ -100,12 +109,15 @@ class TierController:
         if self.write_policy == "write_back" or node.children:
             self.backup(node)
 
-    def free_host(self, slots: torch.Tensor) -> None:
-        self.host.free(slots)
+    def on_host_removed(self, node: TreeNode) -> None:
+        self.host.free(node.host_value)
 
-    def check(self, host_slots: torch.Tensor) -> None:
-        held = self.storage.held_host_slots() if self.storage is not None else EMPTY_INDICES
-        self.host.check(host_slots, held)
+    def check(self, held: torch.Tensor | None) -> None:
+        """The tree's host side (``check_host_tier``) and the host pool: free + cached +
+        held by storage I/O == capacity."""
+        host_slots = check_host_tier(self.tree, self.tree.integrity_state())
+        io = self.storage.held_host_slots() if self.storage is not None else EMPTY_INDICES
+        self.host.check(host_slots, io)
 
     # ------------------------------------------------------------------ device <-> host
     def alloc_host(self, n: int) -> torch.Tensor | None:
@@ -168,14 +180,14 @@ class TierController:
         self.tiers.loads += 1
         self.tiers.partial_loads += n < match.host_len
         self.tiers.load_latency.observe(time.perf_counter() - start)
-        return MatchResult(
+        return self.tree.resumable(MatchResult(
             device_indices=torch.cat([match.device_indices, slots]),
             handle=nodes[-1],
             device_len=match.device_len + n,
             host_len=match.host_len - n,
             storage_len=match.storage_len,
             lower_handle=match.lower_handle if n < match.host_len else None,
-        )
+        ))  # fmt: skip
 
     def _load_size(self, host_len: int) -> tuple[int, int]:
         """How many host tokens a load brings (whole pages, as many as the device has room
@@ -290,10 +302,11 @@ class TierController:
     def _on_stored(self, node: TreeNode, lo: int):
         """A callback that reports (as KV events) the node's event blocks that lie in storage
         once the first ``n`` storage blocks from token ``lo`` are there."""
-        whole = self.tree.stored_event(node, MEDIUM_STORAGE)
+        feed = self.tree.event_feed
+        whole = feed.stored(node, MEDIUM_STORAGE)
         if whole is None:
             return None
-        offset, block = node.offset, self.tree.event_block_size
+        offset, block = node.offset, feed.block_size
         storage_block = self.storage.block_tokens
 
         def emit(blocks: int) -> None:
@@ -301,7 +314,7 @@ class TierController:
             stored_end = min(lo + blocks * storage_block, offset + len(node.key))
             count = stored_end // block - offset // block
             if count > 0:  # dropped by the tree if events went off meanwhile
-                self.tree.emit_event(dataclasses.replace(
+                feed.emit(dataclasses.replace(
                     whole, block_hashes=whole.block_hashes[:count],
                     token_ids=whole.token_ids[: count * block],
                 ))  # fmt: skip
@@ -341,17 +354,25 @@ class TierController:
         self.tiers.lookup_wait_seconds += time.monotonic() - start
         self._attach(fetched)
 
+    def attach_host(self, token_ids: TokenIds, namespace: Namespace, start: int,
+                    host_slots: torch.Tensor, window: np.ndarray | None = None) -> int:  # fmt: skip
+        """Hang pages read into ``host_slots`` below the cached prefix ``[0, start)``
+        (``RadixCache.attach_host``), freeing the slots the tree let go; the tokens added."""
+        added, unused = self.tree.attach_host(token_ids, namespace, start, host_slots, window)
+        self.host.free(unused)
+        return added
+
     def _attach(self, fetched: list[Fetched]) -> None:
         b = self.storage.block_tokens
         for f in fetched:
             windows = f.windows
-            if self.tree.windows is None and not all(windows):  # one pool: full blocks only
+            if not self.tree.allocator.windowed and not all(windows):  # one pool: full blocks
                 windows = windows[: windows.index(False)]
             p, got = f.prefetch, len(windows) * b
             if got:
                 tokens, slots = p.token_ids[: p.start + got], f.host_slots[:got]
                 window = np.repeat(np.array(windows, dtype=bool), b)
-                added = self.tree.attach_host(tokens, p.namespace, p.start, slots, window)
+                added = self.attach_host(tokens, p.namespace, p.start, slots, window)
                 p.fetched = (p.start + got - added, p.start + got)
             self.host.free(f.host_slots[got:])
 

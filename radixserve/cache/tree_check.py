@@ -27,8 +27,7 @@ class TreeState:
     """What a tree keeps about its nodes, as the checks compare it with the nodes themselves.
 
     The ``*_live`` sets are the leaves with a valid entry in each eviction heap; ``is_leaf``
-    says whether nothing below a node is on the device; ``check_events`` verifies a node's
-    block hashes (None while events are off)."""
+    says whether nothing below a node is on the device."""
 
     roots: dict[Any, TreeNode]
     page_size: int
@@ -41,7 +40,6 @@ class TreeState:
     host_live: set[TreeNode]
     is_leaf: Callable[[TreeNode], bool]
     child_key: Callable[[np.ndarray], Any]
-    check_events: Callable[[TreeNode], None] | None
 
 
 def walk(tree: _Walkable) -> Iterator[tuple[TreeNode, int]]:
@@ -98,8 +96,6 @@ def check_tree(tree: _Walkable, state: TreeState) -> torch.Tensor:
         _require(size > 0 and size % p == 0, f"{node!r}: edge of {size} tokens, page {p}")
         child_locks = sum(c.lock_ref for c in node.children.values())
         _require(node.lock_ref >= child_locks >= 0, f"{node!r}: lock below its children's")
-        if state.check_events is not None:
-            state.check_events(node)
         if node.value is None:  # off the device (check_host_tier checks its other tier)
             _require(node.lock_ref == 0, f"{node!r}: locked but not on the device")
             continue

@@ -122,11 +122,6 @@ class TreeEvents:
         return BlockStored(hashes, parent_hash, tokens.tolist(), self.block_size,
                            node.namespace, medium)  # fmt: skip
 
-    def removed(self, node: TreeNode) -> BlockRemoved | None:
-        if not node.page_hashes:
-            return None
-        return BlockRemoved(node.page_hashes, node.namespace, self._medium(node))
-
     def split(self, mid: TreeNode, child: TreeNode, n: int) -> None:
         """``mid`` is the upper ``n`` tokens cut from ``child``, which keeps the rest."""
         mid.offset = child.offset

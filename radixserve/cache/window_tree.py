@@ -32,8 +32,13 @@ global layers' KV of its tokens, and its window layers' KV unless it is a *tombs
   copy has window KV); a host-only node counts as a tombstone in ``usable`` unless its copy
   has window KV, and a node loaded back from a copy without it is a tombstone again;
 - **KV events**: tombstoning and revival set the flag through the tree (``Tree.set_window``),
-  which announces the device blocks that become window-less or whole again
-  (``tree_events.py``), as it announces a node that arrives on the device as a tombstone.
+  whose event feed announces the device blocks that become window-less or whole again
+  (``event_feed.py``), as it announces a node that arrives on the device as a tombstone.
+
+The keeper is a listener of the tree (``tree_listener.py``, order 0: a node's flag is set
+before the events announcing it): it hears nodes arrive on and leave the device, locks and
+recomputed tokens; and it is the tree's ``ResumePoints``: ``usable``, ``usable_path`` and
+``turn_ends`` are the tree's decisions it makes.
 
 Counted in O(1): ``window_size`` (tokens of device nodes with window KV) and its part under a
 window lock; the rest can be tombstoned. ``check`` verifies every field against the nodes and
@@ -49,6 +54,7 @@ import numpy as np
 import torch
 
 from radixserve.cache.tree_check import walk
+from radixserve.cache.tree_listener import TreeListener
 from radixserve.cache.tree_node import TreeNode
 
 if TYPE_CHECKING:
@@ -69,7 +75,9 @@ class Tree(Protocol):
 EVICT_SHARE = 8  # a tombstoning call frees at least 1/EVICT_SHARE of the window pool
 
 
-class WindowKeeper:
+class WindowKeeper(TreeListener):
+    order = 0
+
     def __init__(self, tree: Tree, allocator: WindowedAllocator):
         self.tree = tree
         self.allocator = allocator
@@ -85,7 +93,7 @@ class WindowKeeper:
 
     def turn_ends(self, key: np.ndarray) -> list[int]:
         """The points of ``key`` (a new path below a page boundary) right after a turn-end
-        token, rounded down to a page: where ``RadixCache`` cuts it into nodes flagged
+        token, rounded down to a page: where the tree cuts it into nodes flagged
         ``turn_end`` (0: the node above it ends there)."""
         if not len(self.turn_end_ids):
             return []
@@ -96,7 +104,10 @@ class WindowKeeper:
         return self.window_size - self.locked_size
 
     # ------------------------------------------------------------------ node events
-    def on_cached(self, node: TreeNode, window: bool = True) -> None:
+    def on_cached(self, node: TreeNode) -> None:
+        self.on_loaded(node, True)
+
+    def on_loaded(self, node: TreeNode, window: bool) -> None:
         """A node got device slots: with window KV (a new leaf, a host node recomputed, or
         loaded from a host copy that has it), or without (``window`` False: a host copy of a
         tombstone, or a load's part far from its end; the slots' window pages, if any, go
@@ -113,10 +124,13 @@ class WindowKeeper:
             self.window_size -= len(node.key)
         node.window = False
 
-    def revive(self, node: TreeNode, slots: torch.Tensor) -> None:
-        """``slots`` (the caller's, KV just computed) hold ``node``'s tokens again: the
-        node takes over their window pages if it is a tombstone."""
-        if node.window or torch.equal(slots, node.value):
+    def on_recomputed(self, node: TreeNode, indices: torch.Tensor, start: int) -> None:
+        """The caller's slots (KV just computed) hold ``node``'s tokens again: the node takes
+        over their window pages if it is a tombstone."""
+        if node.window:
+            return
+        slots = indices[start : start + len(node.key)].to(torch.int64)
+        if torch.equal(slots, node.value):
             return
         self.allocator.move_windows(slots, node.value)
         self.tree.set_window(node, True)
@@ -139,11 +153,34 @@ class WindowKeeper:
                 u = start
         return u
 
+    def usable_path(self, path: list[TreeNode], last: TreeNode) -> tuple[list[TreeNode], TreeNode]:
+        """``path`` cut back to the longest prefix whose window KV allows resuming there
+        (``usable``), splitting the node it ends in; and its last node. The device part must
+        end at such a point too (a load of the host part may not happen): where it does not,
+        the path ends within the device part."""
+        device = 0
+        while device < len(path) and path[device].value is not None:
+            device += 1
+        on_device = sum(len(n.key) for n in path[:device])
+        if device < len(path) and self.usable(path[:device], on_device) < on_device:
+            path, last = path[:device], (path[device - 1] if device else path[0].parent)
+        u = self.usable(path, sum(len(n.key) for n in path))
+        pos = 0
+        for k, node in enumerate(path):
+            end = pos + len(node.key)
+            if end > u:
+                if pos < u:  # ``u`` falls inside this node: split it there
+                    upper = self.tree.split(node, u - pos)
+                    return [*path[:k], upper], upper
+                return path[:k], (path[k - 1] if k else node.parent)
+            pos = end
+        return path, last
+
     # ------------------------------------------------------------------ window locks
     def _lock_start(self, node: TreeNode) -> int:
         return self.allocator.window_start(node.depth)
 
-    def lock(self, node: TreeNode | None) -> None:
+    def on_lock(self, node: TreeNode | None) -> None:
         """Window-lock the nodes from ``node``'s lock start down to ``node``."""
         if node is None or node.parent is None:
             return
@@ -159,7 +196,7 @@ class WindowKeeper:
             node.window_lock += 1
             node = node.parent
 
-    def unlock(self, node: TreeNode | None) -> None:
+    def on_unlock(self, node: TreeNode | None) -> None:
         if node is None or node.parent is None:
             return
         a = self._lock_start(node)

@@ -1,16 +1,16 @@
-"""Building the engine's KV pool and prefix cache from its config: none, one tier, or the
-hierarchy.
+"""Building the engine's KV pool, prefix cache and lower tiers from its config: none, one
+tier, or the hierarchy.
 
 - a model with sliding-window layers keeps their KV in a pool of its own, sized by
   ``window_kv_share`` (``window_pages.py``, ``window_tree.py``), unless a feature that moves
   every layer's KV of a slot is on (``window_share``);
 
-- ``enable_prefix_caching=False``: ``NullCache`` (the A/B baseline);
-- by default: ``RadixCache`` over the device pool;
-- ``host_kv_memory``: ``TieredRadixCache`` with a host pool of that size (which must hold more
-  than the device pool: the host tier keeps what the device evicts), and with ``kv_storage``
-  a storage tier below it, scoped by the model's identity so instances of the same weights
-  (and only those) share pages;
+- ``enable_prefix_caching=False``: ``NullCache`` (the A/B baseline), no lower tiers;
+- by default: ``RadixCache`` over the device pool, no lower tiers (``NO_TIERS``);
+- ``host_kv_memory``: the tree and a ``TierController`` below it with a host pool of that
+  size (which must hold more than the device pool: the host tier keeps what the device
+  evicts), and with ``kv_storage`` a storage tier below that, scoped by the model's identity
+  so instances of the same weights (and only those) share pages;
 - ``kv_storage`` alone: the same, with a host pool sized by ``utils.default_host_kv_bytes``
   (from the device pool and the free RAM), logged at start-up.
 """
@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from radixserve.cache import (
+    NO_TIERS,
     KVEventQueue,
     KVPool,
+    LowerTiers,
     NullCache,
     PagedAllocator,
     PrefixCache,
@@ -34,7 +36,7 @@ from radixserve.cache import (
 from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
 from radixserve.cache.kv_pool import KVShape
-from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.tier_controller import TierController
 from radixserve.cache.window_pages import WindowedAllocator
 from radixserve.config import EngineConfig
 from radixserve.utils import default_host_kv_bytes
@@ -96,25 +98,26 @@ def build_cache(
     events: KVEventQueue | None,
     model_path: Path,
     model_name: str,
-) -> PrefixCache:
+) -> tuple[PrefixCache, LowerTiers]:
+    """The prefix cache over the device pool and the tiers below it."""
     tiers = config.tiers
     if not is_tiered(config):
-        return device_cache(config, allocator, events)
+        return device_cache(config, allocator, events), NO_TIERS
     slots = host_slots(config, allocator.num_slots, pool.shape.bytes_per_token())
-    cache = tiered_cache(config, allocator, HostKVPool(pool, slots, allocator.page_size), events)
-    host = cache.host
+    host = HostKVPool(pool, slots, allocator.page_size)
+    cache, controller = tiered_cache(config, allocator, host, events)
     log.info("host KV tier: %d tokens (%.2f GiB%s), write policy %s", host.num_slots,
              host.nbytes() / 2**30, "" if tiers.host_kv_memory else ", sized by default",
              tiers.write_policy)  # fmt: skip
     if tiers.kv_storage is not None:
-        cache.attach_storage(
+        storage = controller.attach_storage(
             tiers.kv_storage, model_identity(model_path, model_name),
             tiers.kv_storage_size, tiers.storage_prefetch_min_tokens,
             tiers.storage_prefetch_timeout, tiers.kv_storage_block_tokens,
         )  # fmt: skip
         log.info("KV storage tier: %s, blocks of %d tokens", tiers.kv_storage,
-                 cache.storage.block_tokens)  # fmt: skip
-    return cache
+                 storage.block_tokens)  # fmt: skip
+    return cache, controller
 
 
 def is_tiered(config: EngineConfig) -> bool:
@@ -135,6 +138,17 @@ def device_cache(
     caching = config.cache
     if not caching.enable_prefix_caching:
         return NullCache(allocator)
+    return radix_cache(config, allocator, events, eviction_policy)
+
+
+def radix_cache(
+    config: EngineConfig,
+    allocator: PagedAllocator,
+    events: KVEventQueue | None,
+    eviction_policy: str | EvictionPolicy | None = None,
+) -> RadixCache:
+    """The radix tree over the device pool, with the config's eviction policy and events."""
+    caching = config.cache
     return RadixCache(allocator, eviction_policy or caching.eviction_policy, events,
                       config.kv_events.kv_events_block_size, caching.cache_threshold)  # fmt: skip
 
@@ -163,14 +177,12 @@ def tiered_cache(
     host: HostKVPool,
     events: KVEventQueue | None,
     eviction_policy: str | EvictionPolicy | None = None,
-) -> TieredRadixCache:
-    """The radix tree over the device pool with ``host`` below it, moved between by the tier
-    controller with the config's write policy (the server's and the simulator's)."""
-    caching, tiers = config.cache, config.tiers
-    return TieredRadixCache(allocator, host, tiers.write_policy,
-                            eviction_policy or caching.eviction_policy, events,
-                            tiers.load_back_min_tokens, config.kv_events.kv_events_block_size,
-                            caching.cache_threshold)  # fmt: skip
+) -> tuple[RadixCache, TierController]:
+    """The radix tree over the device pool and the tier controller that moves KV between it
+    and ``host``, with the config's write policy (the server's and the simulator's)."""
+    tree = radix_cache(config, allocator, events, eviction_policy)
+    tiers = config.tiers
+    return tree, TierController(tree, host, tiers.write_policy, tiers.load_back_min_tokens)
 
 
 def model_identity(path: Path, name: str) -> str:

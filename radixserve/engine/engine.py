@@ -82,7 +82,7 @@ class Engine:
                 )
             self.disagg = transfer(self)
         self.record = StepRecord(self.cache)
-        features: list[Feature] = [self.record, TierTransfers(self.cache, self._has_waiting)]
+        features: list[Feature] = [self.record, TierTransfers(self.tiers, self._has_waiting)]
         if self.disagg is not None:
             features.append(self.disagg)
         vocab, eos = self.model.config.vocab_size, frozenset(self.tokenizer.eos_token_ids)
@@ -101,7 +101,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None
 
     def _build_kv(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        """The KV pool, its allocator, the prefix cache (with its tiers) and the ledgers."""
+        """The KV pool, its allocator, the prefix cache, the tiers below it and the ledgers."""
         shape = self.model.kv_shape()
         share = window_share(config, shape)  # 0: every layer's KV in one pool
         if config.cache.max_total_tokens is not None:
@@ -114,11 +114,11 @@ class Engine:
         window = self.model.config.sliding_window
         self.allocator, self.pool = build_pool(config, shape, num_slots, window, share)
         events = KVEventQueue() if config.kv_events.enable_kv_events else None
-        self.cache = build_cache(
+        self.cache, self.tiers = build_cache(
             config, self.allocator, self.pool, events, loaded.path, loaded.name
         )
         self.cache.set_turn_end_ids(self.tokenizer.eos_token_ids)
-        self.kv = RequestKV(self.cache, self.allocator)
+        self.kv = RequestKV(self.cache, self.allocator, self.tiers)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -164,7 +164,7 @@ class Engine:
         """Apply the tier moves that finished since the last step (an idle engine loop calls
         this: otherwise write-outs that end after the last request stay unaccounted, and
         their host pages pinned, until the next request)."""
-        self.cache.poll_transfers()
+        self.tiers.poll()
 
     def wake_fd(self) -> int | None:
         """A descriptor readable when KV transfer traffic needs a ``step`` (None: no mode)."""
@@ -235,7 +235,7 @@ class Engine:
             num_retractions=self.scheduler.num_retractions,
             step_evicted_tokens=self.record.evicted_tokens,
             cache=self.cache.stats.copy(),
-            tiers=self.cache.tier_stats(),
+            tiers=self.tiers.stats(),
             segments=dataclasses.replace(self.segments.stats),
             grammar=self.grammar_stats(),
             num_loading=len(self.scheduler.loading),
@@ -269,7 +269,7 @@ class Engine:
     def clear_storage(self) -> ClearResult | None:
         """Delete this model's pages from the storage tier: whether none is left (else why
         not), or None when there is no storage tier."""
-        return self.cache.clear_storage()
+        return self.tiers.clear_storage()
 
     def close(self) -> None:
         """Finish pending writes to the storage tier, stop its threads and the KV transfer;
@@ -278,7 +278,7 @@ class Engine:
             self.disagg.close()
         if self._grammars is not None:
             self._grammars.close()
-        self.cache.close()
+        self.tiers.close()
 
     # ------------------------------------------------------------------ KV events
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixserve.cache.base import PrefixCache
+from radixserve.cache.lower_tiers import LowerTiers
 from radixserve.engine.hooks import Feature
 from radixserve.engine.scheduler import Step
 
@@ -22,15 +23,15 @@ StepShape = tuple[list[tuple[int, int]], list[int]]
 
 
 class TierTransfers(Feature):
-    def __init__(self, cache: PrefixCache, has_waiting: Callable[[], bool]):
-        self.cache, self.has_waiting = cache, has_waiting
+    def __init__(self, tiers: LowerTiers, has_waiting: Callable[[], bool]):
+        self.tiers, self.has_waiting = tiers, has_waiting
 
     def before_schedule(self) -> None:
-        self.cache.poll_transfers()
+        self.tiers.poll()
 
     def after_schedule(self, step: Step) -> None:
         if step.empty and self.has_waiting():  # maybe waiting for pages: wait, not spin
-            self.cache.poll_transfers(timeout=IDLE_TRANSFER_WAIT_S)
+            self.tiers.poll(timeout=IDLE_TRANSFER_WAIT_S)
 
 
 class StepRecord(Feature):

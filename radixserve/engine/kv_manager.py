@@ -10,7 +10,8 @@ keeps one ledger (``KVLedger``) and this module is the only code that writes it:
     invariant: cached <= computed <= allocated
 
     admit:     match_prefix -> lock the handle -> cached = computed = allocated = prefix
-    load:      the match's host part is copied into device slots the tree owns (load_back),
+    load:      the match's host part is copied into device slots the tree owns (the lower
+               tiers' load_back),
                then locked like the rest: cached = computed = allocated = the longer prefix
     allocate:  extend / extend_decode take slots from the allocator (evicting unlocked tree
                leaves when short): allocated grows
@@ -34,7 +35,14 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.cache import MatchResult, PagedAllocator, PrefixCache, PrefixPeek
+from radixserve.cache import (
+    NO_TIERS,
+    LowerTiers,
+    MatchResult,
+    PagedAllocator,
+    PrefixCache,
+    PrefixPeek,
+)
 from radixserve.cache.base import CacheHandle
 
 
@@ -67,9 +75,12 @@ class KVLedger:
 
 
 class RequestKV:
-    def __init__(self, cache: PrefixCache, allocator: PagedAllocator):
+    def __init__(self, cache: PrefixCache, allocator: PagedAllocator,
+                 tiers: LowerTiers = NO_TIERS):  # fmt: skip
+        """``tiers``: the tiers below the device pool (loads and prefetches)."""
         self.cache = cache
         self.allocator = allocator
+        self.tiers = tiers
         self.page_size = allocator.page_size
 
     @property
@@ -115,7 +126,7 @@ class RequestKV:
         """Window slots a request resuming at ``resume`` (a page boundary, as every point the
         tree locks at is) will lock beyond those it holds locked now, once it resumes past
         the window: from the page holding the first token of the window before its resume
-        point (``WindowKeeper.lock``)."""
+        point (``WindowKeeper.on_lock``)."""
         held = resume - self.allocator.window_start(resume)
         return max(self.allocator.window_span - held, 0)
 
@@ -155,7 +166,7 @@ class RequestKV:
         kv: KVLedger = req.kv
         if not match.host_len:
             return 0
-        loaded = self.cache.load_back(match)
+        loaded = self.tiers.load_back(match)
         if loaded.device_len <= kv.cached:
             return 0
         self.cache.inc_lock_ref(loaded.handle)
@@ -170,7 +181,7 @@ class RequestKV:
         """A new request whose prompt runs past the cached prefix: ask the storage tier for
         the rest now, while it waits (the scheduler admits it once the pages are in)."""
         if not req.admitted_once:
-            req.tier.prefetch = self.cache.start_prefetch(req.token_ids[:-1], req.namespace)
+            req.tier.prefetch = self.tiers.start_prefetch(req.token_ids[:-1], req.namespace)
 
     def awaiting_pages(self, req, now: float) -> bool:
         """Whether ``req`` still waits for its prefetch (False once done or timed out)."""

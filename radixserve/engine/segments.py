@@ -155,7 +155,7 @@ class SegmentBlender:
             self.cache.inc_lock_ref(match.handle)
             handles.append(match.handle)
             if match.host_len and match.device_len < aligned:  # evicted to the host tier
-                match = self.cache.load_back(match)
+                match = self.kv.tiers.load_back(match)
                 self.cache.inc_lock_ref(match.handle)
                 handles.append(match.handle)
             src = match.device_indices

@@ -16,7 +16,7 @@ import argparse
 import json
 
 from radixserve.cache.eviction import EVICTION_POLICIES
-from radixserve.cache.tiered_cache import WRITE_POLICIES
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config import SCHEDULE_POLICIES
 from radixserve.sim.cli_args import build_trace, check_plots, out_dir, run_meta
 

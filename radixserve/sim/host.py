@@ -1,8 +1,8 @@
 """SimHostPool: the host tier (L2) of a simulated instance, its slots without their KV.
 
-The simulator runs the server's own ``TieredRadixCache`` and ``TierController`` (which node
-is copied when, what a match loads back, what the host tier evicts); only the pool they
-copy into is this stand-in. It keeps what the controller reads of a ``HostKVPool``: a paged
+The simulator runs the server's own radix tree and ``TierController`` (which node is copied
+when, what a match loads back, what the host tier evicts); only the pool they copy into is
+this stand-in. It keeps what the controller reads of a ``HostKVPool``: a paged
 allocator of ``num_slots`` slots, the page size, the bytes a page would take
 (``page_nbytes``, for the tier statistics) and the transfer counters. ``backup`` and
 ``restore`` move no bytes: they count pages, and the simulated instance turns the pages

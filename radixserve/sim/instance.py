@@ -19,11 +19,12 @@ Sliding-window layers. Given the model's KV geometry (``kv_shape`` with ``window
 does (``build_allocator``: window pages for ``window_kv_share`` of the slots, tombstoned in
 the tree where no resume point needs them), so hits and tombstones are the server's.
 
-The host tier. With ``host_kv_memory`` the instance builds the server's own tiered cache
-(``engine/cache_setup.py``: the same sizing, tree and ``TierController``) over a
-``SimHostPool`` (slots, no KV). The pages the controller copied since the last planned step
-(written out on insert or eviction, loaded back on admission) cost that step
-``TimingModel.transfer_time``; a pure-decode run's copies are charged to the step after it.
+The host tier. With ``host_kv_memory`` the instance builds the server's own tree and
+``TierController`` (``engine/cache_setup.py``: the same sizing) over a ``SimHostPool`` (slots,
+no KV), and holds the controller as the engine does. The pages the controller copied since
+the last planned step (written out on insert or eviction, loaded back on admission) cost that
+step ``TimingModel.transfer_time``; a pure-decode run's copies are charged to the step after
+it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.cache import KVEventQueue, PagedAllocator, PrefixCache
+from radixserve.cache import NO_TIERS, KVEventQueue, LowerTiers, PagedAllocator, PrefixCache
 from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.kv_pool import KVShape
 from radixserve.config import EngineConfig
@@ -108,10 +109,12 @@ class SimInstance:
             self.allocator = build_allocator(config, tokens, sliding_window, share)
         self.events = KVEventQueue(maxlen=1 << 30) if events else None
         policy = policy_factory(self.allocator) if policy_factory else None
-        self.cache, self.host = sim_cache(config, self.allocator, self.events, timing, policy)
+        self.cache, self.tiers, self.host = sim_cache(
+            config, self.allocator, self.events, timing, policy
+        )
         self._moved = (0, 0)  # host pages loaded, written, as of the last charged step
         self.transfer_time = 0.0  # seconds of steps spent copying between tiers
-        self.kv = RequestKV(self.cache, self.allocator)
+        self.kv = RequestKV(self.cache, self.allocator, self.tiers)
         self.core = EngineCore(config, self.kv, Limits(NO_CONTEXT_LIMIT))
         self.scheduler = self.core.scheduler
         self.executor = TimingExecutor(timing)
@@ -239,14 +242,15 @@ def sim_cache(
     events: KVEventQueue | None,
     timing: TimingModel,
     policy: EvictionPolicy | None = None,
-) -> tuple[PrefixCache, SimHostPool | None]:
-    """A simulated instance's cache, built as the server builds its own, and its host pool
-    (None without a host tier)."""
+) -> tuple[PrefixCache, LowerTiers, SimHostPool | None]:
+    """A simulated instance's cache and the tiers below it, built as the server builds its
+    own, and its host pool (None without a host tier)."""
     slots = host_tier_slots(config, timing)
     if slots is None:
-        return device_cache(config, allocator, events, policy), None
+        return device_cache(config, allocator, events, policy), NO_TIERS, None
     host = SimHostPool(slots, allocator.page_size, timing.kv_bytes_per_token)
-    return tiered_cache(config, allocator, host, events, policy), host
+    cache, tiers = tiered_cache(config, allocator, host, events, policy)
+    return cache, tiers, host
 
 
 def host_tier_slots(config: EngineConfig, timing: TimingModel) -> int | None:

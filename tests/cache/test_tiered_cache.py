@@ -23,7 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.cache import KVEventQueue, KVPool, KVShape, PagedAllocator
 from radixserve.cache.events import BlockRemoved, BlockStored
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.tiered_cache import WRITE_POLICIES, TieredRadixCache
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tier_controller import WRITE_POLICIES, TierController
 from radixserve.cache.tree_check import walk
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32)
@@ -37,11 +38,12 @@ def token_value(ns, prefix: tuple) -> float:
 
 
 def make_cache(page_size: int, device_slots: int, host_slots: int, policy: str, events=None):
+    """The tree over a device pool and the tier controller with a host pool below it."""
     alloc = PagedAllocator(device_slots, page_size)
     pool = KVPool(SHAPE, alloc.num_slots)
     host = HostKVPool(pool, host_slots, page_size)
-    cache = TieredRadixCache(alloc, host, policy, event_queue=events, event_block_size=page_size)
-    return cache, pool
+    cache = RadixCache(alloc, event_queue=events, event_block_size=page_size)
+    return cache, TierController(cache, host, policy), pool
 
 
 def write_device(pool: KVPool, slots: torch.Tensor, values: list[float]) -> None:
@@ -67,7 +69,7 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
             self.setup(self.policy)
 
         def setup(self, policy):
-            self.cache, self.pool = make_cache(page_size, device, host, policy)
+            self.cache, self.tiers, self.pool = make_cache(page_size, device, host, policy)
             self.alloc = self.cache.allocator
             self.ref: set[tuple] = set()  # (ns, page-aligned prefix) cached on some tier
             self.locks: list[tuple] = []
@@ -91,7 +93,7 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
 
         @rule(tokens=sequences, ns=st.sampled_from(NAMESPACES))
         def insert(self, tokens, ns):
-            match = self.cache.load_back(self.cache.match_prefix(tokens, ns))
+            match = self.tiers.load_back(self.cache.match_prefix(tokens, ns))
             assert match.total_len == self.ref_len(ns, tokens)
             self.cache.inc_lock_ref(match.handle)
             aligned = len(tokens) // page_size * page_size
@@ -118,7 +120,7 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
             assert sum(1 for _ in walk(self.cache)) == nodes  # a peek splits nothing
             match = self.cache.match_prefix(tokens, ns)
             assert match.total_len == peek == self.ref_len(ns, tokens)
-            loaded = self.cache.load_back(match)  # all, or the leading part that fits
+            loaded = self.tiers.load_back(match)  # all, or the leading part that fits
             assert match.device_len <= loaded.device_len <= match.total_len
             assert loaded.device_len + loaded.host_len == match.total_len
             got = read_device(self.pool, loaded.device_indices)
@@ -132,16 +134,16 @@ def make_machine(page_size: int, device: int, host: int, alphabet: int, max_page
         def attach_from_storage(self, tokens, ns):
             start = self.cache.peek_prefix(tokens, ns).length
             aligned = len(tokens) // page_size * page_size
-            slots = self.cache.host.alloc(aligned - start)
+            slots = self.tiers.host.alloc(aligned - start)
             if aligned == start or slots is None:
                 return
             values = torch.tensor(self.expected(ns, tokens, aligned)[start:])
-            host = self.cache.host
+            host = self.tiers.host
             pages, offsets = slots // page_size, slots % page_size
             for layer in range(SHAPE.num_layers):  # straight into host pages, as a fetch does
                 host.data[pages, layer, 0, 0, offsets, 0] = values + layer
                 host.data[pages, layer, 1, 0, offsets, 0] = -(values + layer)
-            added = self.cache.attach_host(tokens[:aligned], ns, start, slots)
+            added = self.tiers.attach_host(tokens[:aligned], ns, start, slots)
             assert added == aligned - start
             for end in range(start + page_size, aligned + 1, page_size):
                 self.ref.add((ns, tuple(tokens[:end])))
@@ -203,8 +205,8 @@ def test_tiered_cache_state_machine(machine):
 
 
 # ---------------------------------------------------------------------- directed tests
-def cache_tokens(cache, pool, tokens, ns=None):
-    match = cache.load_back(cache.match_prefix(tokens, ns))
+def cache_tokens(cache, tiers, pool, tokens, ns=None):
+    match = tiers.load_back(cache.match_prefix(tokens, ns))
     cache.inc_lock_ref(match.handle)
     new = cache.allocator.alloc(len(tokens) - match.device_len)
     if new is None:
@@ -222,11 +224,11 @@ def cache_tokens(cache, pool, tokens, ns=None):
     [("write_through", 8, 8), ("write_through_selective", 0, 8), ("write_back", 0, 0)],
 )
 def test_write_policies_copy_when_they_say(policy, host_after_insert, host_after_reuse):
-    cache, pool = make_cache(4, 16, 32, policy)
+    cache, tiers, pool = make_cache(4, 16, 32, policy)
     a = list(range(8))
-    cache_tokens(cache, pool, a)
+    cache_tokens(cache, tiers, pool, a)
     assert cache.host_size() == host_after_insert
-    cache_tokens(cache, pool, a + [9, 9, 9, 9])  # reuses a (one hit)
+    cache_tokens(cache, tiers, pool, a + [9, 9, 9, 9])  # reuses a (one hit)
     assert cache.host_size() >= host_after_reuse
     cache.evict(cache.evictable_size())  # leaves the device
     assert cache.host_size() == 12 if policy != "write_through_selective" else 8
@@ -236,26 +238,26 @@ def test_write_policies_copy_when_they_say(policy, host_after_insert, host_after
 
 
 def test_load_back_is_skipped_below_the_threshold_and_counts_loads():
-    cache, pool = make_cache(4, 16, 32, "write_through")
-    cache.load_back_min_tokens = 12
-    cache_tokens(cache, pool, list(range(8)))
+    cache, tiers, pool = make_cache(4, 16, 32, "write_through")
+    tiers.load_back_min_tokens = 12
+    cache_tokens(cache, tiers, pool, list(range(8)))
     cache.evict(16)
     m = cache.match_prefix(list(range(8)) + [1])
-    assert m.host_len == 8 and cache.load_back(m) is m  # 8 < 12 tokens: computed instead
-    cache.load_back_min_tokens = 8
-    loaded = cache.load_back(m)
+    assert m.host_len == 8 and tiers.load_back(m) is m  # 8 < 12 tokens: computed instead
+    tiers.load_back_min_tokens = 8
+    loaded = tiers.load_back(m)
     assert loaded.device_len == 8 and loaded.host_len == 0
     assert read_device(pool, loaded.device_indices) == [token_value(None, tuple(range(i + 1)))
                                                         for i in range(8)]  # fmt: skip
-    stats = cache.tier_stats()
+    stats = tiers.stats()
     assert stats.loads == 1 and stats.pages_to_device == 2 and stats.load_latency.count == 1
     cache.check_integrity(NO_HELD)
 
 
 def test_tier_moves_emit_events_with_their_medium():
     events = KVEventQueue()
-    cache, pool = make_cache(4, 16, 32, "write_through", events)
-    cache_tokens(cache, pool, list(range(8)))
+    cache, tiers, pool = make_cache(4, 16, 32, "write_through", events)
+    cache_tokens(cache, tiers, pool, list(range(8)))
     first = events.drain()
     stored = [(type(e).__name__, e.medium) for e in first]
     assert stored == [("BlockStored", "device"), ("BlockStored", "host")]
@@ -263,7 +265,7 @@ def test_tier_moves_emit_events_with_their_medium():
     assert same_blocks[0] == same_blocks[1] and len(same_blocks[0][0]) == 2  # moved, not renamed
     cache.evict(16)  # off the device, kept on the host
     assert [(type(e).__name__, e.medium) for e in events.drain()] == [("BlockRemoved", "device")]
-    cache.load_back(cache.match_prefix(list(range(8)) + [0]))
+    tiers.load_back(cache.match_prefix(list(range(8)) + [0]))
     back = events.drain()
     assert [(type(e).__name__, e.medium) for e in back] == [("BlockStored", "device")]
     assert (back[0].block_hashes, back[0].parent_block_hash, back[0].token_ids) == same_blocks[0]
@@ -276,17 +278,17 @@ def test_tier_moves_emit_events_with_their_medium():
 
 
 def test_a_device_leaf_with_host_children_is_copied_before_it_leaves():
-    cache, pool = make_cache(4, 16, 32, "write_through_selective")
+    cache, tiers, pool = make_cache(4, 16, 32, "write_through_selective")
     a = list(range(4))
-    cache_tokens(cache, pool, a)
-    cache_tokens(cache, pool, a + [7] * 4)
+    cache_tokens(cache, tiers, pool, a)
+    cache_tokens(cache, tiers, pool, a + [7] * 4)
     m = cache.match_prefix(a + [7] * 4 + [0])  # a hit: [7]*4 and its parent get host copies
     cache.record_hit(m.handle, 9, 8)
     cache.check_integrity(NO_HELD)
     node = m.handle
     # Drop the parent's copy by hand to force the case, then evict: the parent must be copied
     # again rather than orphan its host-only child.
-    cache.host.free(node.parent.host_value)
+    tiers.host.free(node.parent.host_value)
     cache._host_size -= len(node.parent.key)
     node.parent.host_value = None
     cache.evict(16)
@@ -298,14 +300,14 @@ def test_a_lookup_ending_on_the_host_reorders_the_device_leaf_above_it():
     # A device leaf whose only child is host-only is reached by a lookup that ends on the host
     # (here: a storage fetch hanging more pages below): its recency changes, so its place in
     # the eviction order must too, or eviction skips it as stale.
-    cache, pool = make_cache(1, 24, 40, "write_back")
+    cache, tiers, pool = make_cache(1, 24, 40, "write_back")
 
     def attach(tokens):
         start = cache.peek_prefix(tokens).length
-        assert cache.attach_host(tokens, None, start, cache.host.alloc(len(tokens) - start))
+        assert tiers.attach_host(tokens, None, start, tiers.host.alloc(len(tokens) - start))
 
     attach([0, 0])
-    loaded = cache.load_back(cache.match_prefix([0]))  # [0] on the device, [0, 0] on the host
+    loaded = tiers.load_back(cache.match_prefix([0]))  # [0] on the device, [0, 0] on the host
     assert loaded.device_len == 1
     attach([0, 0, 0])
     cache.check_integrity(NO_HELD)
@@ -314,23 +316,23 @@ def test_a_lookup_ending_on_the_host_reorders_the_device_leaf_above_it():
 
 
 def test_a_full_device_pool_loads_back_the_leading_part_that_fits():
-    cache, pool = make_cache(4, 16, 48, "write_through")
+    cache, tiers, pool = make_cache(4, 16, 48, "write_through")
     a, b = list(range(12)), [7] * 12
-    cache_tokens(cache, pool, a)
+    cache_tokens(cache, tiers, pool, a)
     cache.evict(16)  # a: host only
-    held = cache_tokens(cache, pool, b)  # b takes 12 of the 16 device slots ...
+    held = cache_tokens(cache, tiers, pool, b)  # b takes 12 of the 16 device slots ...
     locked = cache.match_prefix(b + [0], record_stats=False)
     cache.inc_lock_ref(locked.handle)  # ... and a running request holds it
     m = cache.match_prefix(a + [0])
     assert held.device_len == 0 and m.device_len == 0 and m.host_len == 12
-    part = cache.load_back(m)
+    part = tiers.load_back(m)
     assert (part.device_len, part.host_len) == (4, 8)  # the room left: one page
     assert read_device(pool, part.device_indices) == [token_value(None, tuple(a[: i + 1]))
                                                       for i in range(4)]  # fmt: skip
-    assert cache.tier_stats().partial_loads == 1
+    assert tiers.stats().partial_loads == 1
     cache.check_integrity(NO_HELD)
     cache.dec_lock_ref(locked.handle)
-    rest = cache.load_back(cache.match_prefix(a + [0]))  # room again: the rest comes back
+    rest = tiers.load_back(cache.match_prefix(a + [0]))  # room again: the rest comes back
     assert (rest.device_len, rest.host_len) == (12, 0)
     assert read_device(pool, rest.device_indices) == [token_value(None, tuple(a[: i + 1]))
                                                       for i in range(12)]  # fmt: skip
@@ -338,32 +340,32 @@ def test_a_full_device_pool_loads_back_the_leading_part_that_fits():
 
 
 def test_a_load_smaller_than_the_minimum_is_not_made_partially():
-    cache, pool = make_cache(4, 16, 48, "write_through")
-    cache.load_back_min_tokens = 8
+    cache, tiers, pool = make_cache(4, 16, 48, "write_through")
+    tiers.load_back_min_tokens = 8
     a = list(range(12))
-    cache_tokens(cache, pool, a)
+    cache_tokens(cache, tiers, pool, a)
     cache.evict(16)
-    cache_tokens(cache, pool, [7] * 12)
+    cache_tokens(cache, tiers, pool, [7] * 12)
     locked = cache.match_prefix([7] * 12 + [0], record_stats=False)
     cache.inc_lock_ref(locked.handle)
     m = cache.match_prefix(a + [0])
-    assert cache.load_back(m) is m  # 4 tokens would fit, fewer than 8: computed instead
-    assert cache.tier_stats().load_failures == 1
+    assert tiers.load_back(m) is m  # 4 tokens would fit, fewer than 8: computed instead
+    assert tiers.stats().load_failures == 1
     cache.check_integrity(NO_HELD)
 
 
 def test_a_load_keeps_its_host_nodes_while_making_room_evicts_host_leaves():
-    cache, pool = make_cache(4, 12, 12, "write_back")
+    cache, tiers, pool = make_cache(4, 12, 12, "write_back")
     a, b = list(range(8)), [9] * 8
-    cache_tokens(cache, pool, a)
-    cache_tokens(cache, pool, b)  # a leaves the device: copied to the host (8 of 12)
-    slots = cache.host.alloc(4)
-    assert cache.attach_host(a + [5] * 4, None, 8, slots) == 4  # a child of a: host full
+    cache_tokens(cache, tiers, pool, a)
+    cache_tokens(cache, tiers, pool, b)  # a leaves the device: copied to the host (8 of 12)
+    slots = tiers.host.alloc(4)
+    assert tiers.attach_host(a + [5] * 4, None, 8, slots) == 4  # a child of a: host full
     m = cache.match_prefix(a + [0])
     assert (m.device_len, m.host_len) == (0, 8)
     # Room for a means evicting b, whose copy to the full host evicts a's child; a itself,
     # then a host leaf, must not go too.
-    loaded = cache.load_back(m)
+    loaded = tiers.load_back(m)
     assert loaded.device_len == 8
     assert read_device(pool, loaded.device_indices) == [token_value(None, tuple(a[: i + 1]))
                                                         for i in range(8)]  # fmt: skip
@@ -409,11 +411,12 @@ def test_pages_from_storage_hang_with_or_without_window_kv():
     alloc = WindowedAllocator(64, 4, window_slots=32, window=5)  # a window reads 4 back
     pool = KVPool(shape, alloc.num_slots, window_map=alloc.window_map,
                   window_slots=alloc.window_slots)  # fmt: skip
-    cache = TieredRadixCache(alloc, HostKVPool(pool, 128, 4), "write_back")
+    cache = RadixCache(alloc)
+    tiers = TierController(cache, HostKVPool(pool, 128, 4), "write_back")
     tokens = list(range(100, 124))  # blocks of 8: with, without, with window KV
     window = np.repeat([True, False, True], 8)
-    host = cache.host
-    assert cache.attach_host(tokens, None, 0, host.alloc(24), window) == 24
+    host = tiers.host
+    assert tiers.attach_host(tokens, None, 0, host.alloc(24), window) == 24
     cache.check_integrity(NO_HELD)
     flags = [(len(n.key), n.host_window) for n, _ in cache.nodes()]
     assert flags == [(8, True), (8, False), (8, True)]
@@ -422,7 +425,7 @@ def test_pages_from_storage_hang_with_or_without_window_kv():
     assert cache.match_prefix(tokens[:16]).total_len == 8
     # the middle block again, with window KV: the copy without it is replaced, nothing added
     before = host.allocator.free_size()
-    assert cache.attach_host(tokens[:16], None, 8, host.alloc(8), np.ones(8, bool)) == 0
+    assert tiers.attach_host(tokens[:16], None, 8, host.alloc(8), np.ones(8, bool)) == 0
     assert [n.host_window for n, _ in cache.nodes()] == [True, True, True]
     assert host.allocator.free_size() == before
     assert cache.match_prefix(tokens[:16]).total_len == 16
@@ -441,16 +444,17 @@ def test_a_load_longer_than_the_window_room_brings_the_rest_as_tombstones():
     alloc = WindowedAllocator(64, 4, window_slots=32, window=5)
     pool = KVPool(shape, alloc.num_slots, window_map=alloc.window_map,
                   window_slots=alloc.window_slots)  # fmt: skip
-    cache = TieredRadixCache(alloc, HostKVPool(pool, 128, 4), "write_back", load_back_min_tokens=4)
-    host = cache.host
+    cache = RadixCache(alloc)
+    tiers = TierController(cache, HostKVPool(pool, 128, 4), "write_back", load_back_min_tokens=4)
+    host = tiers.host
     tokens = list(range(100, 148))
     slots = host.alloc(48)
     values = torch.arange(1, 49, dtype=torch.float32)
     host.data[host.pages_of(slots)] = values.view(12, 1, 1, 1, 4, 1).expand(-1, 2, 2, 1, 4, 2)
-    assert cache.attach_host(tokens, None, 0, slots, np.ones(48, bool)) == 48
+    assert tiers.attach_host(tokens, None, 0, slots, np.ones(48, bool)) == 48
     match = cache.match_prefix(tokens)
     assert (match.device_len, match.host_len) == (0, 48)
-    loaded = cache.load_back(match)
+    loaded = tiers.load_back(match)
     assert loaded.device_len == 48
     cache.check_integrity(NO_HELD)
     device = loaded.device_indices

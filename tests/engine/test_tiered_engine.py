@@ -181,7 +181,7 @@ def test_a_request_waiting_for_its_pages_holds_up_no_other(engines, reference, t
     run(first, SHARED + TAILS[0], "a")
     first.close()
     second = engines(kv_storage=str(tmp_path), storage_prefetch_timeout=60)
-    backend, gate = second.cache.storage.backend, threading.Event()
+    backend, gate = second.tiers.storage.backend, threading.Event()
     real_exists, calls = backend.exists, []
 
     def exists(keys):  # a store slow to answer the first lookup: "b"'s
@@ -274,7 +274,7 @@ def test_a_redis_outage_counts_write_outs_as_write_errors_and_clear_says_so(engi
         deadline = time.monotonic() + 30
         while engine.stats().tiers.storage.write_errors == before.write_errors:
             assert time.monotonic() < deadline, "failed write-outs were not counted as writes"
-            engine.cache.poll_transfers(timeout=0.1)
+            engine.tiers.poll(timeout=0.1)
         result = engine.clear_storage()
         assert not result.cleared and f"127.0.0.1:{redis.port}" in result.reason
         engine.check_integrity()
@@ -307,7 +307,7 @@ def test_storage_writes_are_kv_events_of_medium_storage(engines, tmp_path):
     deadline = time.monotonic() + 30
     media: set[str] = set()
     while "storage" not in media and time.monotonic() < deadline:
-        engine.cache.poll_transfers(timeout=0.1)
+        engine.tiers.poll(timeout=0.1)
         media |= {getattr(e, "medium", None) for e in engine.kv_events.drain()}
     assert {"device", "host", "storage"} <= media
 
@@ -331,7 +331,7 @@ def test_storage_writes_landing_after_events_went_off_are_dropped_not_a_crash(en
     """A subscriber leaves (events off) while write-outs announced as events are under way:
     they land without an event, and a later subscriber gets a fresh snapshot."""
     engine = engines(kv_storage=f"file://{tmp_path}", enable_kv_events=True)
-    backend, gate = engine.cache.storage.backend, threading.Event()
+    backend, gate = engine.tiers.storage.backend, threading.Event()
     real_set = backend.set
     backend.set = lambda keys, pages: gate.wait(30) and real_set(keys, pages)
     run(engine, SHARED + TAILS[0], "a")  # write-outs queued, their events pending
@@ -340,7 +340,7 @@ def test_storage_writes_landing_after_events_went_off_are_dropped_not_a_crash(en
     deadline = time.monotonic() + 30
     while engine.stats().tiers.pages_to_storage < len(SHARED) // PAGE:
         assert time.monotonic() < deadline, "the write-outs never landed"
-        engine.cache.poll_transfers(timeout=0.1)  # lands them, with no event to announce
+        engine.tiers.poll(timeout=0.1)  # lands them, with no event to announce
     assert engine.drain_kv_events() == []
     engine.set_kv_events(True)
     events = engine.drain_kv_events()

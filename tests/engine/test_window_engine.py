@@ -213,13 +213,13 @@ def test_a_storage_tier_keeps_the_window_layers_apart(make_engine, gemma_loaded,
     engine = make_engine(gemma_loaded, kv_storage=str(tmp_path), window_kv_share=0.25, **STORED)
     assert window_share(engine.config, engine.pool.shape) == 0.25
     assert engine.pool.windowed and engine.pool.k.shape[0] == 1  # the global layer only
-    assert engine.cache.storage.backend.layout.window_layers == (0, 1, 2, 3, 4, 6)
+    assert engine.tiers.storage.backend.layout.window_layers == (0, 1, 2, 3, 4, 6)
     engine.close()
 
 
 def stored_blocks(engine) -> tuple[int, int]:
     """Blocks in the engine's file store: with window KV, and without (a tombstone's)."""
-    backend = engine.cache.storage.backend
+    backend = engine.tiers.storage.backend
     sizes = [p.stat().st_size for p in backend.dir.rglob("*.kv")]
     full = sum(size == backend.layout.record_nbytes for size in sizes)
     return full, len(sizes) - full

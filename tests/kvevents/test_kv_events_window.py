@@ -14,7 +14,7 @@ import torch
 
 from radixserve.cache import KVEventQueue, KVPool, KVShape, RadixCache
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.tiered_cache import TieredRadixCache
+from radixserve.cache.tier_controller import TierController
 from radixserve.cache.tree_check import walk
 from radixserve.cache.window_pages import WindowedAllocator
 from radixserve.kvevents.hashing import prompt_block_hashes
@@ -162,8 +162,8 @@ def test_a_node_loaded_without_window_kv_arrives_window_less():
                     window_layers=(0,))  # fmt: skip
     pool = KVPool(shape, alloc.num_slots, "cpu", alloc.window_map, alloc.window_slots)
     queue = KVEventQueue()
-    cache = TieredRadixCache(alloc, HostKVPool(pool, 64, 4), "write_back", event_queue=queue,
-                             event_block_size=4)  # fmt: skip
+    cache = RadixCache(alloc, "lru", queue, event_block_size=4)
+    tiers = TierController(cache, HostKVPool(pool, 64, 4), "write_back")
     seq = list(range(16))
     cache_windowed(cache, alloc, seq)
     assert cache.evict_windows(1) == 8  # [0..8) is tombstoned, [8..16) keeps its window KV
@@ -176,7 +176,7 @@ def test_a_node_loaded_without_window_kv_arrives_window_less():
     mirror = WindowMirror(8)
     mirror.apply(events)  # withdrawn before the device blocks go
     assert not mirror.device and not mirror.windowless
-    loaded = cache.load_back(cache.match_prefix(seq + [99]))
+    loaded = tiers.load_back(cache.match_prefix(seq + [99]))
     assert loaded.device_len == 16
     back = queue.drain()
     assert [(type(e).__name__, e.medium) for e in back] == [

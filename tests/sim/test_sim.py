@@ -136,9 +136,9 @@ def test_any_executor_drives_the_same_core_bookkeeping(make_engine, tier):
     engine = make_engine(**config)
     timing = dataclasses.replace(TIMING, kv_bytes_per_token=engine.pool.shape.bytes_per_token())
     alloc = PagedAllocator(engine.allocator.num_slots)
-    cache, host = sim_cache(engine.config, alloc, None, timing)
+    cache, tiers, host = sim_cache(engine.config, alloc, None, timing)
     assert (host is None) == (tier == "device")
-    core = EngineCore(engine.config, RequestKV(cache, alloc), Limits(engine.max_model_len))
+    core = EngineCore(engine.config, RequestKV(cache, alloc, tiers), Limits(engine.max_model_len))
     executor = TimingExecutor(timing)
     specs = [RequestSpec(request_id=str(i), prompt_ids=p,
                          params=SamplingParams(max_tokens=5 + i, ignore_eos=True))
@@ -164,7 +164,7 @@ def test_any_executor_drives_the_same_core_bookkeeping(make_engine, tier):
     if tier == "host":
         usage = final["2"]  # the shared prefix: its evicted tail loaded back from the host
         assert usage.cached_tokens == 70 and usage.host_cached_tokens > 0
-        moved = engine.cache.host.stats
+        moved = engine.tiers.host.stats
         assert (host.stats.pages_to_host, host.stats.pages_to_device) == (
             moved.pages_to_host, moved.pages_to_device)  # fmt: skip
     core.check_integrity()
