@@ -100,6 +100,12 @@ if __name__ == "__main__":
     print(greet("radix"))
 '''
 README = "# greeter\n\nA tiny program that greets.\n"
+# the small tasks agents are given in the scratch repository, and the answer to the first
+READ_TASK = "What does hello.py print when it is run? Answer with the exact output."
+WRITE_TASK = "Create a file named NOTES.md whose only line is: greeter prints a greeting."
+BOTH_TASK = ("Read hello.py, then create a file named output.txt that holds exactly what "
+             "hello.py prints when it is run.")  # fmt: skip
+EXPECTED = "Hello, radix!"
 
 
 def scratch_repo(path: Path) -> Path:

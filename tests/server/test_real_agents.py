@@ -27,8 +27,12 @@ import pytest
 from radixserve.bench.agent_sessions import claude_session, codex_session, mini_session
 from radixserve.bench.agent_transcript import model_turns
 from radixserve.bench.agents import (
+    BOTH_TASK,
     CLAUDE_CODE,
     CODEX,
+    EXPECTED,
+    READ_TASK,
+    WRITE_TASK,
     AgentUnavailable,
     mini_swe_agent_argv,
     npm_bin,
@@ -45,11 +49,6 @@ from testing.real_agents import (
 from testing.server import running_server
 
 MODEL = KNOWN_MODELS[os.environ.get("RADIXSERVE_AGENT_MODEL", "qwen2.5-coder-0.5b")]
-READ_TASK = "What does hello.py print when it is run? Answer with the exact output."
-WRITE_TASK = "Create a file named NOTES.md whose only line is: greeter prints a greeting."
-BOTH_TASK = ("Read hello.py, then create a file named output.txt that holds exactly what "
-             "hello.py prints when it is run.")  # fmt: skip
-EXPECTED = "Hello, radix!"
 
 
 @pytest.fixture(scope="module")
