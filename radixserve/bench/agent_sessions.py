@@ -8,7 +8,9 @@ Claude Code: ``claude -p PROMPT`` with ``ANTHROPIC_BASE_URL``; the served model 
 main and its small model; ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` the served window (it applies
 to model names that do not start with ``claude-``, and sets when it compacts);
 ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC`` (no telemetry, error reports or update checks);
-``CLAUDE_CODE_ATTRIBUTION_HEADER=0``; ``--permission-mode acceptEdits`` (it may write files
+``CLAUDE_CODE_ATTRIBUTION_HEADER=0``; its stream watchdogs at their longest (the server
+keeps a stream alive with ``ping`` events while it reads a long prompt, but Claude Code
+also drops a stream whose answer has not begun after some minutes); ``--permission-mode acceptEdits`` (it may write files
 in the repository, and as root it refuses to skip permissions altogether); its events as
 ``stream-json`` on stdout.
 
@@ -32,6 +34,7 @@ from radixserve.bench.agents import EgressTrap, base_env, mini_swe_agent_argv
 
 API_KEY = "radixserve-agent"  # any value: the server is started without keys
 LONG_TIMEOUT_MS = 3_600_000  # an hour per request: a CPU prefills a 15K-token prompt slowly
+STREAM_WATCHDOG_MS = 1_800_000  # the longest Claude Code's stream watchdogs accept
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ def claude_session(
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
         "CLAUDE_CODE_MAX_RETRIES": "0",
         "API_TIMEOUT_MS": str(LONG_TIMEOUT_MS),
+        # its stream watchdogs (first byte, idle bytes, idle events) at their longest, and
+        # the cap on them lifted: a CPU may prefill the first 12K-token prompt for minutes
+        "CLAUDE_STREAM_FIRST_BYTE_TIMEOUT_MS": str(STREAM_WATCHDOG_MS),
+        "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": str(STREAM_WATCHDOG_MS),
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(STREAM_WATCHDOG_MS),
+        "API_FORCE_IDLE_TIMEOUT": "0",
     })  # fmt: skip
     argv = [str(exe), "-p", prompt, "--max-turns", str(max_turns), "--output-format",
             "stream-json", "--verbose", "--permission-mode", "acceptEdits"]  # fmt: skip
