@@ -10,9 +10,9 @@ to model names that do not start with ``claude-``, and sets when it compacts);
 ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC`` (no telemetry, error reports or update checks);
 ``CLAUDE_CODE_ATTRIBUTION_HEADER=0``; its stream watchdogs at their longest (the server
 keeps a stream alive with ``ping`` events while it reads a long prompt, but Claude Code
-also drops a stream whose answer has not begun after some minutes); ``--permission-mode acceptEdits`` (it may write files
-in the repository, and as root it refuses to skip permissions altogether); its events as
-``stream-json`` on stdout.
+also drops a stream whose answer has not begun after some minutes); ``--permission-mode
+acceptEdits`` (it may write files in the repository, and as root it refuses to skip
+permissions altogether); its events as ``stream-json`` on stdout.
 
 Codex CLI: ``codex exec`` with ``CODEX_HOME`` holding a config whose provider speaks the
 Responses wire (``wire_api = "responses"``) to the server, the served window as

@@ -147,8 +147,10 @@ def run_agent(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -
 
 
 class EgressTrap:
-    """A proxy that answers every connection with 403 and records its first line (``CONNECT
-    host:443 ...`` or ``GET http://...``) in ``attempts``."""
+    """A proxy that answers every connection with 403 and records in ``attempts`` the first
+    line of each proxy request (``CONNECT host:443 ...`` or ``GET http://...``). A request
+    for a bare path (``GET /metrics``) is no agent's proxy request but another program on
+    the machine knocking on a port it used to know: refused, not recorded."""
 
     def __init__(self):
         self.attempts: list[str] = []
@@ -180,13 +182,22 @@ class EgressTrap:
                     conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
                 except OSError:
                     line = "(no request line)"
-                self.attempts.append(line)
+                if is_proxy_request(line):
+                    self.attempts.append(line)
 
     def env(self) -> dict[str, str]:
         """Proxy variables that send everything but loopback traffic here."""
         local = "127.0.0.1,localhost,::1"
         return {"HTTP_PROXY": self.url, "HTTPS_PROXY": self.url, "http_proxy": self.url,
                 "https_proxy": self.url, "NO_PROXY": local, "no_proxy": local}  # fmt: skip
+
+
+def is_proxy_request(line: str) -> bool:
+    """A request line a client sends to a proxy: ``CONNECT host:port`` or an absolute URL."""
+    parts = line.split()
+    if len(parts) < 2:
+        return line == "(no request line)"
+    return parts[0] == "CONNECT" or "://" in parts[1]
 
 
 def base_env(home: Path, egress: EgressTrap | None) -> dict[str, str]:
