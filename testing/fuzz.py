@@ -14,7 +14,8 @@ INTERNAL_WORDS = ("SamplingParams", "__init__", "keyword argument", "Traceback")
 def fuzz(
     url: str, op, mode, seen: dict[int, int], failures: list[str], headers, model, examples
 ) -> None:
-    """``examples`` cases of one operation; valid bodies name the served ``model``."""
+    """``examples`` cases of one operation; valid bodies name the served ``model``; ``seen``
+    counts the statuses."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
 
@@ -38,11 +39,17 @@ def fuzz(
 
 
 def fuzz_schema(
-    url: str, headers: dict[str, str], model: str, examples: int = FUZZ_EXAMPLES, skip=()
+    url: str,
+    headers: dict[str, str],
+    model: str,
+    examples: int = FUZZ_EXAMPLES,
+    skip=(),
+    by_operation: dict[str, dict[int, int]] | None = None,
 ) -> tuple[dict, list]:
     """``examples`` valid and (for POST) invalid cases of every operation but those in
     ``skip`` (``"METHOD /path"``): the status codes seen, and the 5xx answers and the errors
-    that name internals (a class, a constructor's complaint)."""
+    that name internals (a class, a constructor's complaint). ``by_operation``, when given,
+    receives the status codes of each operation (``"METHOD /path"``)."""
     import schemathesis
     from schemathesis import GenerationMode
 
@@ -53,9 +60,13 @@ def fuzz_schema(
     failures: list[str] = []
     for result in schema.get_all_operations():
         op = result.ok()
-        if f"{op.method.upper()} {op.path}" in skip:
+        name = f"{op.method.upper()} {op.path}"
+        if name in skip:
             continue
-        fuzz(url, op, GenerationMode.POSITIVE, seen, failures, headers, model, examples)
+        counts = by_operation.setdefault(name, {}) if by_operation is not None else {}
+        fuzz(url, op, GenerationMode.POSITIVE, counts, failures, headers, model, examples)
         if op.method.upper() == "POST":
-            fuzz(url, op, GenerationMode.NEGATIVE, seen, failures, headers, model, examples)
+            fuzz(url, op, GenerationMode.NEGATIVE, counts, failures, headers, model, examples)
+        for status, n in counts.items():
+            seen[status] = seen.get(status, 0) + n
     return seen, failures

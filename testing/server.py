@@ -58,7 +58,7 @@ def started_server(*args: str, timeout: float = 180.0, new_session: bool = False
             lines.append(line)
             if line.startswith("radixserve listening on "):
                 url = line.split()[-1]
-            if time.monotonic() > deadline:
+            if url is None and time.monotonic() > deadline:  # a late "listening" still counts
                 raise RuntimeError("server did not start in time:\n" + "".join(lines[-30:]))
         # keep draining its output so the pipe never fills and blocks it
         threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()

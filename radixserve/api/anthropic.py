@@ -6,10 +6,13 @@ blocks (a result's content as a string or text blocks; ``is_error`` marks it in 
 a ``system`` role inside ``messages``, custom ``tools`` and ``tool_choice`` (``auto``, ``any``,
 ``tool``, ``none``, ``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``,
 ``top_p``, ``top_k``, ``max_tokens`` (lowered to the context left after the prompt),
-``output_config.format`` (a JSON Schema the output is constrained to).
+``output_config.format`` (a JSON Schema the output is constrained to). A tool with
+``defer_loading: true`` is checked and left out of the prompt, as the API leaves it out of
+the model's context until a tool search finds it (this server has none: a client's own
+search, such as Claude Code's ``ToolSearch``, returns the definition in a tool result).
 
 Accepted as advice, since a model without thinking has nothing to apply them to: ``thinking``
-``adaptive`` or ``disabled`` (an adaptive model may choose not to think),
+``adaptive`` or ``disabled`` (an adaptive model may choose not to think) and its ``display``,
 ``output_config.effort``, ``context_management`` edits that clear thinking (there is none to
 clear), ``metadata`` (the router's session key), ``service_tier``, thinking blocks in the
 history (dropped: they are another model's). Claude Code's attribution block (a system text
@@ -119,7 +122,8 @@ class Thinking(BaseModel):
     model_config = STRICT
     type: Literal["adaptive", "enabled", "disabled"]
     budget_tokens: int | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    # how the client shows thinking (``updates``: Claude Code 2.1.3xx); there is none to show
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
 
 class OutputFormat(BaseModel):
@@ -250,7 +254,12 @@ class MessagesBase(Body):
                     "on this server and was left out"
                 )
                 continue
-            functions.append(_function(tool, i))
+            function = _function(tool, i)
+            if tool.get("defer_loading") is True:
+                # not loaded into the prompt until a tool search finds it (the client's own,
+                # as Claude Code's ToolSearch, which returns the definition in a tool result)
+                continue
+            functions.append(function)
         choice = self.tool_choice or ToolChoice(type="auto")
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "tool_choice of type 'tool' needs the tool's name", "tool_choice")
@@ -309,6 +318,7 @@ _TOOL_FIELDS = {
     "strict",
     "eager_input_streaming",
     "input_examples",
+    "defer_loading",
 }
 
 
@@ -324,6 +334,8 @@ def _function(tool: dict[str, Any], i: int) -> dict[str, Any]:
         raise ApiError(400, f"{where} needs a name and an input_schema object", "tools")
     if tool.get("cache_control") is not None:
         CacheControl.model_validate(tool["cache_control"])
+    if not isinstance(tool.get("defer_loading", False), bool):
+        raise ApiError(400, f"{where}: defer_loading must be a boolean", "tools")
     description = tool.get("description", "")
     examples = tool.get("input_examples")
     if examples:  # shown to the model as the API shows them: inside the tool's description

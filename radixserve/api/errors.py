@@ -96,10 +96,11 @@ def _from_validation_error(e: RequestValidationError) -> ApiError:
     # a list of typed blocks: the block's unknown or missing type says more than the other
     # shapes the field could have taken
     tags = (x for x in same if x.get("type") in ("union_tag_invalid", "union_tag_not_found"))
-    # else the failure deepest inside the value (a block's bad field), not a shape it was not
-    deepest = max(same, key=lambda x: len(x.get("loc", ())), default=errors[0])
+    # else the shape that got furthest (blocks sent for a text-or-blocks field: the block's
+    # own field, not "should be a valid string")
+    deepest = max(same or errors[:1], key=lambda x: len(x.get("loc", ())))
     err = next(ours, None) or next(tags, None) or deepest
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _shape_label(x)]
     param = loc[0] if loc else None  # the top-level field the client sent
     if err.get("type") == "json_invalid":
         message = f"the body is not valid JSON: {err.get('msg')}"
@@ -113,6 +114,15 @@ def _from_validation_error(e: RequestValidationError) -> ApiError:
     else:
         message = f"invalid {'.'.join(loc) or 'body'}: {err.get('msg')}"
     return ApiError(400, message, param)
+
+
+_SHAPE_LABELS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def _shape_label(part: object) -> bool:
+    """A step of a validation error's location that names one of a field's shapes (``str``,
+    ``list[tagged-union[...]]``) rather than a field or an index."""
+    return isinstance(part, str) and (part in _SHAPE_LABELS or "[" in part)
 
 
 def install_error_handlers(app: FastAPI, retryable: tuple[type[Exception], ...] = ()) -> None:

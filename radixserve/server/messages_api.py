@@ -64,10 +64,7 @@ class MessageEncoder:
 
     def events(self, job: Job, index: int = 0) -> list[dict]:
         t = job.trackers[index]
-        out: list[dict] = []
-        if not self.started:
-            self.started = True
-            out += [{"type": "message_start", "message": self._body(job, None)}, {"type": "ping"}]
+        out: list[dict] = [] if self.started else self.idle(job)
         pieces = new_pieces(self.parser, t)
         for piece in pieces:
             out += self._piece(piece)
@@ -79,6 +76,14 @@ class MessageEncoder:
                 {"type": "message_stop"},
             ]
         return out
+
+    def idle(self, job: Job) -> list[dict]:
+        """The message's opening events once, then a ``ping`` each time: a stream whose
+        prompt is still being read is seen to be alive."""
+        if self.started:
+            return [{"type": "ping"}]
+        self.started = True
+        return [{"type": "message_start", "message": self._body(job, None)}, {"type": "ping"}]
 
     def message(self, job: Job) -> dict[str, Any]:
         self.events(job)
@@ -166,7 +171,8 @@ def add_messages_routes(
         headers = warning_headers(chat)
         if body.stream:
             return sse_response(
-                serving.stream(job, queue, encoder.events, lambda _: [], WIRE), headers
+                serving.stream(job, queue, encoder.events, lambda _: [], WIRE, encoder.idle),
+                headers,
             )
         await serving.wait(job, queue, raw)
         return JSONResponse(encoder.message(job), headers=headers)

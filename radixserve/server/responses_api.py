@@ -94,14 +94,7 @@ class ResponseEncoder:
 
     def events(self, job: Job, index: int = 0) -> list[dict]:
         t = job.trackers[index]
-        out: list[dict] = []
-        if not self.started:
-            self.started = True
-            base = self._response(job, "in_progress")
-            out += [
-                self._event("response.created", response=base),
-                self._event("response.in_progress", response=base),
-            ]
+        out: list[dict] = self.idle(job)
         pieces = new_pieces(self.parser, t)
         for piece in pieces:
             out += self._text(piece) if isinstance(piece, Text) else self._call(piece)
@@ -111,6 +104,18 @@ class ResponseEncoder:
             kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
             out.append(self._event(kind, response=done))
         return out
+
+    def idle(self, job: Job) -> list[dict]:
+        """The response's opening events (``created``, ``in_progress``) once; nothing after
+        (the Responses API has no keepalive event: the stream sends an SSE comment)."""
+        if self.started:
+            return []
+        self.started = True
+        base = self._response(job, "in_progress")
+        return [
+            self._event("response.created", response=base),
+            self._event("response.in_progress", response=base),
+        ]
 
     def response(self, job: Job) -> dict[str, Any]:
         if not self.started or self.open:
@@ -293,7 +298,9 @@ def add_responses_routes(
                     keep(out[-1]["response"])
                 return out
 
-            return sse_response(serving.stream(job, queue, events, lambda _: [], wire), headers)
+            return sse_response(
+                serving.stream(job, queue, events, lambda _: [], wire, encoder.idle), headers
+            )
         await serving.wait(job, queue, raw)
         response = encoder.response(job)
         keep(response)

@@ -18,6 +18,7 @@ engine died fails its HTTP request with a short message; the traceback is in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -39,6 +40,10 @@ from radixserve.server.engine_client import EngineClient, EngineDeadError
 from radixserve.server.metrics import Metrics
 
 DISCONNECT_POLL_SECONDS = 0.2
+# a stream that has had nothing to say for this long (a long prompt still being prefilled)
+# says so: agents drop a stream that stays silent, as Claude Code does after a few minutes
+KEEPALIVE_SECONDS = 10.0
+KEEPALIVE_COMMENT = ": keepalive\n\n"  # an SSE comment: every client skips it
 ENGINE_ERROR = "the engine failed while computing this request; the details are in the server log"
 
 log = logging.getLogger("radixserve.server")
@@ -238,13 +243,20 @@ class Serving:
         chunks: Callable[[Job, int], list[dict]],
         final: Callable[[Job], list[dict]],
         wire: Wire | None = None,
+        idle: Callable[[Job], list[dict]] | None = None,
     ) -> AsyncIterator[str]:
         """Server-sent events: ``chunks(job, index)`` after each change, ``final(job)`` last,
-        written as ``wire`` says (OpenAI's by default). A client that disconnects cancels
-        this generator; its sub-requests are aborted."""
+        written as ``wire`` says (OpenAI's by default). After ``KEEPALIVE_SECONDS`` without
+        a change: ``idle(job)``'s events (the API's opening events, then its own keepalive
+        where it has one), or an SSE comment. A client that disconnects cancels this
+        generator; its sub-requests are aborted."""
         wire = wire or OPENAI_WIRE
         try:
-            async for tag in self.events(job, queue):
+            async for tag in with_keepalives(self.events(job, queue)):
+                if tag is None:
+                    said = [wire.event(c) for c in idle(job)] if idle is not None else []
+                    yield "".join(said) or KEEPALIVE_COMMENT
+                    continue
                 for chunk in chunks(job, tag):
                     yield wire.event(chunk)
             for chunk in final(job):
@@ -257,3 +269,30 @@ class Serving:
             yield wire.event(wire.error(internal_error()))
         finally:
             await self.abort_unfinished(job)
+
+
+async def with_keepalives(tags: AsyncIterator[int]) -> AsyncIterator[int | None]:
+    """``tags``, with a None whenever ``KEEPALIVE_SECONDS`` pass without one. The pending
+    read is awaited again, never cancelled (cancelling it would close ``tags``)."""
+    it = aiter(tags)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS)
+            if not done:
+                yield None
+                continue
+            try:
+                tag = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield tag
+    finally:
+        if pending is not None:
+            pending.cancel()  # a client gone: the read is let go before the source closes
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending
+        await it.aclose()

@@ -146,6 +146,30 @@ def test_claude_code_shaped_request_is_served(url):
     assert_whole(url)
 
 
+def test_deferred_tools_stay_out_of_the_prompt_and_thinking_display_is_advice(url):
+    """Claude Code 2.1.3xx marks tools ``defer_loading`` (found later by its own tool search)
+    and sends ``thinking.display: "updates"``: both accepted, and a deferred tool adds no
+    token to the prompt."""
+    count = "/v1/messages/count_tokens"
+    base = {"model": "tiny", "messages": ASK, "tools": [WEATHER],
+            "thinking": {"type": "adaptive", "display": "updates"}}  # fmt: skip
+    deferred = {"name": "notebook_edit", "description": "Edits a notebook cell " * 20,
+                "input_schema": {"type": "object"}, "defer_loading": True}  # fmt: skip
+    plain = post(url, base, path=count)
+    with_deferred = post(url, {**base, "tools": [WEATHER, deferred]}, path=count)
+    shown = post(url, {**base, "tools": [WEATHER, {**deferred, "defer_loading": False}]},
+                 path=count)  # fmt: skip
+    assert plain.status_code == with_deferred.status_code == shown.status_code == 200
+    tokens = [r.json()["input_tokens"] for r in (plain, with_deferred, shown)]
+    assert tokens[0] == tokens[1] < tokens[2], tokens
+    r = post(url, message(tools=[WEATHER, deferred], thinking={"type": "adaptive",
+                                                               "display": "updates"}))  # fmt: skip
+    assert r.status_code == 200, r.text
+    bad = post(url, {**base, "tools": [{**deferred, "defer_loading": "yes"}]}, path=count)
+    assert bad.status_code == 400 and "defer_loading" in bad.json()["error"]["message"]
+    assert_whole(url)
+
+
 @pytest.mark.parametrize(
     "change, status, words",
     [

@@ -20,7 +20,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from testing.fuzz import fuzz_schema
+from testing.fuzz import FUZZ_EXAMPLES, fuzz_schema
 from testing.server import read_metrics, started_server, wait_idle
 from testing.soak import check_server_after, run_soak
 
@@ -30,6 +30,7 @@ A, B = ({"Authorization": f"Bearer {k}"} for k in KEYS)
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CHAT = [{"role": "user", "content": "Tell me about radix trees."}]
 MAX_REQUEST_BYTES = 1 << 20
+AGENT_OPERATIONS = ("POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses")
 
 
 def server_flags(model_dir) -> list[str]:
@@ -278,9 +279,16 @@ def test_model_may_be_omitted_and_defaults_are_shown(url):
 def test_fuzz_the_openapi_schema_finds_no_5xx(url):
     """Schema-driven bodies, valid and invalid, for every endpoint (schemathesis). None may
     answer 5xx or an error naming internals, and the server must be whole afterwards."""
-    seen, failures = fuzz_schema(url, ADMIN, "tiny")
+    per_op: dict[str, dict[int, int]] = {}
+    seen, failures = fuzz_schema(url, ADMIN, "tiny", by_operation=per_op)
     assert not failures, failures
     assert seen.get(200, 0) >= 10, seen  # the fuzzer did reach the engine
+    # the agent APIs are fuzzed from their real request schemas (valid and invalid bodies),
+    # and stored responses by ids the fuzzer made up
+    for name in AGENT_OPERATIONS:
+        assert sum(per_op.get(name, {}).values()) >= FUZZ_EXAMPLES, (name, per_op.get(name))
+    for method in ("GET", "DELETE"):
+        assert set(per_op[f"{method} /v1/responses/{{response_id}}"]) <= {400, 404}, per_op
     assert_healthy(url)
     m = wait_idle(url, A)
     assert m["kv_cache_used_tokens"] == m["radix_cache_cached_tokens"]
