@@ -96,6 +96,10 @@ class LinkGuard:
         except zmq.ContextTerminated:
             pass
         finally:
+            # monitors handed over after the last poll are still this thread's to close: an
+            # open one would hold the context's term() forever
+            while not self._new.empty():
+                monitors.append(self._new.get())
             for sock in [self._zap, *monitors]:
                 sock.close(linger=0)
 
