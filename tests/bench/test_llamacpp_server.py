@@ -46,5 +46,5 @@ def test_an_unknown_kv_type_is_an_error(capsys):
 def namespace(**changes) -> argparse.Namespace:
     """The options as ``main`` parses them by default, with ``changes``."""
     defaults = dict(model="m.gguf", port=1, parallel=1, ctx_per_slot=64, threads=1, ubatch=None,
-                    flash_attn="auto", kv_type="f16")  # fmt: skip
+                    flash_attn="auto", kv_type="f16", spec="none")  # fmt: skip
     return argparse.Namespace(**{**defaults, **changes})

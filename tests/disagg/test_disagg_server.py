@@ -238,7 +238,7 @@ def test_a_prefill_peer_without_the_key_puts_nothing_into_the_decode_tree(decode
     rng = np.random.default_rng(43)
     for security in (CurveKeys.generate(), PLAIN):
         source = KVPool(KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                layout.torch_dtype), 256)  # fmt: skip
+                                layout.format.storage_dtype), 256)  # fmt: skip
         source.k.normal_()
         source.v.normal_()
         rogue = ZmqKVSender(source, layout, port=ROGUE_PORT, security=security,
@@ -290,7 +290,7 @@ def test_a_decode_side_without_the_key_gets_nothing_from_the_prefill_instance(pr
     before = refused(prefill, "kv_transfer").get("key", 0)
     layout = KVLayout.from_dict(info["layout"])
     pool = KVPool(KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                          layout.torch_dtype), 64)  # fmt: skip
+                          layout.format.storage_dtype), 64)  # fmt: skip
     pool.k.zero_()
     pool.v.zero_()
     stranger = ZmqKVReceiver(pool, layout, security=CurveKeys.generate(),

@@ -134,19 +134,21 @@ def test_outputs_are_identical_with_drafts_kept_whole_in_part_or_not(make_engine
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_drafts_survive_retraction(make_engine, page_size):
-    """A pool too small for every request and its drafts drops the drafts, then retracts
-    requests; outputs stay identical and nothing leaks (``make_engine`` checks integrity)."""
-    options = dict(max_total_tokens=144, page_size=page_size, chunked_prefill_size=16)
-    specs = [RequestSpec(request_id=str(i), prompt_ids=[5 + i, 6, 7, 8, 9],
+    """A pool too small for every request (the run without drafts retracts one) with drafts
+    on: drafts are dropped when memory is short, outputs stay identical and nothing leaks
+    (``make_engine`` checks integrity)."""
+    options = dict(max_total_tokens=150, page_size=page_size, chunked_prefill_size=16)
+    specs = [RequestSpec(request_id=str(i), prompt_ids=[5 + i, *range(6, 50)],
                          params=SamplingParams(max_tokens=56, temperature=0.0 if i % 2 else 1.0,
                                                seed=i, ignore_eos=True))
              for i in range(6)]  # fmt: skip
-    off = run(make_engine(draft_sources="none", **options), specs)
+    off_engine = make_engine(draft_sources="none", **options)
+    off = run(off_engine, specs)
+    assert off_engine.scheduler.num_retractions > 0  # the pool really is too small
     engine = make_engine(draft_sources="none", **options)
     use_source(engine, Oracle(off[0], wrong=11), max_tokens=16)
     on = run(engine, specs)
     assert_same(on, off)
-    assert engine.scheduler.num_retractions > 0
     assert engine.stats().drafts.sources["oracle"].accepted_tokens > 0
 
 

@@ -42,7 +42,7 @@ UNIQUE = (
 @pytest.fixture(scope="module")
 def server():
     args = f"--max-total-tokens 2048 --api-key {KEY} --admin-key admin-key --served-model-name m"
-    with running_server(*args.split(), "--jump-forward-max-batch", "4") as url:
+    with running_server(*args.split(), "--draft-max-batch", "4") as url:
         yield url
 
 
