@@ -91,6 +91,7 @@ def prompt(seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(100, 40000, 80).tolist()
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_a_dead_prefill_endpoint_costs_its_timeout_once(decode):
     took = []
     for i in range(5):
@@ -128,6 +129,7 @@ def test_an_admin_chosen_peer_fills_only_the_requests_own_namespace(decode, garb
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_a_peer_without_the_fleet_key_puts_nothing_into_the_tree(decode, keyless_peer):
     endpoint, reports = keyless_peer
     ids = prompt(3)

@@ -278,6 +278,7 @@ def test_fuzz_the_router_openapi_schema_finds_no_5xx(router, examples):
     wait_for(lambda: idle(router.url, ADMIN), timeout=60)
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_a_hung_worker_is_routed_around(tiny_model_dir, router, workers):
     """Worker 1 stopped (SIGSTOP): requests sent to it are retried on worker 0 once it sent
     nothing for --first-byte-timeout (2 s) or, with the module router's long timeout, once

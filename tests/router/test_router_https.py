@@ -78,6 +78,7 @@ def test_the_server_speaks_https_to_callers_it_can_check(worker, pki):
     assert ok.get(worker + "/health", timeout=10).status_code == 200  # and it goes on
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_the_router_reaches_https_workers_and_serves_https(tiny_model_dir, worker, pki):
     cert, key = pki["client"]
     router = start_router(

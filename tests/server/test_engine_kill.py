@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from testing.server import engine_pid, read_metrics, started_server
 
@@ -40,6 +41,7 @@ def wait_generating(url: str, running: int = 1, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_kill_9_fails_requests_fast_then_recovers_then_gives_up(tiny_model_dir):
     flags = f"--model {tiny_model_dir} --dtype float32 --max-total-tokens 1024 "
     flags += "--engine-restarts 1 --served-model-name tiny --log-level info"

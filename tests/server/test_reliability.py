@@ -298,6 +298,7 @@ def test_fuzz_the_openapi_schema_finds_no_5xx(url):
 SOAK_SECONDS = float(os.environ.get("RADIXSERVE_SOAK_SECONDS", "15"))
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_short_soak_ends_with_nothing_held(url):
     report = run_soak(url, KEYS, ADMIN_KEY, SOAK_SECONDS, workers=6, seed=1)
     assert not report.server_errors, report.summary()

@@ -21,6 +21,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from testing.redis_server import RedisServer
@@ -61,6 +62,7 @@ def wait_written(url: str, pages: int, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
 def test_warm_restart_answers_the_next_turn_from_storage(tiny_model_dir, tmp_path):
     store = tmp_path / "kv"
     args = ["--model", str(tiny_model_dir), *ARGS, "--kv-storage", f"file://{store}"]
