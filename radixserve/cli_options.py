@@ -63,6 +63,12 @@ ENGINE_FLAGS = {
         "byte per value and a float16 scale per 16 channels of a token's head: 3.6x the "
         "tokens of float32 in the same memory); default %(default)s",
     ),
+    "kv_float_layers": dict(
+        default="auto",
+        help="with --kv-cache-dtype int8, layers whose KV stays in the model's dtype: auto "
+        "(layers whose key bias is over 10x the median layer's, e.g. Qwen2.5's first ones), "
+        "none, or indices such as 0,1,8; default %(default)s",
+    ),
     "schedule_policy": dict(
         default="lpm", choices=SCHEDULE_POLICIES, help="waiting-queue order; default %(default)s"
     ),
