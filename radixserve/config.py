@@ -36,8 +36,8 @@ from radixserve.cache.kv_format import KV_CACHE_DTYPES
 from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config_checks import (
     check_choice,
-    check_float_layers,
     check_endpoint,
+    check_float_layers,
     check_int,
     check_positive,
     parse_bytes,

@@ -43,7 +43,9 @@ def test_float_layers_keep_their_values_and_their_bytes():
     assert pool.layer_format(1) == KVFormat("float32") and pool.layer_format(0) == INT8
     assert pool.fk.shape == (1, 2, 17, 32) and pool.k.shape == (2, 2, 17, INT8.row_bytes(32))
     k, v = pool.gather(1, torch.arange(16))
-    assert torch.equal(k, written[1][0].transpose(0, 1)) and torch.equal(v, written[1][1].transpose(0, 1))
+    assert torch.equal(k, written[1][0].transpose(0, 1)) and torch.equal(
+        v, written[1][1].transpose(0, 1)
+    )
     k0, _ = pool.gather(0, torch.arange(16))
     assert not torch.equal(k0, written[0][0].transpose(0, 1))  # int8 layers are rounded
     per_token = 2 * 2 * (2 * INT8.row_bytes(32) + 32 * 4)
