@@ -342,7 +342,7 @@ def test_float_layers_cross_the_wire_as_int8_rows():
     src, dst = torch.arange(4, 12), torch.arange(20, 28)
     for lo, hi in wire.layer_groups(layout, len(src), 2 * 8 * 2 * 18):
         k_buf, v_buf = wire.gather(source, src, lo, hi)
-        wire.scatter(target, dst, lo, hi, k_buf.tobytes(), v_buf.tobytes(), layout)
+        wire.scatter(target, dst, lo, hi, bytearray(k_buf), bytearray(v_buf), layout)
     assert torch.equal(target.k[:, :, dst], source.k[:, :, src])
     assert torch.equal(target.v[:, :, dst], source.v[:, :, src])
     for ours, theirs in ((target.fk, source.fk), (target.fv, source.fv)):
