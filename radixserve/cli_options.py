@@ -61,7 +61,8 @@ ENGINE_FLAGS = {
         choices=KV_CACHE_DTYPES,
         help="how the KV cache stores keys and values: auto (the model's dtype) or int8 (one "
         "byte per value and a float16 scale per 16 channels of a token's head: 3.6x the "
-        "tokens of float32 in the same memory); default %(default)s",
+        "tokens of float32 in the same memory, less for layers --kv-float-layers keeps in "
+        "float); default %(default)s",
     ),
     "kv_float_layers": dict(
         default="auto",
