@@ -49,4 +49,7 @@ def float_kv_layers(model: Any, spec: str) -> tuple[int, ...]:
     layers = tuple(sorted({int(p) for p in spec.split(",")}))
     if layers and layers[-1] >= num_layers:
         raise ValueError(f"kv_float_layers {spec!r}: the model has layers 0..{num_layers - 1}")
+    if layers and model.kv_shape().window_layers:
+        raise ValueError(f"kv_float_layers {spec!r}: not supported for a model with "
+                         "sliding-window layers")  # fmt: skip
     return layers
