@@ -16,7 +16,8 @@ Designs compared by ``replay`` with ``design``: ``tree`` (the radix tree, page s
 token reusable), ``blocks`` (the same tree at page size 16: only whole 16-token blocks are
 cached and matched, as in vLLM's hashed-block prefix cache) and ``slots`` (one cache per
 server slot, as llama.cpp's server keeps: see ``slot_replay``). Policies: any online one,
-``belady`` (``oracle.BeladyPolicy``) or ``unbounded`` (a pool holding everything).
+an offline oracle (``oracle.ORACLES``: ``belady`` and two that know less of the future) or
+``unbounded`` (a pool holding everything).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
-from radixserve.sim.oracle import BeladyPolicy, FutureUses
+from radixserve.sim.oracle import ORACLES, FutureUses
 from radixserve.sim.trace import Session, Trace, Turn
 
 Order = list[tuple[Session, Turn]]
 _GREEDY = SamplingParams(temperature=0.0, seed=0)
-OFFLINE_POLICIES = ("belady", "unbounded")
+OFFLINE_POLICIES = (*ORACLES, "unbounded")
 
 
 def replay_order(
@@ -132,11 +133,11 @@ def replay(
         evict: Any = "lru"
     elif not isinstance(policy, str):
         evict = policy
-    elif policy == "belady":
+    elif policy in ORACLES:
         future = future or FutureUses(
             [(t.prompt, computed(t), s.namespace) for s, t in order], page_size
         )
-        evict = BeladyPolicy(future)
+        evict = ORACLES[policy](future)
     else:
         evict = policy
     alloc = PagedAllocator(kv_tokens, page_size)
