@@ -16,8 +16,13 @@ Designs compared by ``replay`` with ``design``: ``tree`` (the radix tree, page s
 token reusable), ``blocks`` (the same tree at page size 16: only whole 16-token blocks are
 cached and matched, as in vLLM's hashed-block prefix cache) and ``slots`` (one cache per
 server slot, as llama.cpp's server keeps: see ``slot_replay``). Policies: any online one,
-an offline oracle (``oracle.ORACLES``: ``belady`` and two that know less of the future) or
-``unbounded`` (a pool holding everything).
+an offline oracle (``oracle.ORACLES``: ``belady`` and two that know less of the future),
+``reuse-hindsight`` or ``unbounded`` (a pool holding everything).
+
+``reuse-hindsight`` is the online ``reuse`` policy whose reuse model starts from the model a
+first replay of the same order (same pool) learned: it knows from the start how often each
+class of leaf returns on this trace, and no request's own future. What ``reuse`` could reach
+were its learning perfect: an estimate of the ceiling of its features, with no oracle.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from radixserve.cache import PagedAllocator, RadixCache
+from radixserve.cache.eviction_reuse import ReusePolicy
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
@@ -38,7 +44,8 @@ from radixserve.sim.trace import Session, Trace, Turn
 
 Order = list[tuple[Session, Turn]]
 _GREEDY = SamplingParams(temperature=0.0, seed=0)
-OFFLINE_POLICIES = (*ORACLES, "unbounded")
+HINDSIGHT = "reuse-hindsight"
+OFFLINE_POLICIES = (*ORACLES, HINDSIGHT, "unbounded")
 
 
 def replay_order(
@@ -133,6 +140,10 @@ def replay(
         evict: Any = "lru"
     elif not isinstance(policy, str):
         evict = policy
+    elif policy == HINDSIGHT:
+        first = ReusePolicy()
+        replay(order, kv_tokens, first, page_size, cache_threshold)
+        evict = ReusePolicy(prior=first.model)
     elif policy in ORACLES:
         future = future or FutureUses(
             [(t.prompt, computed(t), s.namespace) for s, t in order], page_size

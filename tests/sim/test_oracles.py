@@ -1,7 +1,7 @@
 """The offline reference policies of ``simulate replay`` on small hand-built orders: Belady
 evicts the leaf used furthest ahead, ``oracle-returns`` the leaf never used again (whatever
-its recency), ``oracle-uses`` the leaf with the fewest uses to come; each stays within
-Belady's hit rate."""
+its recency), ``oracle-uses`` the leaf with the fewest uses to come; they, ``reuse-hindsight``
+and every online policy stay within Belady's hit rate, and every replay is deterministic."""
 
 import numpy as np
 import pytest
@@ -80,7 +80,8 @@ def test_every_policy_stays_within_belady_and_the_oracles_order(seed):
                for j in range(80)]  # fmt: skip
     o = order(*prompts)
     pool = 150
-    got = {p: replay(o, pool, p).hit_rate for p in (*EVICTION_POLICIES, *ORACLE_NAMES)}
+    names = (*EVICTION_POLICIES, *ORACLE_NAMES, "reuse-hindsight")
+    got = {p: replay(o, pool, p).hit_rate for p in names}
     assert got["belady"] > got["lru"] > 0
     assert all(got[p] <= got["belady"] for p in got)
     again = {p: replay(o, pool, p).hit_rate for p in got}
