@@ -135,6 +135,8 @@ def replay(
     future: FutureUses | None = None,
 ) -> ReplayResult:
     """Replay ``order`` through a tree of ``kv_tokens`` slots with ``policy``."""
+    if cache_threshold is not None and (not isinstance(policy, str) or policy in OFFLINE_POLICIES):
+        raise ValueError(f"cache_threshold applies to online policies by name, not {policy!r}")
     if policy == "unbounded":
         kv_tokens = total_tokens(order) + page_size
         evict: Any = "lru"
@@ -142,7 +144,7 @@ def replay(
         evict = policy
     elif policy == HINDSIGHT:
         first = ReusePolicy()
-        replay(order, kv_tokens, first, page_size, cache_threshold)
+        replay(order, kv_tokens, first, page_size)
         evict = ReusePolicy(prior=first.model)
     elif policy in ORACLES:
         future = future or FutureUses(

@@ -86,3 +86,11 @@ def test_every_policy_stays_within_belady_and_the_oracles_order(seed):
     assert all(got[p] <= got["belady"] for p in got)
     again = {p: replay(o, pool, p).hit_rate for p in got}
     assert again == got  # the replay is deterministic
+
+
+def test_a_threshold_is_refused_for_a_policy_it_cannot_apply_to():
+    o = order(block(1), block(2))
+    for policy in (*ORACLE_NAMES, "reuse-hindsight", "unbounded"):
+        with pytest.raises(ValueError, match="online policies"):
+            replay(o, 25, policy, cache_threshold=0.2)
+    assert replay(o, 25, "lru", cache_threshold=0.2).requests == 2
