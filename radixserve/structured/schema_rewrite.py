@@ -43,6 +43,7 @@ from radixserve.structured.schema_forms import (
     unique_arrays,
 )
 from radixserve.structured.schema_merge import NotExact, assertions, merge_flat
+from radixserve.structured.schema_patterns import lookahead_free, not_listed_strings
 from radixserve.structured.schema_types import ASSERTIONS, SchemaTypes
 
 COMBINED_LIMIT = 16  # branches of a combinator merged with another
@@ -178,9 +179,23 @@ class SchemaRewrite:
         return self._unique(s, loc)
 
     def _not(self, s: dict, loc: Loc) -> dict:
-        """``not`` of ``required`` as an ``allOf`` part that closes keys out, dependencies as
-        parts that close a key out or require what it brings, conditions on a
-        discriminator as the ``anyOf`` of its cases."""
+        """Patterns without an opening lookahead, ``not`` of listed values on a string as a
+        pattern, ``not`` of ``required`` as an ``allOf`` part that closes keys out,
+        dependencies as parts that close a key out or require what it brings, conditions
+        on a discriminator as the ``anyOf`` of its cases."""
+        plain = lookahead_free(s)
+        if plain is not None:
+            if plain.get("patternProperties") is not s.get("patternProperties"):
+                self._movable(loc, ["patternProperties"])
+            s = self._note(plain, s)
+        if isinstance(s.get("not"), dict):
+            try:
+                kept = not_listed_strings(s, self._flat(s["not"]))
+            except NotExact:
+                kept = None
+            if kept is not None:
+                self._movable(loc, ["not"])
+                s = self._note(kept, s)
         alt = absent_keys(s.get("not"))
         if alt is not None and isinstance(s.get("allOf", []), list):
             self._movable(loc, ["not"])
