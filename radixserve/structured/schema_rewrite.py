@@ -14,6 +14,11 @@ is not, that part stays as it was, and the check refuses it as before:
   has at most ``COMBINED_LIMIT`` branches): merged into each branch (``anyOf(b1..bn)`` and
   ``K`` is ``anyOf(b1 and K, ..., bn and K)``, and so for ``oneOf``), dropping a branch no
   value then meets;
+- ``$recursiveRef`` / ``$dynamicRef`` in a document that is one resource: the plain
+  ``$ref`` they equal there (``schema_dynamic``);
+- patterns opening with a lookahead of literal words, ``not`` of listed strings: exact
+  patterns (``schema_patterns``); ``if``/``then``/``else`` decided by one key's value: the
+  ``anyOf`` of its cases (``schema_conditions``);
 - a ``oneOf`` of closed objects that differ only in what they require, ``uniqueItems``
   over a few listed values, and ``not`` of ``required``: the exclusive ``anyOf``, the
   ``enum`` and the closed-out keys of ``schema_forms``.
@@ -35,6 +40,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from radixserve.structured.schema_conditions import discriminated
+from radixserve.structured.schema_dynamic import static_refs
 from radixserve.structured.schema_forms import (
     DEPENDENCIES,
     absent_keys,
@@ -96,6 +102,7 @@ class SchemaRewrite:
     ``enabled``), and where its parts came from."""
 
     def __init__(self, root: Any, enabled: bool = True):
+        root = static_refs(root) if enabled else root
         self.root, self.types = root, SchemaTypes(root)
         self.paths: dict[int, str] = {}  # original node -> its dotted path
         self.origins: dict[int, dict[str, str | None]] = {}  # new node -> key -> path
