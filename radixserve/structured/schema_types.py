@@ -178,15 +178,18 @@ class SchemaTypes:
 
 def _missed(listed: set[str] | None, s: dict) -> bool:
     """Whether ``s`` allows strings only, under a ``pattern`` none of the ``listed`` values
-    (``value_key``s) matches. Python's ``re`` matches at least what ECMA-262 does here
-    (its ``\\d``, ``\\w`` and ``.`` take more characters), so a miss is a proof."""
+    (``value_key``s, strings of ASCII only) matches. On ASCII text Python's ``re`` matches at
+    least what ECMA-262 does (its ``\\s`` and ``$`` take more), so a miss is a proof."""
     pattern = s.get("pattern")
     if listed is None or not isinstance(pattern, str) or "type" not in s:
         return False
     if expand(s["type"]) != {"string"}:
         return False
     try:
-        found = [re.search(pattern, v) for v in map(json.loads, listed) if isinstance(v, str)]
+        strings = [v for v in map(json.loads, listed) if isinstance(v, str)]
+        if not all(v.isascii() for v in strings):
+            return False
+        found = [re.search(pattern, v) for v in strings]
     except re.error:
         return False
     return not any(found)

@@ -109,3 +109,11 @@ def test_not_of_other_schemas_stays_refused():
     schema = {"type": "string", "not": {"type": "string", "minLength": 3}}
     with pytest.raises(ValueError, match="not is not supported"):
         check_grammar("json_schema", json.dumps(schema))
+
+
+def test_one_of_listed_values_and_a_pattern_that_matches_one_stays_refused():
+    schema = {"oneOf": [{"enum": ["int", "x.y"]}, {"type": "string", "pattern": "^[a-z]+$"}]}
+    with pytest.raises(ValueError, match="oneOf"):
+        check_grammar("json_schema", json.dumps(schema))
+    exclusive = {"oneOf": [{"enum": ["x.y", "a b"]}, {"type": "string", "pattern": "^[a-z]+$"}]}
+    assert grammar_backend("json_schema", json.dumps(exclusive)) == "xgrammar"
