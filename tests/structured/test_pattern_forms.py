@@ -117,3 +117,39 @@ def test_one_of_listed_values_and_a_pattern_that_matches_one_stays_refused():
         check_grammar("json_schema", json.dumps(schema))
     exclusive = {"oneOf": [{"enum": ["x.y", "a b"]}, {"type": "string", "pattern": "^[a-z]+$"}]}
     assert grammar_backend("json_schema", json.dumps(exclusive)) == "xgrammar"
+
+
+@pytest.fixture(scope="module")
+def llguidance_judge(default_tokenizer):
+    """Whether llguidance's grammar for a schema takes a value's JSON text (then the end)."""
+    from radixserve.structured.llguidance_backend import LLGuidanceBackend
+
+    backend, tok = LLGuidanceBackend(), default_tokenizer.hf
+    vocabulary = backend.vocabulary(tok, 49152, [2])
+
+    def judge(schema: dict):
+        prepared = backend.prepare("json_schema", json.dumps(schema)).text
+        grammar = vocabulary.compile("json_schema", prepared)
+
+        def takes(value) -> bool:
+            m = vocabulary.matcher(grammar)
+            tokens = [*tok.encode(json.dumps(value), add_special_tokens=False), 2]
+            return all(m.accept(t) for t in tokens)
+
+        return takes
+
+    return judge
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 1, "pattern": "^(?!ab|a@)[a-z@ ]{0,4}$"},
+    {"type": "string", "maxLength": 4, "not": {"enum": ["ab", "a b", "b"]}},
+])  # fmt: skip
+def test_rewritten_patterns_bind_llguidance_exactly_too(llguidance_judge, schema):
+    assert grammar_backend("json_schema", json.dumps(schema)) == "llguidance"
+    takes, seen = llguidance_judge(schema), set()
+    for s in _strings("ab@ ", 150, 5, seed=4) | {"ab", "a@", "a", "", "b", "a b"}:
+        valid = jsonschema.Draft7Validator(schema).is_valid(s)
+        assert takes(s) == valid, (s, valid)
+        seen.add(valid)
+    assert seen == {True, False}
