@@ -97,11 +97,13 @@ def test_claude_code_sessions_are_served_and_cached(agent_server, tmp_path):
         return lambda served, home, trap: claude_session(exe, served, repo, task, home,
                                                          egress=trap)  # fmt: skip
 
-    first = agent_session(agent_server, tmp_path, "claude-read", launch(READ_TASK), repo)
+    home = tmp_path / "claude-home"  # one user's two sessions: one home, one config
+    first = agent_session(agent_server, tmp_path, "claude-read", launch(READ_TASK), repo, home)
     check_protocol(first)
     check_cache(first)
     print(outcome(repo, text=first.run.stdout))
-    second = agent_session(agent_server, tmp_path, "claude-write", launch(WRITE_TASK), repo)
+    second = agent_session(agent_server, tmp_path, "claude-write", launch(WRITE_TASK), repo,
+                           home)  # fmt: skip
     check_protocol(second)
     check_cache(second)
     print(outcome(repo, "NOTES.md"))
