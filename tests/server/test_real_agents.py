@@ -9,8 +9,11 @@ What is asserted is the server's part: every request the agent sent was parsed a
 answered (no 4xx or 5xx), every answer well formed (each stream in its API's order), no
 connection went outside loopback (the agents are set up to stay offline), and the cache at
 work: every model request after a session's first has >= 90% of its prompt cached, and a
-second, new Claude Code session in the same repository finds its system prompt and tools
-cached on its first request. Whether the small model does the task is printed with the
+second, new Claude Code session in the same repository and home (Claude Code writes its
+home's path into its system prompt, before the tools) finds its system prompt and tools
+cached on its first request. Each request's output is capped (``testing/real_agents.py``):
+a small model that recites its prompt instead of answering would otherwise decode for
+hours on a CPU. Whether the small model does the task is printed with the
 per-request figures and the transcript's path, not asserted.
 
 ``RADIXSERVE_AGENT_MODEL`` picks the model (default ``qwen2.5-coder-0.5b``; ``-1.5b`` too).
