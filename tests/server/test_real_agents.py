@@ -44,6 +44,7 @@ from radixserve.bench.agents import (
 from radixserve.model.registry import KNOWN_MODELS, installed_path
 from testing.real_agents import (
     CONTEXT,
+    MAX_OUTPUT,
     SERVED_NAME,
     agent_session,
     check_cache,
@@ -59,8 +60,10 @@ def agent_server():
     path = installed_path(MODEL)
     if path is None:
         pytest.skip(f"{MODEL.name} is not installed (`radixserve pull {MODEL.name}`)")
+    # Codex sends no output limit: the server's default caps it as the others cap theirs
     args = ("--model", str(path), "--served-model-name", SERVED_NAME, "--max-model-len",
-            str(CONTEXT), "--max-total-tokens", str(2 * CONTEXT))  # fmt: skip
+            str(CONTEXT), "--max-total-tokens", str(2 * CONTEXT),
+            "--default-sampling", f"max_tokens={MAX_OUTPUT}")  # fmt: skip
     with running_server(*args, timeout=900) as url:
         yield url
 
