@@ -40,6 +40,7 @@ from starlette.routing import Route
 
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
               "te", "trailer", "upgrade", "proxy-authorization", "accept-encoding"}  # fmt: skip
+STREAM_CUT = "stream cut"  # how ``Exchange.error`` begins when the relay stopped midway
 RECORDED_REQUEST_HEADERS = ("user-agent", "anthropic-beta", "anthropic-version", "content-type")
 
 
@@ -159,7 +160,7 @@ class RecordingProxy:
                         self._journal.write(chunk.decode(errors="replace"))
                     yield chunk
             except (httpx.HTTPError, asyncio.CancelledError) as e:
-                ex.error = f"stream cut: {e!r}"
+                ex.error = f"{STREAM_CUT}: {e!r}"
                 raise
             finally:
                 ex.end = time.monotonic()
