@@ -13,13 +13,19 @@ from radixserve.bench.agent_transcript import model_turns
 SERVED_NAME = "qwen2.5-coder"
 CONTEXT = 32768  # Qwen2.5-Coder's window
 SESSION_TIMEOUT_S = 5400.0  # a CPU shared with other work prefills a 13K-token prompt slowly
+# per request: enough for a tool call or a short answer; a small model that recites its
+# context instead of answering stops here rather than after thousands of tokens
+MAX_OUTPUT = 512
 
 
-def agent_session(url: str, out: Path, name: str, launch: Launch, repo: Path) -> Recorded:
+def agent_session(
+    url: str, out: Path, name: str, launch: Launch, repo: Path, home: Path | None = None
+) -> Recorded:
     """Run one agent session (``launch`` builds its command against the proxy's URL), read
-    what crossed the wire and print its report."""
-    served = Served(url, SERVED_NAME, CONTEXT)
-    session = record_session(url, out, name, launch, repo, served, SESSION_TIMEOUT_S)
+    what crossed the wire and print its report. Sessions given one ``home`` are one user's
+    (``record_session``)."""
+    served = Served(url, SERVED_NAME, CONTEXT, MAX_OUTPUT)
+    session = record_session(url, out, name, launch, repo, served, SESSION_TIMEOUT_S, home)
     print(f"== {name}\n{session.report()}")
     return session
 

@@ -9,11 +9,14 @@ longest common prefix, and keeps prompts in host RAM: ``cache_ram_mib``'s defaul
 gets a KV pool of two windows. Against each, in turn, ``--sessions`` Claude Code sessions
 (``claude -p`` at its pinned version, ``radixserve/bench/agent_sessions.py``: offline, the
 model's real window, ``--max-turns``) run one after the other in a fresh scratch git
-repository, each a new session (a home of its own): the first asks what ``hello.py`` prints,
-the next ones ask for a file to be written. Every request goes through a recording proxy
-(``radixserve/bench/agent_record.py``), so each session's requests, prompt tokens, cached
-tokens (as the server reports them), TTFT and status are known; the transcripts are kept in
-``--out``.
+repository, each a new session of one user (one home, as a user's sessions share one: Claude
+Code writes its home's path into its system prompt, so a home per session would part every
+session's prompt from the last one's after about 750 tokens): the first asks what
+``hello.py`` prints, the next ones ask for a file to be written; each request's output is
+capped (``--max-output``, Claude Code's ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``). Every request
+goes through a recording proxy (``radixserve/bench/agent_record.py``), so each session's
+requests, prompt tokens, cached tokens (as the server reports them), TTFT and status are
+known; the transcripts are kept in ``--out``.
 
 The figure is the sum of the sessions' wall times per server, and the ratio llama.cpp /
 radixserve. The two servers' models do not compute bit-identical logits and Claude Code
@@ -24,7 +27,7 @@ check that a ratio is not just a shorter session. ``--order`` picks which server
 
 Prints one JSON line. Usage:
 ``python -m benchmarks.server.bench_agents_vs_llamacpp [--model qwen2.5-coder-0.5b]
-[--threads 2] [--sessions 2] [--max-turns 3] [--out DIR]``.
+[--threads 2] [--sessions 2] [--max-turns 3] [--max-output 512] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ def run_system(system: str, args: argparse.Namespace, exe: Path, out: Path) -> d
         radix_args=radix_args, log_dir=out, startup_timeout=900.0,
     )  # fmt: skip
     repo = scratch_repo(out / f"{system}-repo")
+    home = out / f"{system}-home"
     sessions: list[Recorded] = []
     with baselines.ManagedServer(system, baselines.command(system, settings), settings) as srv:
-        served = Served(srv.base_url, SERVED_NAME, args.context)
+        served = Served(srv.base_url, SERVED_NAME, args.context, args.max_output)
         for i in range(args.sessions):
             task = READ_TASK if i == 0 else WRITE_TASK
 
@@ -67,7 +71,7 @@ def run_system(system: str, args: argparse.Namespace, exe: Path, out: Path) -> d
 
             name = f"{system}-session{i + 1}"
             session = record_session(srv.base_url, out, name, launch, repo, served,
-                                     args.timeout)  # fmt: skip
+                                     args.timeout, home)  # fmt: skip
             print(f"== {name}\n{session.report()}", file=sys.stderr, flush=True)
             sessions.append(session)
     figures = [s.summary() for s in sessions]
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768, help="the window per request")
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-output", type=int, default=512, help="output tokens per request")
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds per session")
     parser.add_argument("--order", default="radix,llamacpp")
     parser.add_argument("--out", default=None, help="transcripts and logs (default: a temp dir)")
@@ -97,7 +102,7 @@ def main() -> None:
     order = [s for s in args.order.split(",") if s]
     if sorted(order) != sorted(SYSTEMS):
         parser.error("--order names radix and llamacpp, each once")
-    for name in ("threads", "context", "sessions", "max_turns"):
+    for name in ("threads", "context", "sessions", "max_turns", "max_output"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     args.model = baselines.gguf_path(args.model)
@@ -111,7 +116,8 @@ def main() -> None:
     print(json.dumps({
         "bench": "agents_vs_llamacpp", "agent": CLAUDE_CODE.spec,
         "model": Path(args.model).name, "threads": args.threads, "context": args.context,
-        "sessions": args.sessions, "max_turns": args.max_turns, "order": order,
+        "sessions": args.sessions, "max_turns": args.max_turns,
+        "max_output": args.max_output, "order": order,
         "out": str(out), **result,
         "llamacpp_over_radix_e2e": round(peer / ours, 2) if ours else None,
     }))  # fmt: skip

@@ -62,15 +62,19 @@ class Recorded:
 
 def record_session(
     url: str, out: Path, name: str, launch: Launch, repo: Path, served: Served,
-    timeout: float,
+    timeout: float, home: Path | None = None,
 ) -> Recorded:  # fmt: skip
     """Run one agent session against the server at ``url`` (through the proxy; ``served``
     names the model and its window, its ``url`` is replaced by the proxy's) and read what
-    crossed the wire. Files: ``out/NAME-home`` (the agent's home), ``NAME-transcript.jsonl``
-    and ``NAME-stdout.txt``."""
-    with RecordingProxy(url) as proxy, EgressTrap() as trap:
+    crossed the wire. Files: ``home`` (the agent's home, default ``out/NAME-home``; sessions
+    given the same home are one user's sessions: Claude Code writes the home's path into
+    its system prompt, so only those share their system prompt's cache),
+    ``NAME-transcript.jsonl``, ``NAME-stdout.txt`` and ``NAME-journal.txt`` (written as
+    the session runs)."""
+    journal = out / f"{name}-journal.txt"
+    with RecordingProxy(url, journal=journal) as proxy, EgressTrap() as trap:
         pointed = Served(proxy.url, served.model, served.context, served.max_output)
-        argv, env = launch(pointed, out / f"{name}-home", trap)
+        argv, env = launch(pointed, home or out / f"{name}-home", trap)
         run = run_agent(argv, env, repo, timeout)
     transcript = save_transcript(proxy.exchanges, out / f"{name}-transcript.jsonl")
     (out / f"{name}-stdout.txt").write_text(run.stdout)

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.agent_proxy import Exchange
+from radixserve.bench.agent_proxy import STREAM_CUT, Exchange
 from radixserve.bench.agent_wire import BODY_READERS, STREAM_READERS, Turn, sse_events
 
 API_PATHS = {"/v1/messages/count_tokens": "count_tokens", "/v1/messages": "messages",
@@ -40,7 +40,8 @@ def read_turn(index: int, ex: Exchange) -> Turn:
     turn = Turn(index, ex.method, ex.path, api_of(ex.method, ex.path), ex.status)
     if ex.end is not None:
         turn.e2e_s = ex.end - ex.start
-    if ex.error:
+    cut = ex.error is not None and ex.error.startswith(STREAM_CUT)
+    if ex.error and not cut:
         turn.problems.append(ex.error)
     if ex.status >= 400 or ex.status == 0:
         turn.error = error_message(ex.body) or ex.error
@@ -58,6 +59,10 @@ def read_turn(index: int, ex: Exchange) -> Turn:
                 turn.ttft_s = ex.chunks[0][0] - ex.start
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         turn.problems.append(f"unreadable answer: {type(e).__name__}: {e}")
+    if cut and (not turn.streamed or turn.problems):
+        # a stream whose final event arrived was whole: a client may hang up on reading it
+        # (Codex does) before the server's end of the body reaches the proxy
+        turn.problems.append(ex.error)
     return turn
 
 

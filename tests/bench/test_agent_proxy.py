@@ -86,3 +86,20 @@ def test_an_unreachable_upstream_is_a_502_recorded_with_its_reason():
     assert r.status_code == 502
     [ex] = proxy.exchanges
     assert ex.status == 0 and "unreachable" in ex.error and ex.end is not None
+
+
+def test_the_journal_shows_each_request_and_its_stream_while_it_runs(tmp_path):
+    journal = tmp_path / "journal.txt"
+    with upstream() as url, RecordingProxy(url, journal=journal) as proxy:
+        body = {"model": "m", "max_tokens": 7, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/echo", json=body) as s:
+            lines = s.iter_lines()
+            assert next(lines) == "data: 0"
+            # written as it comes: the first event is there before the stream ends
+            seen = journal.read_text()
+            assert "POST /v1/echo" in seen and "'max_tokens': 7" in seen
+            assert "data: 0" in seen and "data: 2" not in seen
+            list(lines)
+    text = journal.read_text()
+    assert "data: 2" in text and "[#0 " in text and "HTTP 200 end after" in text
+    assert len(proxy.exchanges) == 1

@@ -105,6 +105,18 @@ def test_an_error_event_a_cut_event_and_an_http_error_are_problems():
     assert turn.status == 400 and turn.error == "too long" and turn.problems
 
 
+def test_a_client_hanging_up_after_the_final_event_is_no_problem_but_before_it_is():
+    whole = exchange("/v1/responses", responses_stream())
+    whole.error = "stream cut: CancelledError()"
+    [turn] = read_turns([whole])
+    assert turn.problems == [] and turn.stop == "completed"
+    short = exchange("/v1/responses", responses_stream()[:-1])
+    short.error = "stream cut: CancelledError()"
+    [turn] = read_turns([short])
+    assert any("stream cut" in p for p in turn.problems)
+    assert any("not a final event" in p for p in turn.problems)
+
+
 def test_llamacpp_timings_stand_in_for_missing_cached_tokens():
     usage = {"input_tokens": 700, "output_tokens": 3}
     stream = message_stream(TEXT_BLOCK, usage=usage)

@@ -9,8 +9,11 @@ What is asserted is the server's part: every request the agent sent was parsed a
 answered (no 4xx or 5xx), every answer well formed (each stream in its API's order), no
 connection went outside loopback (the agents are set up to stay offline), and the cache at
 work: every model request after a session's first has >= 90% of its prompt cached, and a
-second, new Claude Code session in the same repository finds its system prompt and tools
-cached on its first request. Whether the small model does the task is printed with the
+second, new Claude Code session in the same repository and home (Claude Code writes its
+home's path into its system prompt, before the tools) finds its system prompt and tools
+cached on its first request. Each request's output is capped (``testing/real_agents.py``):
+a small model that recites its prompt instead of answering would otherwise decode for
+hours on a CPU. Whether the small model does the task is printed with the
 per-request figures and the transcript's path, not asserted.
 
 ``RADIXSERVE_AGENT_MODEL`` picks the model (default ``qwen2.5-coder-0.5b``; ``-1.5b`` too).
@@ -41,6 +44,7 @@ from radixserve.bench.agents import (
 from radixserve.model.registry import KNOWN_MODELS, installed_path
 from testing.real_agents import (
     CONTEXT,
+    MAX_OUTPUT,
     SERVED_NAME,
     agent_session,
     check_cache,
@@ -56,8 +60,10 @@ def agent_server():
     path = installed_path(MODEL)
     if path is None:
         pytest.skip(f"{MODEL.name} is not installed (`radixserve pull {MODEL.name}`)")
+    # Codex sends no output limit: the server's default caps it as the others cap theirs
     args = ("--model", str(path), "--served-model-name", SERVED_NAME, "--max-model-len",
-            str(CONTEXT), "--max-total-tokens", str(2 * CONTEXT))  # fmt: skip
+            str(CONTEXT), "--max-total-tokens", str(2 * CONTEXT),
+            "--default-sampling", f"max_tokens={MAX_OUTPUT}")  # fmt: skip
     with running_server(*args, timeout=900) as url:
         yield url
 
@@ -97,11 +103,13 @@ def test_claude_code_sessions_are_served_and_cached(agent_server, tmp_path):
         return lambda served, home, trap: claude_session(exe, served, repo, task, home,
                                                          egress=trap)  # fmt: skip
 
-    first = agent_session(agent_server, tmp_path, "claude-read", launch(READ_TASK), repo)
+    home = tmp_path / "claude-home"  # one user's two sessions: one home, one config
+    first = agent_session(agent_server, tmp_path, "claude-read", launch(READ_TASK), repo, home)
     check_protocol(first)
     check_cache(first)
     print(outcome(repo, text=first.run.stdout))
-    second = agent_session(agent_server, tmp_path, "claude-write", launch(WRITE_TASK), repo)
+    second = agent_session(agent_server, tmp_path, "claude-write", launch(WRITE_TASK), repo,
+                           home)  # fmt: skip
     check_protocol(second)
     check_cache(second)
     print(outcome(repo, "NOTES.md"))
