@@ -127,8 +127,7 @@ class Disaggregation(KVTransfer):
 
     def stats(self) -> TransferStats:
         stats = self.link.stats.copy()
-        if self.sender is not None:
-            stats.refused = self.sender.refused()
+        stats.refused = self.link.refused()
         return stats
 
     def close(self) -> None:
