@@ -158,7 +158,11 @@ def main() -> None:
         "mb_per_transfer": round(nbytes / 1e6, 1),
         **{f"{m}_s": round(med[m], 4) for m in med},
         **{f"{m}_mb_per_s": round(nbytes / med[m] / 1e6, 1) for m in med},
-        **{f"{m}_over_plain_throughput": round(med["plain"] / med[m], 3) for m in kinds if m != "plain"},
+        **{
+            f"{m}_over_plain_throughput": round(med["plain"] / med[m], 3)
+            for m in kinds
+            if m != "plain"
+        },
         **{f"{m}_cpu_s": round(statistics.median(c), 3) for m, c in cpu.items()},
         "rounds": args.rounds,
         "all_s": {m: [round(t, 4) for t in ts] for m, ts in times.items()},

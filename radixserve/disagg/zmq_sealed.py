@@ -163,7 +163,9 @@ class DataLink:
         kind, header = frames[0].bytes, frames[1].bytes
         if kind != DATA:
             raise SealError(f"a {kind[:16]!r} message on the data connection")
-        k, v = self._opener.open(kind, header, frames[2].bytes, [frames[3].buffer, frames[4].buffer])
+        k, v = self._opener.open(
+            kind, header, frames[2].bytes, [frames[3].buffer, frames[4].buffer]
+        )
         return header, k, v
 
     def close(self) -> None:

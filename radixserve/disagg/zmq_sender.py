@@ -200,6 +200,8 @@ class ZmqKVSender(KVSender):
         if advertise_host:
             endpoint = f"tcp://{advertise_host}:{endpoint.rsplit(':', 1)[1]}"
         self.endpoint = join_endpoint(endpoint, security.public_key)
+        # the sealed data port as bound (None: plain sockets, the KV goes with the rest)
+        self.data_port = self._io.routes.port if self._io.routes is not None else None
         self._outbound: dict[str, _Outbound] = {}
         self._new: list[TransferRequest] = []
         self._ended: list[tuple[str, TransferStatus]] = []

@@ -119,7 +119,9 @@ class Opener:
             try:
                 self._aead.decrypt_into(_NONCE.pack(n, i), c, aad, buf)
             except InvalidTag:
-                raise SealError(f"message {n}: payload {i} failed its authentication") from None
+                raise SealError(
+                    f"message {n}: payload {i} altered or sealed under another key"
+                ) from None
             out.append(buf)
         self.last = n
         return out
