@@ -77,6 +77,7 @@ class Disaggregation(KVTransfer):
                 config.disagg.kv_transfer_host,
                 config.disagg.kv_transfer_port,
                 security=security,
+                data_port=config.disagg.kv_transfer_data_port,
                 **beat,
             )
             self.endpoint: str | None = self.sender.endpoint

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import struct
 import time
 
@@ -154,6 +155,23 @@ def test_a_client_without_the_key_gets_nothing_from_the_data_port(link):
         assert not any(s.poll(100) for s in strangers)  # not one KV message went astray
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_fixed_data_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fleet = load_security()
+    source = seeded_pool(64, "float32", SEED)
+    sender = ZmqKVSender(source, layout_of(source), security=fleet, data_port=port, **HEARTBEAT)
+    pool = seeded_pool(64, "float32", None)
+    rx = ZmqKVReceiver(pool, layout_of(pool), security=fleet, **HEARTBEAT)
+    try:
+        assert sender.data_port == port
+        assert fetch(rx, sender).state is TransferState.DONE and landed_whole(pool, source)
+    finally:
+        rx.close()
+        sender.close()
 
 
 def test_plain_sockets_have_no_data_port():
