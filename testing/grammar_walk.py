@@ -11,6 +11,19 @@ import torch
 from radixserve.structured.backend import Matcher, allocate_bitmask
 from radixserve.structured.grammar import GrammarCompiler
 
+# a schema only the second grammar backend enforces exactly: xgrammar drops maxLength beside
+# a format and beside a pattern, llguidance keeps both
+LLGUIDANCE_ONLY = {
+    "type": "object",
+    "properties": {
+        "contact_email_address": {"type": "string", "format": "email", "maxLength": 30},
+        "repository_name": {"type": "string", "pattern": "^[a-z][a-z0-9-]*$", "maxLength": 16},
+        "delete_branch_on_merge": {"type": "boolean"},
+    },
+    "required": ["contact_email_address", "repository_name", "delete_branch_on_merge"],
+    "additionalProperties": False,
+}
+
 
 def matcher_after(compiler: GrammarCompiler, hf_tokenizer: Any, schema: Any,
                   text: str) -> Matcher:  # fmt: skip
@@ -27,3 +40,27 @@ def allowed(m: Matcher, vocab_size: int) -> torch.Tensor:
     m.fill(mask, 0)
     bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.reshape(-1).bool()[:vocab_size]
+
+
+def generate_and_validate(engine: Any, schemas: dict[str, Any], params: Any) -> dict[str, str]:
+    """Runs one constrained request per ``schemas`` entry (id -> schema) on ``engine`` until
+    all finish, ``params(request_id)`` giving each its sampling parameters; every output that
+    stopped on its own must parse and validate against its schema. Returns each request's
+    finish reason."""
+    import jsonschema
+
+    outs: dict[str, list[int]] = {rid: [] for rid in schemas}
+    reasons: dict[str, str] = {}
+    for rid, schema in schemas.items():
+        engine.add_request(
+            rid, [1, 2, 3, 4], params(rid), grammar=("json_schema", json.dumps(schema))
+        )
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    for rid, why in reasons.items():
+        if why == "stop":
+            jsonschema.validate(json.loads(engine.tokenizer.decode(outs[rid])), schemas[rid])
+    return reasons

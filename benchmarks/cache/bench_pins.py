@@ -43,7 +43,13 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.cache.bench_tiers import PAGE, drive, make_workload, serve_argv
+from benchmarks.cache.bench_tiers import (
+    PAGE,
+    add_chat_load_args,
+    drive,
+    make_workload,
+    serve_argv,
+)
 from radixserve.bench import client as api
 from radixserve.bench.baselines import ManagedServer, ServerSettings
 from radixserve.bench.workloads import words
@@ -184,15 +190,7 @@ def tiny_model(path: Path, context: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--max-user-chars", type=int, default=600)
-    p.add_argument("--system-prompt-chars", type=int, default=2000)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=0, help="0: every conversation at once")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT file; default the package")
-    p.add_argument("--max-model-len", type=int, default=6144)
-    p.add_argument("--device-tokens", type=int, default=10000, help="the device pool")
+    add_chat_load_args(p, max_model_len=6144, device_tokens=10000)
     p.add_argument("--pin-budget", type=float, default=0.45)
     p.add_argument("--host-kv-memory", default="2GiB", help="the +host system's host tier")
     p.add_argument("--agent-prompt-tokens", type=int, default=4096)

@@ -262,9 +262,9 @@ def make_workload(args):
                           output_len=args.output_len, dataset_path=args.dataset_path)  # fmt: skip
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=("chat", "shared-prefix", "few-shot"), default="chat")
+def add_chat_load_args(p: argparse.ArgumentParser, max_model_len: int, device_tokens: int) -> None:
+    """The options of the multi-turn chat load and the server it runs against, shared by the
+    benchmarks that put a cache under this load."""
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-user-chars", type=int, default=600)
@@ -272,8 +272,14 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=0, help="0: every conversation at once")
     p.add_argument("--dataset-path", default=None, help="ShareGPT file; default the package")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--device-tokens", type=int, default=4000, help="the device pool")
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--device-tokens", type=int, default=device_tokens, help="the device pool")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=("chat", "shared-prefix", "few-shot"), default="chat")
+    add_chat_load_args(p, max_model_len=2048, device_tokens=4000)
     p.add_argument("--host-kv-memory", default="2GiB", help="the +host systems' host tier")
     p.add_argument("--step-trace", action="store_true", help="report where step time went")
     p.add_argument(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from radixserve.engine import SamplingParams
+from testing.grammar_walk import LLGUIDANCE_ONLY
 
 # Request bodies of real APIs: GitHub's "create a label", Kubernetes' ContainerPort, and a
 # Stripe-style customer address (required keys, so the grammar forces every key).
@@ -108,24 +109,10 @@ def test_real_model_outputs_are_identical_and_take_fewer_steps(make_engine, real
     assert sum(r == "stop" for r in reasons.values()) >= 3
 
 
-# keys and values only llguidance enforces exactly (xgrammar drops maxLength beside a format
-# and beside a pattern): grammars of the second backend
-SIGNUP = {
-    "type": "object",
-    "properties": {
-        "contact_email_address": {"type": "string", "format": "email", "maxLength": 30},
-        "repository_name": {"type": "string", "pattern": "^[a-z][a-z0-9-]*$", "maxLength": 16},
-        "delete_branch_on_merge": {"type": "boolean"},
-    },
-    "required": ["contact_email_address", "repository_name", "delete_branch_on_merge"],
-    "additionalProperties": False,
-}
-
-
 def test_llguidance_outputs_are_identical_with_and_without_drafts(make_engine, real_loaded):
     from radixserve.structured import grammar_backend
 
-    assert grammar_backend("json_schema", json.dumps(SIGNUP)) == "llguidance"
+    assert grammar_backend("json_schema", json.dumps(LLGUIDANCE_ONLY)) == "llguidance"
     engine = make_engine(real_loaded)
     chat = engine.tokenizer.encode_chat
     prompts = [chat([{"role": "user", "content": f"Sign up {who} as JSON."}])
@@ -133,7 +120,7 @@ def test_llguidance_outputs_are_identical_with_and_without_drafts(make_engine, r
     params = [SamplingParams(max_tokens=80, temperature=0)] * 2
     params.append(SamplingParams(max_tokens=80, temperature=0.8, seed=3))
     on_engine, outs, reasons, off_steps, on_steps = compare(
-        make_engine, real_loaded, [SIGNUP] * 3, params, prompts
+        make_engine, real_loaded, [LLGUIDANCE_ONLY] * 3, params, prompts
     )
     stats = on_engine.grammar_stats()
     assert stats.llguidance_requests == 3 and stats.xgrammar_requests == 0
@@ -142,7 +129,9 @@ def test_llguidance_outputs_are_identical_with_and_without_drafts(make_engine, r
     assert sum(r == "stop" for r in reasons.values()) >= 2
     for i in range(3):
         if reasons[str(i)] == "stop":
-            jsonschema.validate(json.loads(on_engine.tokenizer.decode(outs[str(i)])), SIGNUP)
+            jsonschema.validate(
+                json.loads(on_engine.tokenizer.decode(outs[str(i)])), LLGUIDANCE_ONLY
+            )
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

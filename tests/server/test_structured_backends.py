@@ -13,23 +13,13 @@ import jsonschema
 import openai
 import pytest
 
+from testing.grammar_walk import LLGUIDANCE_ONLY
 from testing.server import running_server
 from testing.server import wait_idle as wait_for_idle
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMIN = {"Authorization": "Bearer admin-key"}
-# xgrammar drops maxLength beside a format or a pattern; llguidance enforces both
-SIGNUP = {
-    "type": "object",
-    "properties": {
-        "contact_email_address": {"type": "string", "format": "email", "maxLength": 30},
-        "repository_name": {"type": "string", "pattern": "^[a-z][a-z0-9-]*$", "maxLength": 16},
-        "delete_branch_on_merge": {"type": "boolean"},
-    },
-    "required": ["contact_email_address", "repository_name", "delete_branch_on_merge"],
-    "additionalProperties": False,
-}
 # distinct items the tracker cannot keep distinct (objects with an integer property)
 TAGS = {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}}},
         "uniqueItems": True}  # fmt: skip
@@ -60,13 +50,14 @@ def test_a_schema_only_llguidance_enforces_is_enforced_and_counted(server):
         out = client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": f"Sign up {who} as JSON."}],
             max_tokens=120, temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SIGNUP}},
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "s", "schema": LLGUIDANCE_ONLY}},
         )  # fmt: skip
         choice = out.choices[0]
         assert choice.finish_reason == "stop", choice
         outputs.append(json.loads(choice.message.content))
     for value in outputs:
-        jsonschema.validate(value, SIGNUP)
+        jsonschema.validate(value, LLGUIDANCE_ONLY)
         assert len(value["repository_name"]) <= 16 and len(value["contact_email_address"]) <= 30
     after = wait_and_count(server)
     assert after["llguidance"] == before["llguidance"] + 1

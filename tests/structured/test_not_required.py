@@ -5,14 +5,11 @@ and generated outputs validate."""
 
 from __future__ import annotations
 
-import json
-
-import jsonschema
 import pytest
 
 from radixserve.engine import SamplingParams
 from radixserve.structured.grammar import GrammarCompiler
-from testing.grammar_walk import allowed, matcher_after
+from testing.grammar_walk import allowed, generate_and_validate, matcher_after
 
 VOCAB = 49152
 INT = {"type": "integer", "minimum": 0, "maximum": 9}
@@ -59,17 +56,9 @@ def test_generated_outputs_validate(make_engine):
     schemas = {
         f"{i}-{seed}": s for i, s in enumerate([PAIR, NEITHER, DEPENDS]) for seed in range(2)
     }
-    outs: dict[str, list[int]] = {rid: [] for rid in schemas}
-    reasons = {}
-    for rid, schema in schemas.items():
-        params = SamplingParams(max_tokens=40, temperature=1.0, seed=int(rid[-1]))
-        engine.add_request(rid, [1, 2, 3, 4], params, grammar=("json_schema", json.dumps(schema)))
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-    done = [rid for rid, why in reasons.items() if why == "stop"]
-    assert len(done) >= 2, reasons
-    for rid in done:
-        jsonschema.validate(json.loads(engine.tokenizer.decode(outs[rid])), schemas[rid])
+    reasons = generate_and_validate(
+        engine,
+        schemas,
+        lambda rid: SamplingParams(max_tokens=40, temperature=1.0, seed=int(rid[-1])),
+    )
+    assert sum(why == "stop" for why in reasons.values()) >= 2, reasons
