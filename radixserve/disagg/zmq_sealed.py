@@ -152,6 +152,9 @@ class DataLink:
         sock = self.sock = ctx.socket(zmq.DEALER)
         for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
             sock.setsockopt(opt, 0)
+        # the same identity after ZeroMQ reconnects a dropped TCP connection, so the route
+        # its BIND set still reaches it (the id was secret until this connection's BIND)
+        sock.setsockopt(zmq.ROUTING_ID, sid)
         sock.connect(f"{address.rsplit(':', 1)[0]}:{port}")
         sock.send_multipart([BIND, sid, *Sealer(keys.send).seal(BIND, sid, [b""])])
         return sock
