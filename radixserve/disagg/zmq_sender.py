@@ -160,11 +160,22 @@ class _SenderIO(IOThread):
     def on_tick(self, now: float) -> None:
         unbound = self.routes.unbound(now - self.heartbeat_timeout) if self.routes else []
         for peer, heard in list(self.last_heard.items()):
-            if now - heard > self.heartbeat_timeout or peer in unbound:
-                del self.last_heard[peer]
-                self.post("peer_lost", peer, now - heard)
-                if self.routes is not None:
-                    self.routes.drop(peer)
+            if peer in unbound:  # alive, but its KV would have nowhere to go
+                reason = (
+                    f"no sealed KV connection reached data port {self.routes.port} in "
+                    f"{self.heartbeat_timeout:.1f} s (is it reachable? --kv-transfer-data-port)"
+                )
+                self._send(peer, wire.REJECT, reason.encode())
+            elif now - heard > self.heartbeat_timeout:
+                reason = (
+                    f"the decode instance went silent ({now - heard:.1f} s without a heartbeat)"
+                )
+            else:
+                continue
+            del self.last_heard[peer]
+            self.post("peer_lost", peer, reason)
+            if self.routes is not None:
+                self.routes.drop(peer)
 
 
 @dataclass
@@ -221,8 +232,7 @@ class ZmqKVSender(KVSender):
                 _, tid, state, reason, failure = event
                 self._end(uuid.UUID(bytes=tid).hex, state, reason, failure)
             elif kind == "peer_lost":
-                _, peer, silent = event
-                reason = f"the decode instance went silent ({silent:.1f} s without a heartbeat)"
+                _, peer, reason = event
                 for key in [k for k, ob in self._outbound.items() if ob.peer == peer]:
                     self._end(key, TransferState.FAILED, reason, "peer_lost")
 

@@ -174,6 +174,29 @@ def test_a_fixed_data_port():
         sender.close()
 
 
+def test_an_unreachable_data_port_fails_transfers_with_a_reason():
+    """The decode instance is told a data port nothing listens on (a firewall, a wrong port
+    forward): the prefill side gives up on it after a heartbeat timeout and says why."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    fleet = load_security()
+    source = seeded_pool(64, "float32", SEED)
+    sender = ZmqKVSender(source, layout_of(source), security=fleet, advertise_data_port=closed,
+                         **HEARTBEAT)  # fmt: skip
+    pool = seeded_pool(64, "float32", None)
+    rx = ZmqKVReceiver(pool, layout_of(pool), security=fleet, **HEARTBEAT)
+    try:
+        status = fetch(rx, sender)
+        assert status.state is TransferState.FAILED
+        assert f"no sealed KV connection reached data port {sender.data_port}" in status.reason
+        assert untouched(pool)
+        assert sender.stats.failures == {"peer_lost": 1}  # its request ended there too
+    finally:
+        rx.close()
+        sender.close()
+
+
 def test_plain_sockets_have_no_data_port():
     from radixserve.links.keys import PLAIN
 
