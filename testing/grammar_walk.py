@@ -1,9 +1,12 @@
 """A grammar's matcher moved over a text, and the tokens it allows next, for tests that check
-a constraint binds (the token that would break it is masked out)."""
+a constraint binds (the token that would break it is masked out); ``xgrammar_judge``: whether
+the grammar the server compiles for a schema takes whole JSON texts, to compare with
+``jsonschema`` on many generated values (no tokenizer needed)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +43,20 @@ def allowed(m: Matcher, vocab_size: int) -> torch.Tensor:
     m.fill(mask, 0)
     bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.reshape(-1).bool()[:vocab_size]
+
+
+def xgrammar_judge(schema: Any) -> Callable[[Any], bool]:
+    """Whether the grammar the server compiles for ``schema`` with xgrammar (its exact
+    rewrites applied; ``UnsupportedSchema`` where it would refuse the schema) takes the JSON
+    text of a value, written as the server writes JSON (", " and ": ")."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from radixserve.structured.xgrammar_backend import XGrammarBackend
+
+    prepared = XGrammarBackend().prepare("json_schema", json.dumps(schema)).text
+    grammar = xgr.Grammar.from_json_schema(prepared, any_whitespace=False, strict_mode=True)
+    return lambda value: _is_grammar_accept_string(grammar, json.dumps(value))
 
 
 def generate_and_validate(engine: Any, schemas: dict[str, Any], params: Any) -> dict[str, str]:

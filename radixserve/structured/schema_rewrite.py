@@ -14,6 +14,11 @@ is not, that part stays as it was, and the check refuses it as before:
   has at most ``COMBINED_LIMIT`` branches): merged into each branch (``anyOf(b1..bn)`` and
   ``K`` is ``anyOf(b1 and K, ..., bn and K)``, and so for ``oneOf``), dropping a branch no
   value then meets;
+- ``$recursiveRef`` / ``$dynamicRef`` in a document that is one resource: the plain
+  ``$ref`` they equal there (``schema_dynamic``);
+- patterns opening with a lookahead of literal words, ``not`` of listed strings: exact
+  patterns (``schema_patterns``); ``if``/``then``/``else`` decided by one key's value: the
+  ``anyOf`` of its cases (``schema_conditions``);
 - a ``oneOf`` of closed objects that differ only in what they require, ``uniqueItems``
   over a few listed values, and ``not`` of ``required``: the exclusive ``anyOf``, the
   ``enum`` and the closed-out keys of ``schema_forms``.
@@ -35,6 +40,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from radixserve.structured.schema_conditions import discriminated
+from radixserve.structured.schema_dynamic import static_refs
 from radixserve.structured.schema_forms import (
     DEPENDENCIES,
     absent_keys,
@@ -43,6 +49,7 @@ from radixserve.structured.schema_forms import (
     unique_arrays,
 )
 from radixserve.structured.schema_merge import NotExact, assertions, merge_flat
+from radixserve.structured.schema_patterns import lookahead_free, not_listed_strings
 from radixserve.structured.schema_types import ASSERTIONS, SchemaTypes
 
 COMBINED_LIMIT = 16  # branches of a combinator merged with another
@@ -95,6 +102,7 @@ class SchemaRewrite:
     ``enabled``), and where its parts came from."""
 
     def __init__(self, root: Any, enabled: bool = True):
+        root = static_refs(root) if enabled else root
         self.root, self.types = root, SchemaTypes(root)
         self.paths: dict[int, str] = {}  # original node -> its dotted path
         self.origins: dict[int, dict[str, str | None]] = {}  # new node -> key -> path
@@ -178,9 +186,23 @@ class SchemaRewrite:
         return self._unique(s, loc)
 
     def _not(self, s: dict, loc: Loc) -> dict:
-        """``not`` of ``required`` as an ``allOf`` part that closes keys out, dependencies as
-        parts that close a key out or require what it brings, conditions on a
-        discriminator as the ``anyOf`` of its cases."""
+        """Patterns without an opening lookahead, ``not`` of listed values on a string as a
+        pattern, ``not`` of ``required`` as an ``allOf`` part that closes keys out,
+        dependencies as parts that close a key out or require what it brings, conditions
+        on a discriminator as the ``anyOf`` of its cases."""
+        plain = lookahead_free(s)
+        if plain is not None:
+            if plain.get("patternProperties") is not s.get("patternProperties"):
+                self._movable(loc, ["patternProperties"])
+            s = self._note(plain, s)
+        if isinstance(s.get("not"), dict):
+            try:
+                kept = not_listed_strings(s, self._flat(s["not"]))
+            except NotExact:
+                kept = None
+            if kept is not None:
+                self._movable(loc, ["not"])
+                s = self._note(kept, s)
         alt = absent_keys(s.get("not"))
         if alt is not None and isinstance(s.get("allOf", []), list):
             self._movable(loc, ["not"])

@@ -146,7 +146,8 @@ class SchemaTypes:
         other way round (proved, else False): no common type, disjoint listed values, or two
         object schemas that confine a property one of them requires to disjoint listed values
         (a discriminator), or of which one requires a key the other closes out
-        (``additionalProperties: false`` without it in ``properties``)."""
+        (``additionalProperties: false`` without it in ``properties``), or listed values
+        none of which the other's ``pattern`` (on strings only) matches."""
         if not self.types(a) & self.types(b):
             return True
         va, vb = self.finite(a), self.finite(b)
@@ -155,6 +156,8 @@ class SchemaTypes:
         a, b = self.deref(a), self.deref(b)
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return False
+        if _missed(va, b) or _missed(vb, a):
+            return True
         if not (self.objects_only(a) and self.objects_only(b)):
             return False
         props_a, props_b = a.get("properties"), b.get("properties")
@@ -171,3 +174,22 @@ class SchemaTypes:
             if va is not None and vb is not None and not va & vb:
                 return True
         return False
+
+
+def _missed(listed: set[str] | None, s: dict) -> bool:
+    """Whether ``s`` allows strings only, under a ``pattern`` none of the ``listed`` values
+    (``value_key``s, strings of ASCII only) matches. On ASCII text Python's ``re`` matches at
+    least what ECMA-262 does (its ``\\s`` and ``$`` take more), so a miss is a proof."""
+    pattern = s.get("pattern")
+    if listed is None or not isinstance(pattern, str) or "type" not in s:
+        return False
+    if expand(s["type"]) != {"string"}:
+        return False
+    try:
+        strings = [v for v in map(json.loads, listed) if isinstance(v, str)]
+        if not all(v.isascii() for v in strings):
+            return False
+        found = [re.search(pattern, v) for v in strings]
+    except re.error:
+        return False
+    return not any(found)

@@ -8,7 +8,8 @@ more cases; ``compiled_schema``), and ``schema_support`` refuses the rewritten s
 xgrammar would still drop or approximate a construct of it; a regex gets the same pattern
 check. Distinct items (``uniqueItems``) are left to a ``UniquePlan`` beside the grammar
 (``unique_matcher``), and a property a branch closes out (``"k": false``) is left out of
-``properties`` where xgrammar's strict mode allows no other key (``xgrammar_text``).
+``properties`` where xgrammar's strict mode allows no other key, and a pattern's ``(...)?``
+is written ``(...){0,1}``, which xgrammar reads right (``xgrammar_text``).
 Compiled JSON is compact (no free whitespace for a model to wander in).
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from radixserve.structured.backend import Prepared
-from radixserve.structured.regex_support import pattern_problem
+from radixserve.structured.regex_support import optional_groups_spelled_out, pattern_problem
 from radixserve.structured.schema_rewrite import SchemaRewrite
 from radixserve.structured.schema_support import UnsupportedSchema, check_schema_support
 from radixserve.structured.schema_walk import map_schemas
@@ -66,10 +67,22 @@ def _absent(s: dict) -> dict:
     return {**s, "properties": {k: v for k, v in props.items() if v is not False}}
 
 
+def _spelled(s: dict) -> dict:
+    """``s`` with its patterns' optional groups spelled ``{0,1}`` (``regex_support``)."""
+    out = dict(s)
+    if isinstance(s.get("pattern"), str):
+        out["pattern"] = optional_groups_spelled_out(s["pattern"])
+    if isinstance(s.get("patternProperties"), dict):
+        out["patternProperties"] = {optional_groups_spelled_out(k): v
+                                    for k, v in s["patternProperties"].items()}  # fmt: skip
+    return out
+
+
 def xgrammar_text(schema: Any) -> str:
     """The text xgrammar compiles for a (rewritten) schema: distinct items left to the
-    tracker, and absent keys left out where its strict mode writes no other key."""
-    return json.dumps(map_schemas(strip_unique(schema), _absent))
+    tracker, absent keys left out where its strict mode writes no other key, optional
+    groups of patterns spelled the way it reads right."""
+    return json.dumps(map_schemas(strip_unique(schema), lambda s: _spelled(_absent(s))))
 
 
 class XGrammarBackend:

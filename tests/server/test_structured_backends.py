@@ -82,7 +82,7 @@ def wait_and_count(server: str) -> dict[str, float]:
          "json_schema.if: if is not supported"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {
-                "id": {"type": "string", "pattern": "^(?!x)\\w+$"}}}}}],
+                "id": {"type": "string", "pattern": "^(?!.*x)\\w+$"}}}}}],
             "tool_choice": "required"},
          "tools[0].function.parameters.properties.id.pattern: negative lookahead (?!...) is not "
          "supported"),

@@ -267,7 +267,7 @@ def test_bad_tools_are_a_400_naming_the_tool(server, extra, words):
     assert_nothing_held(server)
 
 
-LOOKAHEAD = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^(?=a)\\w+$"}}}
+LOOKAHEAD = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^(?=.*a)\\w+$"}}}
 NOT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}}}}  # fmt: skip
 

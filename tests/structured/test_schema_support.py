@@ -24,8 +24,8 @@ STR = {"type": "string"}
 # (schema, path of the refused keyword, words of the message, a text the grammar takes that
 # the schema refuses)
 REFUSED = [
-    ({"type": "string", "pattern": "^(?=a)[a-z]+$"}, "pattern", "lookahead (?=...)", '"b"'),
-    ({"type": "string", "pattern": "^(?!a)[a-z]+$"}, "pattern", "negative lookahead", '"a"'),
+    ({"type": "string", "pattern": "^[a-z](?=a)[a-z]+$"}, "pattern", "lookahead (?=...)", '"bb"'),
+    ({"type": "string", "pattern": "^(?!.*a)[a-z]+$"}, "pattern", "negative lookahead", '"ba"'),
     ({"type": "string", "pattern": "^a(b$)c"}, "pattern", "'$'", '"abc"'),
     ({"type": "string", "pattern": "x(^a)"}, "pattern", "'^'", '"xa"'),
     ({"type": "string", "format": "email", "maxLength": 5}, "maxLength",
