@@ -57,6 +57,7 @@ class _Conn:
     last_ping: float = 0.0
     layout: KVLayout | None = None  # set by WELCOME
     data: DataLink | None = None  # the sealed data connection, with keys
+    hello: list[bytes] | None = None  # the HELLO, until ZeroMQ took it
     backlog: list[list[Any]] = field(default_factory=list)
     waiters: list[Future] = field(default_factory=list)
 
@@ -101,8 +102,19 @@ class _ReceiverIO(IOThread):
         if self.sealed:
             conn.data = DataLink()
             hello["share"] = conn.data.share.hex()
-        sock.send_multipart([wire.HELLO, wire.pack_json(hello)])
+        conn.hello = [wire.HELLO, wire.pack_json(hello)]
+        self._send_hello(conn)
         return conn
+
+    def _send_hello(self, conn: _Conn) -> None:
+        """Without blocking: once the peer refused ZeroMQ's own handshake (another key, no
+        CurveZMQ) the socket has nowhere to queue a message until it reconnects, and a
+        blocked send would stop this thread, every peer's traffic and its own close."""
+        try:
+            conn.sock.send_multipart(conn.hello, flags=zmq.DONTWAIT)
+            conn.hello = None
+        except zmq.Again:
+            pass  # again on the next tick, until the handshake timeout
 
     def _drop(self, endpoint: str, reason: str, kind: str) -> None:
         conn = self.conns.pop(endpoint)
@@ -213,6 +225,8 @@ class _ReceiverIO(IOThread):
 
     def on_tick(self, now: float) -> None:
         for endpoint, conn in list(self.conns.items()):
+            if conn.hello is not None:
+                self._send_hello(conn)
             if conn.layout is None and now - conn.opened > self.heartbeat_timeout:
                 reason = (
                     f"no handshake answer from {endpoint} in {self.heartbeat_timeout:.1f} s "

@@ -156,7 +156,11 @@ class DataLink:
         # its BIND set still reaches it (the id was secret until this connection's BIND)
         sock.setsockopt(zmq.ROUTING_ID, sid)
         sock.connect(f"{address.rsplit(':', 1)[0]}:{port}")
-        sock.send_multipart([BIND, sid, *Sealer(keys.send).seal(BIND, sid, [b""])])
+        try:  # never blocks: a fresh connection queues it, unless the port refused ZeroMQ
+            bind = [BIND, sid, *Sealer(keys.send).seal(BIND, sid, [b""])]
+            sock.send_multipart(bind, flags=zmq.DONTWAIT)
+        except zmq.Again:
+            raise SealError(f"the data port {port} refused the connection") from None
         return sock
 
     def open(self, frames: list[zmq.Frame]) -> tuple[bytes, Any, Any]:
