@@ -61,7 +61,14 @@ ENGINE_FLAGS = {
         choices=KV_CACHE_DTYPES,
         help="how the KV cache stores keys and values: auto (the model's dtype) or int8 (one "
         "byte per value and a float16 scale per 16 channels of a token's head: 3.6x the "
-        "tokens of float32 in the same memory); default %(default)s",
+        "tokens of float32 in the same memory, less for layers --kv-float-layers keeps in "
+        "float); default %(default)s",
+    ),
+    "kv_float_layers": dict(
+        default="auto",
+        help="with --kv-cache-dtype int8, layers whose KV stays in the model's dtype: auto "
+        "(layers whose key bias is over 10x the median layer's, e.g. Qwen2.5's first ones), "
+        "none, or indices such as 0,1,8; default %(default)s",
     ),
     "schedule_policy": dict(
         default="lpm", choices=SCHEDULE_POLICIES, help="waiting-queue order; default %(default)s"

@@ -37,6 +37,7 @@ from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.config_checks import (
     check_choice,
     check_endpoint,
+    check_float_layers,
     check_int,
     check_positive,
     parse_bytes,
@@ -79,6 +80,9 @@ class CacheConfig:
     # how the device pool stores KV: auto (the model's dtype) or int8 (codes with float16
     # scales per group of channels: cache/kv_format.py)
     kv_cache_dtype: str = "auto"
+    # int8 KV: layers kept in the model's dtype: "auto" (by the model's key biases,
+    # model/kv_layers.py), "none", or layer indices "0,1,8"
+    kv_float_layers: str = "auto"
     # pins (cache/pins.py): at most this share of the device pool pinned, in all and per
     # tenant (None: the same as in all); 0: nothing is pinned
     pin_budget: float = 0.25
@@ -87,6 +91,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, 1)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_float_layers(self.kv_float_layers, self.kv_cache_dtype)
         check_pin_share("pin_budget", self.pin_budget)
         if self.pin_tenant_budget is not None:
             check_pin_share("pin_tenant_budget", self.pin_tenant_budget)

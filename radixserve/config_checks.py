@@ -49,3 +49,17 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 def check_endpoint(name: str, value: str | None, pattern: str, example: str) -> None:
     if value is not None and not re.fullmatch(pattern, value):
         raise ValueError(f"{name} must look like {example}, got {value!r}")
+
+
+def check_float_layers(value: str, kv_cache_dtype: str) -> None:
+    """``kv_float_layers``: ``auto``, ``none`` or comma-separated layer indices, the last only
+    with ``kv_cache_dtype int8`` (a float pool has no layers to keep apart)."""
+    if value in ("auto", "none"):
+        return
+    parts = value.split(",") if isinstance(value, str) else [None]
+    if not all(isinstance(p, str) and p.strip().isdigit() for p in parts):
+        raise ValueError(f"kv_float_layers must be auto, none or layer indices such as 0,1,8; "
+                         f"got {value!r}")  # fmt: skip
+    if kv_cache_dtype != "int8":
+        raise ValueError("kv_float_layers lists layers to keep out of an int8 KV cache: it "
+                         "needs kv_cache_dtype int8")  # fmt: skip

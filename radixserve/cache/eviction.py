@@ -72,10 +72,10 @@ class SLRUPolicy(EvictionPolicy):
 
     name = "slru"
 
-    def __init__(
-        self, total_tokens: Callable[[], int], touch_clock: Callable[[], int], share: float
-    ):
-        self.total_tokens, self.touch_clock, self.share = total_tokens, touch_clock, share
+    def __init__(self, share: float = SLRU_PROTECTED_SHARE):
+        self.share = share
+        self.total_tokens: Callable[[], int] = int
+        self.touch_clock: Callable[[], int] = int
         self.protected_tokens = 0
         self._protected: dict[int, Any] = {}
         self._lru: list[tuple[int, int, Any]] = []  # protected nodes by last access (lazy)
@@ -83,6 +83,9 @@ class SLRUPolicy(EvictionPolicy):
     def priority(self, node: Any, now: int) -> tuple:
         protected, since = node.policy_state or (False, 0)
         return (1, node.last_access) if protected else (0, max(node.last_access, since))
+
+    def bind(self, total_tokens: Callable[[], int], touch_clock: Callable[[], int]) -> None:
+        self.total_tokens, self.touch_clock = total_tokens, touch_clock
 
     def _protect(self, node: Any) -> None:
         node.policy_state = (True, 0)
@@ -188,6 +191,9 @@ class ThresholdPolicy(EvictionPolicy):
             return crossing if base is None else min(crossing, base)
         return base
 
+    def bind(self, total_tokens: Callable[[], int], touch_clock: Callable[[], int]) -> None:
+        self.base.bind(total_tokens, touch_clock)
+
     def on_hit(self, node: Any, now: int) -> Iterable[Any]:
         return self.base.on_hit(node, now)
 
@@ -204,26 +210,20 @@ class ThresholdPolicy(EvictionPolicy):
 EVICTION_POLICIES = ("lru", "lfu", "slru", "cost-aware", "return-odds", "reuse")
 
 
-def make_policy(
-    name: str,
-    cache_threshold: float | None = None,
-    total_tokens: Callable[[], int] = int,
-    touch_clock: Callable[[], int] = int,
-) -> EvictionPolicy:
-    """A fresh policy (policies keep state). SLRU reads the tree's size in tokens and its touch
-    clock (the counter behind ``last_access``) through the two callables."""
+def make_policy(name: str, cache_threshold: float | None = None) -> EvictionPolicy:
+    """A fresh policy (policies keep state); the tree binds it (``EvictionPolicy.bind``)."""
     if name == "lru":
         policy: EvictionPolicy = FunctionPolicy(name, lru_priority)
     elif name == "lfu":
         policy = FunctionPolicy(name, lfu_priority)
     elif name == "slru":
-        policy = SLRUPolicy(total_tokens, touch_clock, SLRU_PROTECTED_SHARE)
+        policy = SLRUPolicy()
     elif name == "cost-aware":
         policy = CostAwarePolicy()
     elif name == "return-odds":
         policy = ReturnOddsPolicy()
     elif name == "reuse":
-        policy = ReusePolicy(touch_clock)
+        policy = ReusePolicy()
     else:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {EVICTION_POLICIES}")
     if cache_threshold is not None:

@@ -5,7 +5,7 @@ builds on this one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +46,10 @@ class EvictionPolicy:
     """How evictable leaves are ordered. Subclasses override ``priority`` and maybe hooks."""
 
     name = "base"
+
+    def bind(self, total_tokens: Callable[[], int], touch_clock: Callable[[], int]) -> None:
+        """The tree this policy serves, once, before it ranks anything: its size in tokens
+        and its touch clock (the counter behind ``last_access``)."""
 
     def priority(self, node: Any, now: int) -> tuple:
         raise NotImplementedError

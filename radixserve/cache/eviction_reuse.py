@@ -31,7 +31,7 @@ top of the heap's O(log n); the tree is never walked.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from radixserve.cache.eviction_base import EvictionPolicy, EvictionStats
@@ -80,10 +80,15 @@ def leaf_class(node: Any, state: LeafState) -> tuple[int, ...]:
 class ReusePolicy(EvictionPolicy):
     name = "reuse"
 
-    def __init__(self, touch_clock=int) -> None:
-        self.touch_clock = touch_clock  # the tree's touch counter (``last_access`` units)
-        self.model = ReuseModel()
+    def __init__(self, prior: ReuseModel | None = None) -> None:
+        """``prior``: a model whose counts and eviction age this one starts from (a model
+        learned on other traffic); None: from nothing."""
+        self.touch_clock: Callable[[], int] = int  # the tree's (``last_access`` units)
+        self.model = ReuseModel(prior)
         self._stats = EvictionStats(self.name)
+
+    def bind(self, total_tokens: Callable[[], int], touch_clock: Callable[[], int]) -> None:
+        self.touch_clock = touch_clock
 
     def _state(self, node: Any) -> LeafState:
         s = node.policy_state

@@ -3,7 +3,8 @@
 Layout is page-first, ``data[page] = [num_layers, 2 (K, V), num_kv_heads, page_size,
 row_width]``, rows in the tier's ``KVFormat`` (``kv_format.py``): the device pool's, or int8
 below a float device pool (``--kv-tier-dtype int8``: pages encoded as they leave the device,
-decoded as they come back). One page of every layer is one contiguous buffer: what a storage backend
+decoded as they come back); below an int8 pool with float layers, int8 for every layer
+(``KVPool.layer_rows``). One page of every layer is one contiguous buffer: what a storage backend
 reads and writes whole, without a gather. Copies to and from the device pool go by slot
 indices (whole pages on both sides):
 
@@ -194,7 +195,8 @@ class HostKVPool:
         """Every layer's K and V of ``slots``, in the model's layer order: one gather per
         pool (the window layers' pool, when apart, through the window map)."""
         pool = self.device_pool
-        kv = torch.stack([pool.k.index_select(2, slots), pool.v.index_select(2, slots)], dim=1)
+        layers = pool.shape.num_layers if pool.has_float_layers else len(pool.k)
+        kv = torch.stack([pool.layer_rows(i, 0, layers, slots) for i in (0, 1)], dim=1)
         if not pool.windowed:
             return kv
         window_slots = pool.to_window(slots)
@@ -209,14 +211,16 @@ class HostKVPool:
         layers at the window slots of ``slots[windows_from:]``, which have them)."""
         pool = self.device_pool
         kv = self._to_device_format(kv)
-        main = pool.main_layers if pool.windowed else slice(None)
-        pool.k.index_copy_(2, slots, kv[main, 0])
-        pool.v.index_copy_(2, slots, kv[main, 1])
-        if pool.windowed:
-            window_slots = pool.to_window(slots[windows_from:])
-            window_kv = kv[pool.window_layers][:, :, :, windows_from:]
-            pool.wk.index_copy_(2, window_slots, window_kv[:, 0])
-            pool.wv.index_copy_(2, window_slots, window_kv[:, 1])
+        if not pool.windowed:
+            for i in (0, 1):
+                pool.put_layer_rows(i, 0, len(kv), slots, kv[:, i])
+            return
+        pool.k.index_copy_(2, slots, kv[pool.main_layers, 0])
+        pool.v.index_copy_(2, slots, kv[pool.main_layers, 1])
+        window_slots = pool.to_window(slots[windows_from:])
+        window_kv = kv[pool.window_layers][:, :, :, windows_from:]
+        pool.wk.index_copy_(2, window_slots, window_kv[:, 0])
+        pool.wv.index_copy_(2, window_slots, window_kv[:, 1])
 
     def _restore_layer(
         self, kv: torch.Tensor, device_slots: torch.Tensor, layer: int, n: int, ps: int
@@ -226,8 +230,8 @@ class HostKVPool:
         heads = pool.shape.num_kv_heads
         kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, n * ps, kv.shape[-1])
         kv = self._to_device_format(kv)
-        pool.k[layer].index_copy_(1, device_slots, kv[0])
-        pool.v[layer].index_copy_(1, device_slots, kv[1])
+        for i in (0, 1):
+            pool.put_layer_rows(i, layer, layer + 1, device_slots, kv[i : i + 1])
 
     def _restore_async(self, pages: torch.Tensor, device_slots: torch.Tensor, n: int, ps: int):
         pool = self.device_pool

@@ -79,9 +79,8 @@ class RadixCache(HostNodes, PrefixCache):
         self.allocator = allocator
         self.page_size = allocator.page_size
         if isinstance(eviction_policy, str):
-            eviction_policy = make_policy(
-                eviction_policy, cache_threshold, self.total_size, lambda: self._clock
-            )
+            eviction_policy = make_policy(eviction_policy, cache_threshold)
+        eviction_policy.bind(self.total_size, lambda: self._clock)
         self.eviction_policy = eviction_policy.name
         self.admissions = 0  # requests admitted (record_hit calls): the policies' clock
         self._heap = LeafHeap(eviction_policy, lambda: self.admissions)

@@ -57,9 +57,13 @@ class Episode:
 
 
 class ReuseModel:
-    def __init__(self) -> None:
-        self.counts: dict[tuple[int, ...], list[int]] = {}  # class prefix -> [episodes, returns]
-        self.eviction_age: float | None = None
+    def __init__(self, prior: ReuseModel | None = None) -> None:
+        """``prior``: start from its counts and eviction age (not its open episodes)."""
+        # class prefix -> [episodes, returns]
+        self.counts: dict[tuple[int, ...], list[int]] = (
+            {} if prior is None else {k: list(v) for k, v in prior.counts.items()}
+        )
+        self.eviction_age: float | None = None if prior is None else prior.eviction_age
         self.queue: deque[Episode] = deque()
 
     @property

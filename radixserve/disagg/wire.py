@@ -87,8 +87,8 @@ def gather(pool: KVPool, slots: torch.Tensor, lo: int, hi: int) -> tuple[Any, An
     send without copying (each a fresh copy, so the slots may be reused once this returns)."""
     slots = slots.to(pool.device)
     out = []
-    for t in (pool.k, pool.v):
-        chunk = t[lo:hi].index_select(2, slots).cpu().contiguous()  # [layers, heads, n, row]
+    for kv in (0, 1):  # an int8 pool's float layers go as int8 rows too (KVPool.layer_rows)
+        chunk = pool.layer_rows(kv, lo, hi, slots).cpu().contiguous()  # [layers, heads, n, row]
         out.append(pool.format.as_rows(chunk).numpy())
     return out[0], out[1]
 
@@ -102,8 +102,11 @@ def scatter(
     shape = (hi - lo, layout.num_kv_heads, len(slots), row)
     expected = (hi - lo) * len(slots) * layout.bytes_per_token_layer()
     slots = slots.to(pool.device)
-    for t, buf in ((pool.k, k_buf), (pool.v, v_buf)):
+    for kv, buf in ((0, k_buf), (1, v_buf)):
         if len(buf) != expected:
             raise TransferError(f"a KV frame of {len(buf)} bytes, expected {expected}")
-        src = torch.frombuffer(buf, dtype=torch.uint8).view(shape)
-        pool.format.as_rows(t[lo:hi]).index_copy_(2, slots, src.to(pool.device))
+        src = torch.frombuffer(buf, dtype=torch.uint8).view(shape).to(pool.device)
+        if pool.has_float_layers:
+            pool.put_layer_rows(kv, lo, hi, slots, src)
+        else:
+            pool.format.as_rows((pool.k, pool.v)[kv][lo:hi]).index_copy_(2, slots, src)

@@ -48,6 +48,7 @@ from radixserve.engine.segments import SegmentBlender
 from radixserve.engine.spec import RequestSpec
 from radixserve.engine.stats import EngineInfo, EngineStats, WindowStats
 from radixserve.model import LoadedModel, load_model, native
+from radixserve.model.kv_layers import float_kv_layers
 from radixserve.structured import GrammarCompiler, GrammarStats
 from radixserve.utils import default_kv_cache_bytes
 
@@ -120,7 +121,8 @@ class Engine:
         """The KV pool, its allocator, the prefix cache, the tiers below it and the ledgers."""
         shape = self.model.kv_shape()
         if config.cache.kv_cache_dtype == "int8":
-            shape = shape.with_format(KVFormat.of("int8"))
+            floats = float_kv_layers(self.model, config.cache.kv_float_layers)
+            shape = shape.with_format(KVFormat.of("int8"), floats)
         share = window_share(config, shape)  # 0: every layer's KV in one pool
         if config.cache.max_total_tokens is not None:
             num_slots = config.cache.max_total_tokens
@@ -235,7 +237,7 @@ class Engine:
             kv_bytes=self.pool.nbytes(),
             kv_bytes_per_token=self.pool.shape.bytes_per_token(),
             dtype=str(self.pool.shape.dtype).removeprefix("torch."),
-            kv_format=self.pool.format.name,
+            kv_format=self.pool.shape.format_name,
             prefix_caching=self.cache.reuses_prefixes,
             kv_events_block_size=self.cache.event_block_size,
             disaggregation=self.disagg.info() if self.disagg is not None else None,

@@ -75,11 +75,15 @@ def reanchor(model: Any, pool: Any, src: torch.Tensor, dst: torch.Tensor, delta:
     # each, which dominate when the machine is busy (each op waits for its threads)
     # keys decoded from the pool's format, rotated, encoded again (int8: new scales); values
     # are copied as stored
-    fmt, dim = pool.format, pool.shape.head_dim
-    k = fmt.decode(pool.k.index_select(2, src), dim, torch.float32)  # [layers, kv_heads, n, dim]
-    k = k * cos + rotate_half(k) * sin
-    pool.k.index_copy_(2, dst, fmt.encode(k.to(pool.shape.dtype)))
-    pool.v.index_copy_(2, dst, pool.v.index_select(2, src))
+    dim = pool.shape.head_dim
+    stores = [(pool.k, pool.v, pool.format)]
+    if pool.has_float_layers:  # an int8 pool's layers kept in the model's dtype
+        stores.append((pool.fk, pool.fv, pool.float_format))
+    for keys, values, fmt in stores:
+        k = fmt.decode(keys.index_select(2, src), dim, torch.float32)  # [layers, kv_heads, n, dim]
+        k = k * cos + rotate_half(k) * sin
+        keys.index_copy_(2, dst, fmt.encode(k.to(pool.shape.dtype)))
+        values.index_copy_(2, dst, values.index_select(2, src))
 
 
 class SegmentBlender:

@@ -151,9 +151,9 @@ def paged_attention(
     if ops is None or batch.ranges is None:
         return attention_torch.attend(layer, q, k, v, batch, pool, scale, window)
     r = batch.ranges
-    ctx = r.window_ctx(pool.to_window) if pool.groups[layer][0] else r.ctx
+    ctx = r.window_ctx(pool.to_window) if pool.in_window(layer) else r.ctx
     k_layer, v_layer = pool.layer_kv(layer)
-    fmt = pool.format
+    fmt = pool.layer_format(layer)
     out = ops.flash_attention(
         q if q.dtype == torch.float32 else q.float(), k_layer, v_layer, fmt.kernel_code,
         fmt.group, ctx, r.ctx_start, r.seq_start, r.lo_for(window), r.hi, scale,

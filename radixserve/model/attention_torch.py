@@ -31,7 +31,7 @@ from radixserve.model.window import WindowBlock, plans
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
            pool: KVPool, scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
     """``paged_attention`` after the pool write: [T, H, D]."""
-    q = pool.format.round_queries(q)
+    q = pool.layer_format(layer).round_queries(q)
     out = torch.empty_like(q)
     if window is not None:
         _windowed(layer, q, k, v, batch, pool, scale, window, out)
@@ -57,7 +57,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch:
 def _fresh(layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
            pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """A chunk's own K/V ``[KVH, n, D]``: as computed, or as an int8 pool holds them."""
-    if pool.format.quantized:
+    if pool.layer_format(layer).quantized:
         return pool.gather(layer, slots)
     return k.transpose(0, 1), v.transpose(0, 1)
 

@@ -8,7 +8,7 @@ layer come from the model's ``native_extras``: q/k norms, output norms, GeGLU, w
 Anything else (CUDA, bf16 dense weights, no compiler) returns None from ``for_model`` and the
 step runs op by op in ``llama.py``, which computes the same function. The native stack keeps
 float32 activations whatever the model dtype; the KV pool keeps its own format (its dtype, or
-int8 rows: ``cache/kv_format.py``).
+int8 rows: ``cache/kv_format.py``; an int8 pool's float layers in a pool of their own).
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ class NativeDecoder:
                 "w_ctx": pool.to_window(batch.decode_context),
                 "w_k_pool": pool.wk,
                 "w_v_pool": pool.wv,
+            }
+        if pool.has_float_layers:  # an int8 pool keeping some layers in the model's dtype
+            window = {
+                "f_k_pool": pool.fk,
+                "f_v_pool": pool.fv,
+                "f_layers": pool.float_layers,
+                "f_kv_code": pool.float_format.kernel_code,
             }
         fmt = pool.format
         return self.decoder.forward(

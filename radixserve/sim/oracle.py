@@ -17,6 +17,17 @@ policy tells the heap (``changes_at``), so the heap stays exact.
 
 Time is admission numbers: request ``j`` of the order (0-based) is admission ``j + 1``; the
 replay admits each request before it allocates (and so evicts) for it.
+
+Two weaker oracles measure how much of Belady's advantage an online policy could hope to
+reach by predicting reuse alone, with LRU for everything the prediction leaves open (the
+least recently used first among equals):
+
+- ``oracle-returns`` knows whether each leaf will be used again, not when: a perfect
+  classifier of returning leaves (what admission control and reuse models estimate);
+- ``oracle-uses`` knows how many more requests will use each leaf (fewest first): a perfect
+  frequency predictor (what LFU-like and GDSF-like policies estimate).
+
+Neither knows the order of future uses, which is what Belady adds.
 """
 
 from __future__ import annotations
@@ -96,3 +107,28 @@ class BeladyPolicy(EvictionPolicy):
     def changes_at(self, node: Any, now: int) -> int | None:
         nxt = self.next_use(node, now)
         return None if nxt == math.inf else int(nxt)
+
+    def uses_left(self, node: Any, now: int) -> int:
+        uses = self._uses(node)
+        return len(uses) - bisect.bisect_right(uses, now)
+
+
+class ReturnsOracle(BeladyPolicy):
+    """Leaves never used again first, then LRU: knows whether, not when."""
+
+    name = "oracle-returns"
+
+    def priority(self, node: Any, now: int) -> tuple:
+        return (int(self.uses_left(node, now) > 0), node.last_access)
+
+
+class UsesOracle(BeladyPolicy):
+    """Leaves with the fewest uses to come first, then LRU: knows how often, not when."""
+
+    name = "oracle-uses"
+
+    def priority(self, node: Any, now: int) -> tuple:
+        return (self.uses_left(node, now), node.last_access)
+
+
+ORACLES = {p.name: p for p in (BeladyPolicy, ReturnsOracle, UsesOracle)}

@@ -16,7 +16,13 @@ Designs compared by ``replay`` with ``design``: ``tree`` (the radix tree, page s
 token reusable), ``blocks`` (the same tree at page size 16: only whole 16-token blocks are
 cached and matched, as in vLLM's hashed-block prefix cache) and ``slots`` (one cache per
 server slot, as llama.cpp's server keeps: see ``slot_replay``). Policies: any online one,
-``belady`` (``oracle.BeladyPolicy``) or ``unbounded`` (a pool holding everything).
+an offline oracle (``oracle.ORACLES``: ``belady`` and two that know less of the future),
+``reuse-hindsight`` or ``unbounded`` (a pool holding everything).
+
+``reuse-hindsight`` is the online ``reuse`` policy whose reuse model starts from the model a
+first replay of the same order (same pool) learned: it knows from the start how often each
+class of leaf returns on this trace, and no request's own future. What ``reuse`` could reach
+were its learning perfect: an estimate of the ceiling of its features, with no oracle.
 """
 
 from __future__ import annotations
@@ -28,16 +34,18 @@ from typing import Any
 import numpy as np
 
 from radixserve.cache import PagedAllocator, RadixCache
+from radixserve.cache.eviction_reuse import ReusePolicy
 from radixserve.engine.kv_manager import RequestKV
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.spec import RequestSpec
-from radixserve.sim.oracle import BeladyPolicy, FutureUses
+from radixserve.sim.oracle import ORACLES, FutureUses
 from radixserve.sim.trace import Session, Trace, Turn
 
 Order = list[tuple[Session, Turn]]
 _GREEDY = SamplingParams(temperature=0.0, seed=0)
-OFFLINE_POLICIES = ("belady", "unbounded")
+HINDSIGHT = "reuse-hindsight"
+OFFLINE_POLICIES = (*ORACLES, HINDSIGHT, "unbounded")
 
 
 def replay_order(
@@ -127,16 +135,22 @@ def replay(
     future: FutureUses | None = None,
 ) -> ReplayResult:
     """Replay ``order`` through a tree of ``kv_tokens`` slots with ``policy``."""
+    if cache_threshold is not None and (not isinstance(policy, str) or policy in OFFLINE_POLICIES):
+        raise ValueError(f"cache_threshold applies to online policies by name, not {policy!r}")
     if policy == "unbounded":
         kv_tokens = total_tokens(order) + page_size
         evict: Any = "lru"
     elif not isinstance(policy, str):
         evict = policy
-    elif policy == "belady":
+    elif policy == HINDSIGHT:
+        first = ReusePolicy()
+        replay(order, kv_tokens, first, page_size)
+        evict = ReusePolicy(prior=first.model)
+    elif policy in ORACLES:
         future = future or FutureUses(
             [(t.prompt, computed(t), s.namespace) for s, t in order], page_size
         )
-        evict = BeladyPolicy(future)
+        evict = ORACLES[policy](future)
     else:
         evict = policy
     alloc = PagedAllocator(kv_tokens, page_size)

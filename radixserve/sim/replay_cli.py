@@ -27,7 +27,7 @@ from typing import Any
 
 from radixserve.cache.eviction import EVICTION_POLICIES
 from radixserve.sim.cli_args import parse_threshold, split_list
-from radixserve.sim.oracle import FutureUses
+from radixserve.sim.oracle import ORACLES, FutureUses
 from radixserve.sim.replay import (
     OFFLINE_POLICIES,
     Order,
@@ -82,7 +82,8 @@ def replay_rows(
     rows: list[dict[str, Any]] = []
     for design in designs:
         page = DESIGNS[design]
-        future = _future(order, page) if "belady" in policies and design != "slots" else None
+        oracles = [p for p in policies if p in ORACLES]
+        future = _future(order, page) if oracles and design != "slots" else None
         for pool in pools:
             if design == "slots":
                 slots = max(1, pool // longest)

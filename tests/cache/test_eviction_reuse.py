@@ -2,6 +2,8 @@
 outcomes it reports."""
 
 from radixserve.cache import PagedAllocator, RadixCache
+from radixserve.cache.eviction_base import EvictionPolicy
+from radixserve.cache.eviction_reuse import ReusePolicy
 from testing.cache import cache_sequence
 
 
@@ -22,7 +24,7 @@ def test_an_evicted_prefix_cached_again_counts_as_returned():
     assert RadixCache(PagedAllocator(100, 1), "lru").eviction_stats() is None
 
 
-def replay_hits(policy: str) -> int:
+def replay_hits(policy: str | EvictionPolicy) -> int:
     """Chats that come back after ten one-off documents, in a pool too small for LRU to keep
     them: each step caches one new 200-token document and a chat turn (turn 2 of chat i at
     step i + 10). Returns the tokens of second turns served from the cache."""
@@ -46,3 +48,15 @@ def test_learns_that_documents_do_not_return_and_keeps_the_chats_that_do():
     lru, reuse = replay_hits("lru"), replay_hits("reuse")
     assert lru == 0
     assert reuse >= 40 * 60  # most of the 70 second turns (LRU: none)
+
+
+def test_a_policy_handed_to_the_tree_is_bound_to_it_and_can_start_from_a_prior():
+    """A ``ReusePolicy`` built by the caller ranks with the tree's touch clock, as the one
+    the tree builds by name does; one started from a model learned on the same traffic keeps
+    the early chats the fresh one drops while it learns."""
+    assert replay_hits(ReusePolicy()) == replay_hits("reuse")
+    first = ReusePolicy()
+    cold = replay_hits(first)
+    warm = ReusePolicy(prior=first.model)
+    assert replay_hits(warm) > cold
+    assert warm.model.counts is not first.model.counts  # the prior is copied, not shared

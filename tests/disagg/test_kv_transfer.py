@@ -321,3 +321,30 @@ def test_peer_health_skips_a_dead_peer_and_probes_it_in_the_background():
     health.failed(peer, "handshake", "refused")
     health.ok(peer)  # a transfer completed after all
     assert health.usable(peer)
+
+
+def test_float_layers_cross_the_wire_as_int8_rows():
+    """An int8 pool keeping layer 1 in float32 sends int8 rows for every layer: the int8
+    layers land bit for bit, the float layer as its int8 encoding decodes, in a message per
+    layer group; the layout names the wire's format, so a plain int8 peer reads it too."""
+    from radixserve.cache.kv_format import KVFormat
+    from radixserve.cache.kv_pool import KVPool, KVShape
+
+    int8 = KVFormat.of("int8")
+    shape = KVShape(3, 2, 16, torch.float32, kv_format=int8, float_layers=(1,))
+    torch.manual_seed(0)
+    source, target = KVPool(shape, 32), KVPool(shape, 32)
+    for layer in range(3):
+        k = torch.randn(32, 2, 16) * 20
+        source.write(layer, torch.arange(32), k, torch.randn_like(k))
+    layout = layout_of(source)
+    assert layout.kv_format == "int8g16" and layout.bytes_per_token() == 3 * 2 * 2 * (16 + 2)
+    src, dst = torch.arange(4, 12), torch.arange(20, 28)
+    for lo, hi in wire.layer_groups(layout, len(src), 2 * 8 * 2 * 18):
+        k_buf, v_buf = wire.gather(source, src, lo, hi)
+        wire.scatter(target, dst, lo, hi, bytearray(k_buf), bytearray(v_buf), layout)
+    assert torch.equal(target.k[:, :, dst], source.k[:, :, src])
+    assert torch.equal(target.v[:, :, dst], source.v[:, :, src])
+    for ours, theirs in ((target.fk, source.fk), (target.fv, source.fv)):
+        assert torch.equal(ours[:, :, dst], int8.decode(int8.encode(theirs[:, :, src]), 16,
+                                                         torch.float32))  # fmt: skip

@@ -14,6 +14,7 @@ import pytest
 
 from radixserve import LLM, SamplingParams
 from radixserve.cache.kv_format import KVFormat
+from radixserve.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -66,3 +67,69 @@ def test_pages_back_from_the_int8_host_tier_give_the_same_output(make_engine, de
         assert engine.pool.shape.bytes_per_token() > 3.5 * int8_bytes
     generate(engine, others)
     assert generate(engine, [first]) == out2
+
+
+def test_float_layers_paths_agree_and_hold_their_bytes(make_engine):
+    """Layer 0 kept in float32 (``kv_float_layers``): prefill, chunks, cache hits and native
+    decode read the same pool, so the output does not depend on the path."""
+    batch = prompts(6, seed=5, shared=40)
+    whole = make_engine(kv_cache_dtype="int8", kv_float_layers="0", enable_prefix_caching=False)
+    shape = whole.pool.shape
+    assert shape.float_layers == (0,) and whole.info().kv_format == "int8g16+float32@0"
+    assert whole.pool.fk.dtype == whole.model.dtype
+    ref = generate(whole, batch)
+    cached = make_engine(kv_cache_dtype="int8", kv_float_layers="0", chunked_prefill_size=16)
+    assert generate(cached, batch) == ref
+    assert generate(cached, batch) == ref  # every prompt a cache hit now
+    int8 = shape.with_format(KVFormat.of("int8"))
+    float_layer = 2 * shape.num_kv_heads * shape.head_dim * whole.pool.fk.element_size()
+    assert shape.bytes_per_token() == int8.bytes_per_token() - int8.layer_bytes() + float_layer
+    assert whole.pool.nbytes() == whole.pool.num_slots * shape.bytes_per_token()
+    none = make_engine(kv_cache_dtype="int8", kv_float_layers="none")
+    assert none.pool.shape.float_layers == () and generate(none, batch) != ref
+
+
+def test_float_layers_through_the_host_and_storage_tiers(make_engine, tmp_path):
+    """A small device pool over int8 host pages and a file store: a prompt evicted and
+    loaded back (its float layer as int8 rows decode) gives the same output on every load."""
+    engine = make_engine(
+        kv_cache_dtype="int8", kv_float_layers="0", max_total_tokens=256, page_size=4,
+        host_kv_memory=4 << 20, kv_storage=str(tmp_path), write_policy="write_through",
+    )  # fmt: skip
+    int8_bytes = engine.pool.shape.with_format(KVFormat.of("int8")).bytes_per_token()
+    assert engine.stats().tiers.host_bytes_per_token == int8_bytes
+    first = prompts(1, seed=3)[0][:60]
+    others = prompts(6, seed=4)
+    generate(engine, [first])
+    generate(engine, others)  # push the first prompt's pages out of the device pool
+    loads = engine.stats().tiers.pages_to_device
+    out2 = generate(engine, [first])
+    assert engine.stats().tiers.pages_to_device > loads  # it came back from the host
+    generate(engine, others)
+    assert generate(engine, [first]) == out2
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"kv_cache_dtype": "int8", "kv_float_layers": "first"}, "kv_float_layers must be"),
+        ({"kv_cache_dtype": "int8", "kv_float_layers": "0,-1"}, "kv_float_layers must be"),
+        ({"kv_float_layers": "0"}, "kv_float_layers .* needs kv_cache_dtype int8"),
+    ],
+)
+def test_bad_float_layers_are_refused_by_name(options, needle):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig.from_options(**options)
+
+
+def test_float_layers_past_the_model_are_refused_by_name(make_engine):
+    with pytest.raises(ValueError, match="kv_float_layers '0,99': the model has layers"):
+        make_engine(kv_cache_dtype="int8", kv_float_layers="0,99")
+
+
+def test_float_layers_flag_is_a_cli_error_naming_it(capsys):
+    from radixserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--kv-cache-dtype", "int8", "--kv-float-layers", "first"])
+    assert "--kv-float-layers" in capsys.readouterr().err

@@ -118,6 +118,25 @@ def test_reanchoring_int8_keys_rounds_them_once(tiny_loaded):
         assert torch.equal(pool.v[layer][:, moved], pool.v[layer][:, stored])
 
 
+def test_reanchoring_rotates_the_float_layers_of_an_int8_pool(tiny_loaded):
+    """An int8 pool keeping layer 0 in float32: that layer's keys are rotated as a float
+    pool's are (the keys computed at the new position), its values move bit for bit."""
+    from radixserve.cache.kv_format import KVFormat
+
+    model = tiny_loaded.model
+    pool = KVPool(model.kv_shape().with_format(KVFormat.of("int8"), (0,)), 256)
+    seg, delta = torch.tensor(ids(40, 7)), 300
+    m = len(seg)
+    stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
+    model.forward(build_forward_batch([], [(seg, 0, stored, False)], model.device, 0), pool)
+    reanchor(model, pool, stored, moved, delta)
+    at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
+    model.forward(build_forward_batch([], [at_300], model.device, 0), pool)
+    torch.testing.assert_close(pool.fk[0][:, moved], pool.fk[0][:, direct], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(pool.fk[0][:, stored], pool.fk[0][:, direct], atol=1e-2)
+    assert torch.equal(pool.fv[0][:, moved], pool.fv[0][:, stored])
+
+
 def test_sparse_rows_over_exact_kv_give_the_plain_prefill(tiny_loaded):
     """Rows spread through a 300-token context (several attention groups, each cut at its
     last row) computed over exact K/V of the other rows: the same K/V and logits as a plain

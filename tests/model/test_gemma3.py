@@ -94,6 +94,16 @@ def test_config_reads_the_local_layers(pair):
         assert c.architecture == "qwen3" and c.qk_norm and not c.sliding_layers
 
 
+def test_float_kv_layers_auto_keeps_none_and_a_list_is_refused_with_windows(pair):
+    from radixserve.model.kv_layers import float_kv_layers
+
+    _, model = pair
+    assert float_kv_layers(model, "auto") == ()  # no key biases
+    if model.config.sliding_layers:
+        with pytest.raises(ValueError, match="kv_float_layers '5': not supported"):
+            float_kv_layers(model, "5")
+
+
 def test_prefill_matches_at_every_position(pair):
     hf, model = pair
     n = len(PROMPT)

@@ -1,11 +1,11 @@
 """int8 KV against float KV on a real model (slow: Qwen2.5-Coder-0.5B-Instruct Q4_K_M).
 
-Qwen2 and Qwen2.5 have very large key biases in some layers, the hard case for int8 keys
-(groups of 16 channels with their own scale keep a large channel from flattening the rest).
+Qwen2 and Qwen2.5 have very large key biases in some layers, the hard case for int8 keys:
+``kv_float_layers auto`` keeps those layers (0, 1, 2 and 8 of this model) in float32.
 Greedy answers to 8 chat prompts with ``kv_cache_dtype int8`` against the same engine with
 float32 KV: where one parts, the first token that differs was a near tie (< 0.05 nats) of the
-float run's two best tokens, and at least 6 of 8 are the same (measured: 6/8, parting at
-gaps of 0.027 and 0.005 nats). Prints the measured agreement.
+float run's two best tokens, and at least 7 of 8 are the same (measured: 7/8, parting at a
+gap of 0.027 nats; with every layer int8, 6/8). Prints the measured agreement.
 """
 
 from __future__ import annotations
@@ -55,5 +55,5 @@ def test_qwen_05b_int8_kv_answers_as_float_kv():
         (_, best_lp), (_, second_lp) = logprobs[k].top[:2]
         gaps.append((k, round(best_lp - second_lp, 3)))
     print(f"int8 KV: {same}/{len(CHAT)} greedy answers equal float KV's; partings {gaps}")
-    assert same >= 6, f"{same}/{len(CHAT)} answers equal; partings (token, nats) {gaps}"
+    assert same >= 7, f"{same}/{len(CHAT)} answers equal; partings (token, nats) {gaps}"
     assert all(gap < 0.05 for _, gap in gaps), f"a parting away from a near tie: {gaps}"

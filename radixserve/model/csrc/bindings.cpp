@@ -291,11 +291,34 @@ class Decoder {
     extras(L, dim, qk_norms, out_norms, windows, local_cos, local_sin);
   }
 
+  // An int8 pool's float layers: their pools (the main pool's slots) and which layers they are
+  void float_pools(DecodeBatch& batch, const torch::Tensor& fk, const torch::Tensor& fv, const torch::Tensor& layers,
+                   int64_t code, const torch::Tensor& k_pool) const {
+    check_ints(layers, -1, "f_layers");
+    TORCH_CHECK(fk.dim() == 4 && fk.size(0) == layers.numel() && fk.size(1) == w_.kv_heads &&
+                    fk.size(2) == k_pool.size(2) && fk.is_contiguous() && fv.is_contiguous() && fv.sizes() == fk.sizes() &&
+                    fv.scalar_type() == fk.scalar_type() && fk.device().is_cpu(),
+                "float layer pools: contiguous CPU [float layers, kv_heads, slots, row], the main pool's slots");
+    batch.f_k_pool = fk.data_ptr();
+    batch.f_v_pool = fv.data_ptr();
+    batch.f_type = kv_type(fk, code, 0, w_.dim);
+    TORCH_CHECK(batch.f_type != KVType::I8, "float layer pools hold float values");
+    batch.f_row_bytes = row_bytes(fk);
+    batch.is_float.assign(w_.layers, 0);
+    const int64_t* lp = layers.data_ptr<int64_t>();
+    for (int64_t i = 0; i < layers.numel(); ++i) {
+      TORCH_CHECK(lp[i] >= 0 && lp[i] < w_.layers && !batch.is_float[lp[i]], "f_layers: distinct layer indices");
+      batch.is_float[lp[i]] = 1;
+    }
+  }
+
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor out_slots,
                         torch::Tensor ctx, torch::Tensor lens, torch::Tensor k_pool, torch::Tensor v_pool,
                         int64_t kv_code, int64_t kv_group, int64_t sequences,
                         std::optional<torch::Tensor> w_out_slots, std::optional<torch::Tensor> w_ctx,
-                        std::optional<torch::Tensor> w_k_pool, std::optional<torch::Tensor> w_v_pool) {
+                        std::optional<torch::Tensor> w_k_pool, std::optional<torch::Tensor> w_v_pool,
+                        std::optional<torch::Tensor> f_k_pool, std::optional<torch::Tensor> f_v_pool,
+                        std::optional<torch::Tensor> f_layers, int64_t f_kv_code) {
     const int64_t B = ids.numel();
     TORCH_CHECK(sequences == -1 || (sequences >= 1 && sequences <= B),
                 "sequences: -1 (one per row) or from 1 to the number of rows");
@@ -309,7 +332,10 @@ class Decoder {
     for (int64_t win : w_.windows) window_layers += win > 0;
     TORCH_CHECK(!apart || (w_v_pool && w_ctx && w_out_slots && window_layers > 0),
                 "window pools: k, v, context and output slots together, for a model with windows");
-    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == w_.layers - (apart ? window_layers : 0) &&
+    const bool floats = f_k_pool.has_value();
+    TORCH_CHECK(!floats || (f_v_pool && f_layers && !apart), "float layer pools: k, v and layers together, no window pools");
+    const int64_t float_layers = floats ? f_layers->numel() : 0;
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == w_.layers - (apart ? window_layers : 0) - float_layers &&
                     k_pool.size(1) == w_.kv_heads && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                     v_pool.sizes() == k_pool.sizes() && v_pool.scalar_type() == k_pool.scalar_type() &&
                     k_pool.device().is_cpu(),
@@ -329,6 +355,7 @@ class Decoder {
     batch.kv_group = kv_group;
     batch.row_bytes = row_bytes(k_pool);
     batch.sequences = sequences == -1 ? B : sequences;
+    if (floats) float_pools(batch, *f_k_pool, *f_v_pool, *f_layers, f_kv_code, k_pool);
     if (apart) {
       const auto &wk = *w_k_pool, &wv = *w_v_pool, &wc = *w_ctx, &wo = *w_out_slots;
       TORCH_CHECK(wk.dim() == 4 && wk.size(0) == window_layers && wk.size(1) == w_.kv_heads &&
@@ -542,7 +569,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("ctx"), py::arg("lens"), py::arg("k_pool"), py::arg("v_pool"), py::arg("kv_code"),
            py::arg("kv_group"), py::arg("sequences") = -1,
            py::arg("w_out_slots") = py::none(), py::arg("w_ctx") = py::none(),
-           py::arg("w_k_pool") = py::none(), py::arg("w_v_pool") = py::none(), nogil());
+           py::arg("w_k_pool") = py::none(), py::arg("w_v_pool") = py::none(),
+           py::arg("f_k_pool") = py::none(), py::arg("f_v_pool") = py::none(), py::arg("f_layers") = py::none(),
+           py::arg("f_kv_code") = 0, nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
   m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());
   m.def("silu_mul", &rs::silu_mul_op, "SiLU(gate) * up of rows laid out [gate | up]", nogil());

@@ -20,7 +20,7 @@
 // attends, so a row sees the rows before it. Weights are
 // QWeights (block-quantized or dense float); the pool keeps its format (float32, bfloat16,
 // float16 values, or int8 codes with their scales: KVType), laid out
-// [layers, kv_heads, slots, row].
+// [layers, kv_heads, slots, row]; an int8 pool may keep some layers in a float pool apart.
 //
 // Raw pointers only: bindings.cpp owns the tensors and checks every input first.
 #include <algorithm>
@@ -30,22 +30,38 @@
 namespace rs {
 namespace {
 
-// Where layer l's KV lives: its pool, the layer's index in it, and the slots to use there.
+// Where layer l's KV lives: its pool, the layer's index in it, the slots to use there, and
+// the rows' format.
 struct LayerPool {
   void* k;
   void* v;
   int64_t slots, index;
   const int64_t* ctx;
   const int64_t* out_slots;
+  KVType type;
+  int64_t group, row_bytes;
 };
 
 LayerPool layer_pool(const DecoderWeights& w, const DecodeBatch& batch, int64_t l) {
   const bool apart = batch.w_k_pool != nullptr;
   const bool in_window = apart && w.windows[l] > 0;
+  const bool floats = !batch.is_float.empty();
+  const bool in_float = floats && batch.is_float[l];
   int64_t index = 0;  // layers before l in the same pool
-  for (int64_t j = 0; j < l; ++j) index += !apart || ((w.windows[j] > 0) == in_window);
-  if (in_window) return {batch.w_k_pool, batch.w_v_pool, batch.w_slots, index, batch.w_ctx, batch.w_out_slots};
-  return {batch.k_pool, batch.v_pool, batch.slots, index, batch.ctx, batch.out_slots};
+  for (int64_t j = 0; j < l; ++j) {
+    if (floats)
+      index += bool(batch.is_float[j]) == in_float;
+    else
+      index += !apart || ((w.windows[j] > 0) == in_window);
+  }
+  if (in_float)
+    return {batch.f_k_pool, batch.f_v_pool, batch.slots, index, batch.ctx, batch.out_slots, batch.f_type, 0,
+            batch.f_row_bytes};
+  if (in_window)
+    return {batch.w_k_pool, batch.w_v_pool, batch.w_slots, index, batch.w_ctx, batch.w_out_slots,
+            batch.kv_type, batch.kv_group, batch.row_bytes};
+  return {batch.k_pool, batch.v_pool, batch.slots, index, batch.ctx, batch.out_slots,
+          batch.kv_type, batch.kv_group, batch.row_bytes};
 }
 
 // attn[b, head] = softmax(q . K / sqrt(dim)) V over the slots ctx[b, :lens[b]] (a windowed
@@ -79,19 +95,33 @@ void attention(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, con
   a.lo = s.lo.data();
   a.hi = batch.lens;
   a.scale = w.scale;
-  const int64_t layer_bytes = w.kv_heads * lp.slots * batch.row_bytes;
+  const int64_t layer_bytes = w.kv_heads * lp.slots * lp.row_bytes;
   KVLayer kv;
   kv.k = static_cast<const uint8_t*>(lp.k) + lp.index * layer_bytes;
   kv.v = static_cast<const uint8_t*>(lp.v) + lp.index * layer_bytes;
-  kv.type = batch.kv_type;
-  kv.group = batch.kv_group;
-  kv.row_bytes = batch.row_bytes;
+  kv.type = lp.type;
+  kv.group = lp.group;
+  kv.row_bytes = lp.row_bytes;
   kv.slots = lp.slots;
   flash_attention(a, kv);
 }
 
-// q, k of one row after the QKV matmul: bias, per-head norms, RoPE; then K and V to the pool
 template <typename T>
+void store_values(const float* x, int64_t D, uint8_t* out) {
+  for (int64_t i = 0; i < D; ++i) reinterpret_cast<T*>(out)[i] = from_float<T>(x[i]);
+}
+
+// one K or V row of D values into the pool in the layer's format
+void store_row(const float* x, int64_t D, const LayerPool& lp, uint8_t* out) {
+  switch (lp.type) {
+    case KVType::I8: encode_kv_row_i8(x, D, lp.group, out); break;
+    case KVType::F32: store_values<float>(x, D, out); break;
+    case KVType::BF16: store_values<c10::BFloat16>(x, D, out); break;
+    case KVType::F16: store_values<c10::Half>(x, D, out); break;
+  }
+}
+
+// q, k of one row after the QKV matmul: bias, per-head norms, RoPE; then K and V to the pool
 void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64_t b, float* row,
              const LayerPool& lp) {
   const int64_t D = w.dim, q_size = w.heads * D, kv_size = w.kv_heads * D;
@@ -106,20 +136,9 @@ void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64
   const float* sin = (local ? w.local_sin : w.sin) + batch.positions[b] * D;
   rope_row(row, w.heads + w.kv_heads, D, cos, sin);  // q, then k
   for (int64_t h = 0; h < w.kv_heads; ++h) {
-    const int64_t off = ((lp.index * w.kv_heads + h) * lp.slots + lp.out_slots[b]) * batch.row_bytes;
-    uint8_t* kp = static_cast<uint8_t*>(lp.k) + off;
-    uint8_t* vp = static_cast<uint8_t*>(lp.v) + off;
-    const float* k = row + q_size + h * D;
-    const float* v = row + q_size + kv_size + h * D;
-    if (batch.kv_type == KVType::I8) {
-      encode_kv_row_i8(k, D, batch.kv_group, kp);
-      encode_kv_row_i8(v, D, batch.kv_group, vp);
-      continue;
-    }
-    for (int64_t i = 0; i < D; ++i) {
-      reinterpret_cast<T*>(kp)[i] = from_float<T>(k[i]);
-      reinterpret_cast<T*>(vp)[i] = from_float<T>(v[i]);
-    }
+    const int64_t off = ((lp.index * w.kv_heads + h) * lp.slots + lp.out_slots[b]) * lp.row_bytes;
+    store_row(row + q_size + h * D, D, lp, static_cast<uint8_t*>(lp.k) + off);
+    store_row(row + q_size + kv_size + h * D, D, lp, static_cast<uint8_t*>(lp.v) + off);
   }
 }
 
@@ -146,7 +165,6 @@ void add_output(const float* x, int64_t B, const WeightView& wv, const float* no
   add_rms_norm_rows(y, norm, B, H, eps, h);
 }
 
-template <typename T>
 void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s, const Gemm& gemm) {
   const int64_t B = batch.size, D = w.dim, H = w.hidden, I = w.inter;
   const int64_t qkv_n = (w.heads + 2 * w.kv_heads) * D;
@@ -156,7 +174,7 @@ void layers(const DecoderWeights& w, const DecodeBatch& batch, DecoderScratch& s
     gemm(s.x.data(), B, w.qkv[l], s.qkv.data(), false);
     const LayerPool lp = layer_pool(w, batch, l);
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) qkv_row<T>(w, l, batch, b, s.qkv.data() + b * qkv_n, lp);
+      for (int64_t b = b0; b < b1; ++b) qkv_row(w, l, batch, b, s.qkv.data() + b * qkv_n, lp);
     });
     attention(w, l, batch, s.qkv.data(), s.attn.data(), s);
     add_output(s.attn.data(), B, w.o[l], sandwich ? w.out_norms[2 * l] : nullptr, w.eps,
@@ -192,12 +210,7 @@ void decode_step(const DecoderWeights& w, const DecodeBatch& batch, DecoderScrat
     for (float& v : s.h) v *= w.embed_scale;
   const bool many = batch.sequences >= 8;
   const Gemm gemm{use_int8_lanes(-1), !many};
-  switch (batch.kv_type) {
-    case KVType::F32:
-    case KVType::I8: layers<float>(w, batch, s, gemm); break;  // I8 rows are encoded apart
-    case KVType::BF16: layers<c10::BFloat16>(w, batch, s, gemm); break;
-    case KVType::F16: layers<c10::Half>(w, batch, s, gemm); break;
-  }
+  layers(w, batch, s, gemm);
   rms_norm_rows(s.h.data(), w.norms.back(), B, H, w.eps, s.x.data());
   gemm(s.x.data(), B, w.lm_head, logits, false);
 }

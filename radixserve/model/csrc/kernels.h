@@ -245,6 +245,14 @@ struct DecodeBatch {
   int64_t w_slots = 0;
   const int64_t* w_out_slots = nullptr;
   const int64_t* w_ctx = nullptr;
+  // An int8 pool's float layers (KVShape.float_layers) kept apart: their KV lives in these
+  // pools, at the same slots, in f_type; k_pool holds the other layers only. is_float[l]:
+  // layer l is one of them (empty: none). Never with window pools.
+  void* f_k_pool = nullptr;  // [float layers, kv_heads, slots, f_row_bytes]
+  void* f_v_pool = nullptr;
+  KVType f_type = KVType::F32;
+  int64_t f_row_bytes = 0;
+  std::vector<char> is_float;
 };
 
 // Scratch buffers of one decoder; one step at a time per scratch.
