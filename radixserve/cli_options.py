@@ -211,6 +211,12 @@ ENGINE_FLAGS = {
     "kv_transfer_port": dict(
         type=int, default=0, help="prefill mode: port of the KV transfer socket (0: any free)"
     ),
+    "kv_transfer_data_port": dict(
+        type=int,
+        default=0,
+        help="prefill mode with ZeroMQ keys: port of the connection the KV itself goes over, "
+        "sealed with AES-256-GCM (0: any free; decode instances learn it in the handshake)",
+    ),
     "kv_transfer_heartbeat": dict(
         type=float,
         default=1.0,

@@ -221,6 +221,7 @@ class DisaggConfig:
     disaggregation_mode: str = "off"  # or this instance's role: prefill, decode
     kv_transfer_host: str = "127.0.0.1"  # prefill: where decode instances connect
     kv_transfer_port: int = 0  # prefill: 0 = any free port (reported by /disagg/info)
+    kv_transfer_data_port: int = 0  # prefill, with keys: the sealed KV connection's; 0 = any
     kv_transfer_heartbeat: float = 1.0  # seconds; a peer silent for 5 of them is dead
     prefill_endpoint: str | None = None  # decode: the prefill instance when a request names none
     kv_transfer_timeout: float = 30.0  # decode: then the prompt is computed here instead
@@ -229,8 +230,9 @@ class DisaggConfig:
 
     def __post_init__(self) -> None:
         check_choice("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
-        if not 0 <= self.kv_transfer_port <= 65535:
-            raise ValueError(f"kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
+        for name in ("kv_transfer_port", "kv_transfer_data_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
         for name in ("kv_transfer_heartbeat", "kv_transfer_timeout"):
             check_positive(name, getattr(self, name))
         check_int("remote_prefill_min_tokens", self.remote_prefill_min_tokens, 1)

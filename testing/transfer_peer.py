@@ -127,23 +127,28 @@ def run_prefill_peer(reports, seed: int) -> None:
                     reports.put((tid, "push_refused", str(e)))
 
 
+def garbage_pool(layout: KVLayout, num_slots: int = 4096) -> KVPool:
+    """A pool of ``layout`` full of large random KV: a model that reads it answers wrong."""
+    fmt = layout.format
+    dtype = torch.float32 if fmt.quantized else fmt.storage_dtype  # the values' dtype
+    shape = KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim, dtype,
+                    kv_format=fmt)  # fmt: skip
+    pool = KVPool(shape, num_slots)
+    g = torch.Generator().manual_seed(0)
+    for t in (pool.k, pool.v):
+        t.copy_(fmt.encode(torch.randn((*t.shape[:-1], layout.head_dim), generator=g) * 50))
+    return pool
+
+
 def run_garbage_peer(reports, layout: dict, fleet_key: bool = True) -> None:
     """A prefill peer that passes the handshake of a real decode instance (its ``layout``,
     from ``/disagg/info``) and answers every transfer with random KV. With ``fleet_key``
     False it holds a key pair of its own, not the fleet's: it reports its address without
     its key (where a decode instance expects the fleet's server key)."""
-    from radixserve.cache.kv_pool import KVShape
     from radixserve.disagg.zmq_sender import ZmqKVSender
 
     theirs = KVLayout.from_dict(layout)
-    fmt = theirs.format
-    dtype = torch.float32 if fmt.quantized else fmt.storage_dtype  # the values' dtype
-    shape = KVShape(theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, dtype,
-                    kv_format=fmt)  # fmt: skip
-    pool = KVPool(shape, 4096)
-    g = torch.Generator().manual_seed(0)
-    for t in (pool.k, pool.v):
-        t.copy_(fmt.encode(torch.randn((*t.shape[:-1], theirs.head_dim), generator=g) * 50))
+    pool = garbage_pool(theirs)
     if fleet_key:
         sender = ZmqKVSender(pool, theirs, security=load_security())
         reports.put(sender.endpoint)

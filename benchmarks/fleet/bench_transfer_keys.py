@@ -1,20 +1,27 @@
-"""KV-transfer throughput with CurveZMQ against plain ZeroMQ, on loopback.
+"""KV-transfer throughput with keys against plain ZeroMQ, on loopback.
 
 Method: a spawned prefill peer holds a KV pool with the layout of a real model (the default
-SmolLM2-135M: 30 layers, 3 KV heads of 64, float32 unless ``--dtype``) and two ``ZmqKVSender``s,
-one with a CurveZMQ key pair and one plain; the decode side (this process) has a
-``ZmqKVReceiver`` of each kind. One transfer moves a prompt of ``--tokens`` tokens (4096) from
+SmolLM2-135M: 30 layers, 3 KV heads of 64, float32 unless ``--dtype``) and a ``ZmqKVSender``
+per kind; the decode side (this process) has a ``ZmqKVReceiver`` of each kind:
+
+- ``plain``: plain ZeroMQ (``--zmq-unauthenticated``);
+- ``sealed``: CurveZMQ keys, as served: the KV under AES-256-GCM on the sealed data
+  connection, everything else on CurveZMQ (``disagg/zmq_sealed.py``);
+- ``curve``: CurveZMQ keys with the KV over CurveZMQ itself (``sealed_data=False``).
+
+One transfer moves a prompt of ``--tokens`` tokens (4096) from
 the peer's pool into ours: the decode side asks, the peer pushes it in one call (gather,
 the wire, scatter in the decode engine's thread, as in serving), and the time runs from the
-request to the DONE status. The two kinds alternate (plain, curve, plain, ...) for
-``--rounds`` rounds after one warm-up transfer each, so drift on a shared machine hits both
-alike; the figure is the median over rounds of each kind, and the ratio of the medians. The
+request to the DONE status. The kinds alternate (plain, sealed, curve, plain, ...) for
+``--rounds`` rounds after one warm-up transfer each, so drift on a shared machine hits all
+alike; the figure is the median over rounds of each kind, and the ratios of the medians. The
 CPU seconds both processes spent per transfer (their own accounting, ``/proc``, all threads:
 ZeroMQ's I/O threads encrypt and decrypt) are the figure that a busy machine moves least.
 Every transfer is checked byte for byte against the peer's pool.
 
 Usage: ``python -m benchmarks.fleet.bench_transfer_keys [--tokens 4096] [--rounds 7]
-[--dtype float32|bfloat16] [--message-bytes N]``; prints one JSON line.
+[--dtype float32|bfloat16] [--message-bytes N] [--kinds plain,sealed,curve]``; prints one JSON
+line.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from radixserve.links.keys import PLAIN, CurveKeys
 from radixserve.utils import cpu_model
 
 SHAPE = dict(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M-Instruct
+KINDS = ("plain", "sealed", "curve")
 
 
 def pool_of(num_slots: int, dtype: str, seed: int | None) -> KVPool:
@@ -58,8 +66,8 @@ def peer(reports, tokens: int, dtype: str, keys: CurveKeys, message_bytes: int |
 
     pool = pool_of(tokens, dtype, seed=7)
     size = {} if message_bytes is None else {"message_bytes": message_bytes}
-    senders = {"plain": ZmqKVSender(pool, layout(pool), security=PLAIN, **size),
-               "curve": ZmqKVSender(pool, layout(pool), security=keys, **size)}  # fmt: skip
+    senders = {kind: ZmqKVSender(pool, layout(pool), security=PLAIN if kind == "plain" else keys,
+                                 **size) for kind in KINDS}  # fmt: skip
     reports.put({name: s.endpoint for name, s in senders.items()})
     src = torch.arange(tokens)
     while True:
@@ -102,7 +110,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--message-bytes", type=int, default=None,
                    help="the senders' DATA message size (default: the sender's own)")  # fmt: skip
+    p.add_argument("--kinds", default=",".join(KINDS), help="which kinds to alternate")
     args = p.parse_args()
+    kinds = args.kinds.split(",")
+    if "plain" not in kinds or not set(kinds) <= set(KINDS):
+        p.error(f"--kinds: plain and any of {KINDS[1:]}")
     keys = CurveKeys.generate()
     reports = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(
@@ -111,15 +123,17 @@ def main() -> None:
     proc.start()
     try:
         endpoints = reports.get(timeout=120)
-        pools = {m: pool_of(args.tokens, args.dtype, None) for m in endpoints}
-        receivers = {"plain": ZmqKVReceiver(pools["plain"], layout(pools["plain"]), security=PLAIN),
-                     "curve": ZmqKVReceiver(pools["curve"], layout(pools["curve"]),
-                                            security=keys)}  # fmt: skip
+        pools = {m: pool_of(args.tokens, args.dtype, None) for m in kinds}
+        receivers = {
+            m: ZmqKVReceiver(pools[m], layout(pools[m]), security=PLAIN if m == "plain" else keys,
+                             sealed_data=m == "sealed")
+            for m in kinds
+        }  # fmt: skip
         source = pool_of(args.tokens, args.dtype, seed=7)
-        times: dict[str, list[float]] = {m: [] for m in endpoints}
-        cpu: dict[str, list[float]] = {m: [] for m in endpoints}
+        times: dict[str, list[float]] = {m: [] for m in kinds}
+        cpu: dict[str, list[float]] = {m: [] for m in kinds}
         for r in range(args.rounds + 1):
-            for mode in ("plain", "curve"):
+            for mode in kinds:
                 pools[mode].k.zero_()
                 pools[mode].v.zero_()
                 cpu0 = cpu_seconds(os.getpid()) + cpu_seconds(proc.pid)
@@ -144,7 +158,11 @@ def main() -> None:
         "mb_per_transfer": round(nbytes / 1e6, 1),
         **{f"{m}_s": round(med[m], 4) for m in med},
         **{f"{m}_mb_per_s": round(nbytes / med[m] / 1e6, 1) for m in med},
-        "curve_over_plain_throughput": round(med["plain"] / med["curve"], 3),
+        **{
+            f"{m}_over_plain_throughput": round(med["plain"] / med[m], 3)
+            for m in kinds
+            if m != "plain"
+        },
         **{f"{m}_cpu_s": round(statistics.median(c), 3) for m, c in cpu.items()},
         "rounds": args.rounds,
         "all_s": {m: [round(t, 4) for t in ts] for m, ts in times.items()},

@@ -77,6 +77,7 @@ class Disaggregation(KVTransfer):
                 config.disagg.kv_transfer_host,
                 config.disagg.kv_transfer_port,
                 security=security,
+                data_port=config.disagg.kv_transfer_data_port,
                 **beat,
             )
             self.endpoint: str | None = self.sender.endpoint
@@ -127,8 +128,7 @@ class Disaggregation(KVTransfer):
 
     def stats(self) -> TransferStats:
         stats = self.link.stats.copy()
-        if self.sender is not None:
-            stats.refused = self.sender.refused()
+        stats.refused = self.link.refused()
         return stats
 
     def close(self) -> None:

@@ -11,7 +11,9 @@ must arrive in order and fit the transfer, else it fails and the peer is told to
 Each socket takes the process's ``security``: with CurveZMQ it expects the server key the peer
 endpoint carries (``tcp://HOST:PORT?curve=KEY``), or its own public key (a fleet key pair), so
 a process that cannot prove it holds that key never completes the handshake and sends
-nothing that could land in the pool.
+nothing that could land in the pool. With keys, the KV itself arrives over a second, plain
+connection to the port the peer's WELCOME names, sealed with AES-256-GCM under keys agreed
+in the handshake (``zmq_sealed.py``); a message there that fails its seal drops the peer.
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ from radixserve.disagg.transfer import (
     TransferStats,
     TransferStatus,
 )
-from radixserve.disagg.zmq_io import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, IOThread
+from radixserve.disagg.zmq_io import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    IOThread,
+    log,
+)
+from radixserve.disagg.zmq_sealed import SEALED, DataLink
 from radixserve.links.keys import ZmqSecurity, split_endpoint
+from radixserve.links.sealed import SealError
 
 
 @dataclass
@@ -47,20 +56,25 @@ class _Conn:
     last_heard: float
     last_ping: float = 0.0
     layout: KVLayout | None = None  # set by WELCOME
+    data: DataLink | None = None  # the sealed data connection, with keys
+    hello: list[bytes] | None = None  # the HELLO, until ZeroMQ took it
     backlog: list[list[Any]] = field(default_factory=list)
     waiters: list[Future] = field(default_factory=list)
 
 
 class _ReceiverIO(IOThread):
     def __init__(
-        self, layout: KVLayout, security: ZmqSecurity, heartbeat_interval: float,
+        self, layout: KVLayout, security: ZmqSecurity, sealed: bool, heartbeat_interval: float,
         heartbeat_timeout: float,
     ):  # fmt: skip
         super().__init__("radixserve-kv-receiver", heartbeat_interval, heartbeat_timeout)
         self.layout = layout
         self.security = security
+        self.sealed = sealed and security.public_key is not None
         self.conns: dict[str, _Conn] = {}
         self.endpoint_of: dict[zmq.Socket, str] = {}
+        self.refused = 0  # messages on sealed data connections that failed their seal
+        self._logged: set[str] = set()
 
     def setup(self) -> None:
         pass  # sockets open on demand, one per prefill peer
@@ -85,14 +99,31 @@ class _ReceiverIO(IOThread):
         self.endpoint_of[sock] = endpoint
         self.poller.register(sock, zmq.POLLIN)
         hello = {"version": wire.PROTOCOL_VERSION, "layout": self.layout.to_dict()}
-        sock.send_multipart([wire.HELLO, wire.pack_json(hello)])
+        if self.sealed:
+            conn.data = DataLink()
+            hello["share"] = conn.data.share.hex()
+        conn.hello = [wire.HELLO, wire.pack_json(hello)]
+        self._send_hello(conn)
         return conn
+
+    def _send_hello(self, conn: _Conn) -> None:
+        """Without blocking: once the peer refused ZeroMQ's own handshake (another key, no
+        CurveZMQ) the socket has nowhere to queue a message until it reconnects, and a
+        blocked send would stop this thread, every peer's traffic and its own close."""
+        try:
+            conn.sock.send_multipart(conn.hello, flags=zmq.DONTWAIT)
+            conn.hello = None
+        except zmq.Again:
+            pass  # again on the next tick, until the handshake timeout
 
     def _drop(self, endpoint: str, reason: str, kind: str) -> None:
         conn = self.conns.pop(endpoint)
-        self.poller.unregister(conn.sock)
-        del self.endpoint_of[conn.sock]
+        for sock in (conn.sock, conn.data and conn.data.sock):
+            if sock is not None and self.endpoint_of.pop(sock, None) is not None:
+                self.poller.unregister(sock)
         conn.sock.close(0)
+        if conn.data is not None:
+            conn.data.close()
         error = LayoutMismatchError if kind == "layout" else TransferError
         for fut in conn.waiters:
             fut.set_exception(error(reason))
@@ -132,10 +163,14 @@ class _ReceiverIO(IOThread):
     def on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         endpoint = self.endpoint_of[sock]
         conn = self.conns[endpoint]
+        if conn.data is not None and sock is conn.data.sock:
+            self._on_sealed(endpoint, conn, frames)
+            return
         conn.last_heard = time.monotonic()
         kind, body = frames[0].bytes, frames[1:]
         if kind == wire.DATA:
-            self.post("data", endpoint, body)
+            if len(body) == 3:
+                self.post("data", endpoint, body[0].bytes, body[1].buffer, body[2].buffer)
         elif kind == wire.ABORT:
             self.post("abort", body[0].bytes, wire.text(body[1].bytes))
         elif kind == wire.WELCOME:
@@ -145,10 +180,35 @@ class _ReceiverIO(IOThread):
             reason += wire.text(body[0].bytes)
             self._drop(endpoint, reason, "layout" if "layouts differ" in reason else "handshake")
 
+    def _on_sealed(self, endpoint: str, conn: _Conn, frames: list[zmq.Frame]) -> None:
+        """A message on the sealed data connection: DATA that opens, or the end of it."""
+        try:
+            header, k, v = conn.data.open(frames)
+        except SealError as e:
+            self.refused += 1
+            reason = (
+                f"a KV message from prefill instance {endpoint} failed its authentication "
+                f"({e}): the data connection was tampered with; dropped it"
+            )
+            if endpoint not in self._logged:
+                self._logged.add(endpoint)
+                log.warning("KV receiver: %s; further ones are only counted (/metrics)", reason)
+            self._drop(endpoint, reason, "sealed")
+            return
+        conn.last_heard = time.monotonic()
+        self.post("data", endpoint, header, k, v)
+
     def _welcome(self, endpoint: str, conn: _Conn, body: list[zmq.Frame]) -> None:
         try:
-            theirs = KVLayout.from_dict(wire.unpack_json(body[0].bytes)["layout"])
-        except (IndexError, KeyError, TypeError, TransferError) as e:
+            welcome = wire.unpack_json(body[0].bytes)
+            theirs = KVLayout.from_dict(welcome["layout"])
+            if conn.data is not None:
+                address = split_endpoint(endpoint)[0]
+                data_sock = conn.data.connect(self.ctx, address, welcome)
+                if data_sock is not None:
+                    self.endpoint_of[data_sock] = endpoint
+                    self.poller.register(data_sock, zmq.POLLIN)
+        except (IndexError, KeyError, TypeError, TransferError, SealError, zmq.ZMQError) as e:
             self._drop(endpoint, f"malformed handshake answer from {endpoint}: {e}", "handshake")
             return
         if diffs := self.layout.mismatch(theirs):
@@ -165,6 +225,8 @@ class _ReceiverIO(IOThread):
 
     def on_tick(self, now: float) -> None:
         for endpoint, conn in list(self.conns.items()):
+            if conn.hello is not None:
+                self._send_hello(conn)
             if conn.layout is None and now - conn.opened > self.heartbeat_timeout:
                 reason = (
                     f"no handshake answer from {endpoint} in {self.heartbeat_timeout:.1f} s "
@@ -207,10 +269,14 @@ class ZmqKVReceiver(KVReceiver):
         security: ZmqSecurity,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        sealed_data: bool = True,
     ):
+        """``sealed_data=False``: with keys, ask for the KV over CurveZMQ itself (its cipher
+        is several times slower; for comparison)."""
         self.pool, self.layout = pool, layout
         self.stats = TransferStats()
-        self._io = _ReceiverIO(layout, security, heartbeat_interval, heartbeat_timeout)
+        beat = (heartbeat_interval, heartbeat_timeout)
+        self._io = _ReceiverIO(layout, security, sealed_data, *beat)
         self._io.start()
         self._inbound: dict[str, _Inbound] = {}
         self._ended: list[tuple[str, TransferStatus]] = []
@@ -244,7 +310,7 @@ class ZmqKVReceiver(KVReceiver):
         for event in self._io.drain():
             kind = event[0]
             if kind == "data":
-                self._land(event[1], event[2])
+                self._land(*event[1:])
             elif kind == "abort":
                 key = uuid.UUID(bytes=event[1]).hex
                 if key in self._inbound:
@@ -265,10 +331,10 @@ class ZmqKVReceiver(KVReceiver):
         ended, self._ended = self._ended, []
         return ended
 
-    def _land(self, peer: str, body: list[zmq.Frame]) -> None:
+    def _land(self, peer: str, header: bytes, k_buf: Any, v_buf: Any) -> None:
         try:
-            h = wire.DataHeader.unpack(body[0].bytes)
-        except (IndexError, TransferError):
+            h = wire.DataHeader.unpack(header)
+        except TransferError:
             return  # no transfer to blame; the deadline ends whatever waits
         key = uuid.UUID(bytes=h.tid).hex
         inb = self._inbound.get(key)
@@ -285,9 +351,9 @@ class ZmqKVReceiver(KVReceiver):
                 raise TransferError(f"tokens {h.token_start}..{end} arrived out of order")
             wire.scatter(
                 self.pool, inb.dst[h.token_start : end], h.layer_start, h.layer_end,
-                body[1].buffer, body[2].buffer, self.layout,
+                k_buf, v_buf, self.layout,
             )  # fmt: skip
-        except (IndexError, TransferError) as e:
+        except TransferError as e:
             reason = f"bad KV data from the prefill side: {e}"
             self._tell(peer, wire.FAIL, key, reason)
             self._end(key, TransferState.FAILED, reason, "bad_data")
@@ -318,6 +384,10 @@ class ZmqKVReceiver(KVReceiver):
         fut: Future = Future()
         self._io.command("check", peer, fut)
         return fut
+
+    def refused(self) -> dict[str, int]:
+        """Messages on sealed data connections that failed their seal (``sealed``)."""
+        return {SEALED: self._io.refused} if self._io.refused else {}
 
     def fileno(self) -> int:
         return self._io.fileno()

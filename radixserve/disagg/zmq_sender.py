@@ -10,7 +10,10 @@ end FAILED (``finished``), so the engine can abort their prefills and free their
 With CurveZMQ keys (``security``) only decode instances holding an allowed key get through
 the socket's guard: no other client can ask for KV or say anything at all; ``endpoint``
 then carries this instance's public key (``tcp://HOST:PORT?curve=KEY``, ``links/keys.py``),
-so whoever is told the endpoint knows whom to expect there.
+so whoever is told the endpoint knows whom to expect there. With keys, the KV itself (DATA)
+goes over a second, plain port under AES-256-GCM with per-connection keys agreed over
+CurveZMQ (``zmq_sealed.py``), bound on the same interface (``data_port``, any free one by
+default) and named to each decode instance in its WELCOME.
 """
 
 from __future__ import annotations
@@ -39,23 +42,29 @@ from radixserve.disagg.zmq_io import (
     IOThread,
     log,
 )
+from radixserve.disagg.zmq_sealed import SEALED, DataRoutes
 from radixserve.links.guard import start_guard
 from radixserve.links.keys import ZmqSecurity, join_endpoint
+from radixserve.links.sealed import SealError
 
 DEFAULT_MESSAGE_BYTES = 4 << 20  # K (and V) frame size a DATA message aims at
 
 
 class _SenderIO(IOThread):
     def __init__(
-        self, layout: KVLayout, bind: str, security: ZmqSecurity, heartbeat_interval,
-        heartbeat_timeout,
+        self, layout: KVLayout, bind: tuple[str, int, int | None], security: ZmqSecurity,
+        heartbeat_interval, heartbeat_timeout,
     ):  # fmt: skip
         super().__init__("radixserve-kv-sender", heartbeat_interval, heartbeat_timeout)
         self.layout = layout
+        # where to bind, the data port to bind (0: any free one), the data port decode
+        # instances are told (None: the bound one; else a port forwarded to it)
         self.bind = bind
         self.security = security
         self.endpoint = ""
         self.last_heard: dict[bytes, float] = {}  # welcomed peers
+        self.routes: DataRoutes | None = None  # the sealed data port, with keys
+        self._logged: set[str] = set()
 
     def setup(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -64,12 +73,26 @@ class _SenderIO(IOThread):
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.guard = start_guard(self.ctx, self.security, "KV transfer")
         self.security.server(self.sock)
-        self.sock.bind(self.bind)
+        main_bind, data_port, _ = self.bind
+        self.sock.bind(main_bind)
         self.guard.watch(self.sock)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller.register(self.sock, zmq.POLLIN)
+        if self.security.public_key is not None:  # CurveZMQ: the KV goes sealed, beside it
+            data_bind = f"{main_bind.rsplit(':', 1)[0]}:{data_port or '*'}"
+            self.routes = DataRoutes(self.ctx, data_bind)
+            self.poller.register(self.routes.sock, zmq.POLLIN)
 
     def on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        if self.routes is not None and sock is self.routes.sock:
+            why = self.routes.on_message(frames)
+            if why is not None and SEALED not in self._logged:
+                self._logged.add(SEALED)
+                log.warning(
+                    "KV sender: refused a message on the sealed data port (%s); further "
+                    "ones are only counted (/metrics)", why,
+                )  # fmt: skip
+            return
         peer, kind, body = frames[0].bytes, frames[1].bytes, frames[2:]
         if kind == wire.HELLO:
             self._handshake(peer, body)
@@ -106,8 +129,16 @@ class _SenderIO(IOThread):
         elif diffs := theirs.mismatch(self.layout):
             reason = "KV layouts differ (decode vs prefill): " + "; ".join(diffs)
         else:
-            self.last_heard[peer] = time.monotonic()
-            self._send(peer, wire.WELCOME, wire.pack_json({"layout": self.layout.to_dict()}))
+            welcome = {"layout": self.layout.to_dict()}
+            now = time.monotonic()
+            if self.routes is not None:
+                try:
+                    welcome |= self.routes.open(peer, hello, now, self.bind[2])
+                except SealError as e:
+                    self._send(peer, wire.REJECT, f"malformed handshake: {e}".encode())
+                    return
+            self.last_heard[peer] = now
+            self._send(peer, wire.WELCOME, wire.pack_json(welcome))
             return
         log.warning("KV sender: refused a decode instance: %s", reason)
         self._send(peer, wire.REJECT, reason.encode())
@@ -118,14 +149,33 @@ class _SenderIO(IOThread):
     def on_command(self, cmd: tuple) -> None:
         if cmd[0] == "send":
             _, peer, frames = cmd
-            if peer in self.last_heard:  # a dead peer's data goes nowhere
-                self._send(peer, *frames)
+            if peer not in self.last_heard:
+                return  # a dead peer's data goes nowhere
+            kind, *rest = frames
+            if kind == wire.DATA and self.routes is not None:
+                if self.routes.send(peer, kind, rest[0], rest[1:]):
+                    return
+            self._send(peer, *frames)
 
     def on_tick(self, now: float) -> None:
+        unbound = self.routes.unbound(now - self.heartbeat_timeout) if self.routes else []
         for peer, heard in list(self.last_heard.items()):
-            if now - heard > self.heartbeat_timeout:
-                del self.last_heard[peer]
-                self.post("peer_lost", peer, now - heard)
+            if peer in unbound:  # alive, but its KV would have nowhere to go
+                reason = (
+                    f"no sealed KV connection reached data port {self.routes.port} in "
+                    f"{self.heartbeat_timeout:.1f} s (is it reachable? --kv-transfer-data-port)"
+                )
+                self._send(peer, wire.REJECT, reason.encode())
+            elif now - heard > self.heartbeat_timeout:
+                reason = (
+                    f"the decode instance went silent ({now - heard:.1f} s without a heartbeat)"
+                )
+            else:
+                continue
+            del self.last_heard[peer]
+            self.post("peer_lost", peer, reason)
+            if self.routes is not None:
+                self.routes.drop(peer)
 
 
 @dataclass
@@ -148,17 +198,21 @@ class ZmqKVSender(KVSender):
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        data_port: int = 0,
+        advertise_data_port: int | None = None,
     ):
         self.pool, self.layout = pool, layout
         self.message_bytes = message_bytes
         self.stats = TransferStats()
-        bind = f"tcp://{host}:{port if port else '*'}"
+        bind = (f"tcp://{host}:{port if port else '*'}", data_port, advertise_data_port)
         self._io = _SenderIO(layout, bind, security, heartbeat_interval, heartbeat_timeout)
         self._io.start()
         endpoint = self._io.endpoint
         if advertise_host:
             endpoint = f"tcp://{advertise_host}:{endpoint.rsplit(':', 1)[1]}"
         self.endpoint = join_endpoint(endpoint, security.public_key)
+        # the sealed data port as bound (None: plain sockets, the KV goes with the rest)
+        self.data_port = self._io.routes.port if self._io.routes is not None else None
         self._outbound: dict[str, _Outbound] = {}
         self._new: list[TransferRequest] = []
         self._ended: list[tuple[str, TransferStatus]] = []
@@ -178,8 +232,7 @@ class ZmqKVSender(KVSender):
                 _, tid, state, reason, failure = event
                 self._end(uuid.UUID(bytes=tid).hex, state, reason, failure)
             elif kind == "peer_lost":
-                _, peer, silent = event
-                reason = f"the decode instance went silent ({silent:.1f} s without a heartbeat)"
+                _, peer, reason = event
                 for key in [k for k, ob in self._outbound.items() if ob.peer == peer]:
                     self._end(key, TransferState.FAILED, reason, "peer_lost")
 
@@ -238,8 +291,12 @@ class ZmqKVSender(KVSender):
         return self._io.fileno()
 
     def refused(self) -> dict[str, int]:
-        """Connections turned away so far, by reason (``links/guard.py``)."""
-        return self._io.guard.refused()
+        """Connections turned away so far, by reason (``links/guard.py``), and messages on
+        the sealed data port that failed their seal (``sealed``)."""
+        refused = self._io.guard.refused()
+        if self._io.routes is not None and self._io.routes.refused:
+            refused[SEALED] = self._io.routes.refused
+        return refused
 
     def close(self) -> None:
         self._io.close()

@@ -201,16 +201,18 @@ class Metrics:
         refused = CounterMetricFamily(
             "zmq_refused_connections",
             "ZeroMQ connections turned away: key (not allowed), protocol (not CurveZMQ with "
-            "this server's key), handshake (cut short or stalled)",
+            "this server's key), handshake (cut short or stalled); and KV transfer messages "
+            "refused on a sealed data connection: sealed (tampered, replayed or forged)",
             labels=["model_name", "link", "reason"],
         )
         transfer = self.stats.kv_transfer
+        connections = ("key", "protocol", "handshake")
         by_link = {
-            "kv_events": self.stats.kv_events_refused,
-            "kv_transfer": transfer.refused if transfer is not None else {},
+            "kv_events": (self.stats.kv_events_refused, connections),
+            "kv_transfer": (transfer.refused if transfer else {}, (*connections, "sealed")),
         }
-        for link, counts in by_link.items():
-            for reason in ("key", "protocol", "handshake"):
+        for link, (counts, reasons) in by_link.items():
+            for reason in reasons:
                 refused.add_metric([self.model_name, link, reason], counts.get(reason, 0))
         return refused
 

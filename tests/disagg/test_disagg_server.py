@@ -8,6 +8,7 @@ check (free + cached + held == capacity) afterwards.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import time
 
@@ -16,11 +17,13 @@ import numpy as np
 import openai
 import pytest
 import torch
+import zmq
 
 from radixserve import LLM, SamplingParams
 from radixserve.cache.kv_pool import KVPool, KVShape
 from radixserve.disagg import KVLayout
 from radixserve.links.keys import split_endpoint
+from radixserve.links.sealed import Sealer
 from testing.fleet import start_router, stopping
 from testing.server import started_server
 
@@ -39,6 +42,7 @@ def _free_port() -> int:
 
 # a prefill endpoint the decode instance trusts, where a test puts a peer without the key
 ROGUE_PORT = _free_port()
+DATA_PORT = _free_port()  # the prefill instance's sealed KV connection
 
 
 def serve(model_dir, *args: str):
@@ -48,7 +52,8 @@ def serve(model_dir, *args: str):
 
 @pytest.fixture(scope="module")
 def prefill_server(tiny_model_dir):
-    with serve(tiny_model_dir, "--disaggregation-mode", "prefill") as server:
+    flags = ("--disaggregation-mode", "prefill", "--kv-transfer-data-port", str(DATA_PORT))
+    with serve(tiny_model_dir, *flags) as server:
         yield server
 
 
@@ -324,9 +329,10 @@ def cached_tokens(url: str) -> float:
 
 def test_garbage_and_cut_handshakes_on_every_zeromq_port_change_nothing(prefill, decode):
     """Bytes that are not ZeroMQ and CurveZMQ greetings cut short, on the prefill instance's
-    KV transfer port, KV events port and replay port: nothing gets through, the cut greetings
-    are counted in /metrics, its tree does not change, and the keyed decode instance is
-    served as before."""
+    KV transfer port, KV events port and replay port, and on its sealed KV port a BIND
+    under a key of its own: nothing gets through, the cut greetings and the BIND are counted
+    in /metrics, its tree does not change, and the keyed decode instance is served as
+    before."""
     events = httpx.get(prefill + "/kv_events").json()
     endpoints = (kv_endpoint(prefill), events["endpoint"], events["replay_endpoint"])
     ports = [int(split_endpoint(e)[0].rsplit(":", 1)[1]) for e in endpoints]
@@ -341,23 +347,31 @@ def test_garbage_and_cut_handshakes_on_every_zeromq_port_change_nothing(prefill,
         cut = socket.create_connection(("127.0.0.1", port))
         cut.sendall(b"\xff" + b"\x00" * 8 + b"\x7f")  # the start of a ZMTP greeting
         cut.close()
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.connect(f"tcp://127.0.0.1:{DATA_PORT}")
+    sid = os.urandom(16)
+    stranger.send_multipart([b"BIND", sid, *Sealer(os.urandom(32)).seal(b"BIND", sid, [b""])])
     try:
         deadline = time.monotonic() + 15
         while True:
             now = {link: refused(prefill, link) for link in links}
             grew = {link: sum(now[link].values()) - sum(before[link].values()) for link in links}
+            sealed = now["kv_transfer"]["sealed"] - before["kv_transfer"]["sealed"]
             # libzmq reports a greeting cut short at once; bytes that never make a greeting
             # hold their connection until they stop, unserved
-            if grew["kv_transfer"] >= 1 and grew["kv_events"] >= 2:
+            if grew["kv_transfer"] >= 2 and grew["kv_events"] >= 2 and sealed == 1:
                 break
             assert time.monotonic() < deadline, (before, now)
             time.sleep(0.1)
         assert now["kv_transfer"]["key"] == before["kv_transfer"]["key"]  # no handshake passed
         assert cached_tokens(prefill) == tree
         assert_intact(prefill)
+        assert not stranger.poll(100)  # not a byte of KV for it
     finally:
         for r in raw:
             r.close()
+        ctx.destroy(linger=0)
     moved = moved_bytes(decode)
     generate(decode, random_ids(np.random.default_rng(44), 60))
     assert moved_bytes(decode) > moved
