@@ -568,6 +568,7 @@ def test_cli_starts_the_no_cache_baseline_and_it_caches_nothing(tiny_model_dir, 
     assert (tmp_path / "logs" / "sharegpt-multiturn-no-cache.log").is_file()
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_a_terminated_bench_stops_the_servers_it_started(tiny_model_dir, tmp_path):
     argv = [sys.executable, "-m", "radixserve.cli", "bench", "--workload", "sharegpt-multiturn",
             "--dataset-path", SHAREGPT, "--num-conversations", "1", "--turns", "2",

@@ -102,6 +102,7 @@ def test_a_dead_prefill_endpoint_costs_its_timeout_once(decode):
     assert max(took[1:]) < HANDSHAKE_TIMEOUT_S / 2, took  # the rest did not wait for it
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_a_tenant_cannot_name_a_prefill_peer(decode, garbage_peer):
     endpoint, reports = garbage_peer
     ids = prompt(1)

@@ -87,6 +87,7 @@ def compare(make_engine, loaded, schemas, params, prompts, **options):
     return on_engine, on, on_reasons, off_steps, on_steps
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_real_model_outputs_are_identical_and_take_fewer_steps(make_engine, real_loaded):
     engine = make_engine(real_loaded)
     chat = engine.tokenizer.encode_chat

@@ -267,7 +267,8 @@ def test_big_bodies_get_413_and_health_stays_fast(router):
     assert len(stalls) > 3 and max(stalls) < 2.0, stalls
 
 
-@pytest.mark.parametrize("examples", [4, pytest.param(40, marks=pytest.mark.slow)])
+@pytest.mark.slow  # tens of seconds alone; runs in `make test-all`
+@pytest.mark.parametrize("examples", [4, 40])
 def test_fuzz_the_router_openapi_schema_finds_no_5xx(router, examples):
     """Schema-driven bodies, valid and invalid, for every router endpoint (schemathesis),
     with the admin key; the fleet is whole and idle afterwards."""
@@ -311,6 +312,7 @@ def test_a_hung_worker_is_routed_around(tiny_model_dir, router, workers):
     wait_fleet_ok(router.url)
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_a_busy_worker_past_the_first_byte_timeout_is_not_taken_for_hung(tiny_model_dir, workers):
     """A long answer that is not streamed sends nothing until it is whole: past
     --first-byte-timeout the worker answers its health probe, so the request keeps waiting for
@@ -354,6 +356,7 @@ def stream_cut_on_worker(url: str, worker, cut, resume=None) -> tuple[int, list[
     raise AssertionError(f"no stream went to {worker.url}")
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_a_worker_stopped_mid_stream_ends_the_stream_once_health_checks_take_it_out(
     router, workers
 ):

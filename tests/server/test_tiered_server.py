@@ -101,6 +101,7 @@ def test_warm_restart_answers_the_next_turn_from_storage(tiny_model_dir, tmp_pat
     assert not list(store.rglob("*.kv"))
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_a_second_server_hits_what_the_first_computed_in_redis(tiny_model_dir):
     prompt = RNG.integers(100, 40000, 130).tolist()
     with RedisServer() as redis:

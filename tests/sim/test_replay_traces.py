@@ -88,6 +88,7 @@ def small_mooncake(path, requests=300, seed=0):
     return path
 
 
+@pytest.mark.slow  # seconds to tens of seconds alone; runs in `make test-all`
 def test_replay_reports_every_pool_size_against_belady_and_ttft(tmp_path):
     out = tmp_path / "replay"
     trace = small_mooncake(tmp_path / "t.jsonl")
