@@ -34,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.engine.eval_quantization import held_text, prompts
+from benchmarks.engine.eval_quantization import held_text, perplexity_decoded, prompts
 from radixserve import LLM, SamplingParams
 from radixserve.cache import KVPool, KVShape
 from radixserve.cache.kv_format import KVFormat
@@ -72,23 +72,6 @@ def perplexity_prefill(loaded: LoadedModel, shape: KVShape, ids: list[int], wind
             logits = model.forward(batch, pool)
             nll += F.cross_entropy(logits.float(), targets, reduction="sum").item()
             count += n
-    return math.exp(nll / count)
-
-
-@torch.inference_mode()
-def perplexity_decoded(loaded: LoadedModel, shape: KVShape, ids: list[int], window: int) -> float:
-    """The same windows scored one token per step, all windows in one decode batch."""
-    model = loaded.model
-    windows = [ids[i : i + window + 1] for i in range(0, len(ids) - window, window)]
-    pool = KVPool(shape, len(windows) * window)
-    slots = [torch.arange(i * window, (i + 1) * window) for i in range(len(windows))]
-    nll, count = 0.0, 0
-    for pos in range(window):
-        decode = [(w[pos], pos, s[: pos + 1]) for w, s in zip(windows, slots, strict=True)]
-        logits = model.forward(build_forward_batch(decode, [], model.device, pool.pad_slot), pool)
-        targets = torch.tensor([w[pos + 1] for w in windows])
-        nll += F.cross_entropy(logits.float(), targets, reduction="sum").item()
-        count += len(windows)
     return math.exp(nll / count)
 
 
@@ -149,7 +132,7 @@ def main() -> None:
         row["tokens_per_gib_allocated"] = int(2**30 // allocated)
         row["perplexity"] = perplexity_prefill(loaded, shape, text, args.window, args.chunk)
         if not args.no_decode_ppl:
-            row["perplexity_decoded"] = perplexity_decoded(loaded, shape, text, args.window)
+            row["perplexity_decoded"] = perplexity_decoded(loaded, text, args.window, shape)
         if ref is None:
             ref = (row, outs, logprobs)
         else:

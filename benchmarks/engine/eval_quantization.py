@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from radixserve import LLM, SamplingParams
 from radixserve.bench.data import iter_records, iter_sharegpt, sharegpt_path
-from radixserve.cache import KVPool
+from radixserve.cache import KVPool, KVShape
 from radixserve.config import EngineConfig
 from radixserve.engine import Engine
 from radixserve.model import LoadedModel, build_forward_batch, load_model
@@ -94,18 +94,20 @@ def perplexity(loaded: LoadedModel, ids: list[int], window: int) -> float:
 
 
 @torch.inference_mode()
-def perplexity_decoded(loaded: LoadedModel, ids: list[int], window: int) -> float:
-    """The same windows scored one token per step, all windows in one decode batch."""
+def perplexity_decoded(loaded: LoadedModel, ids: list[int], window: int,
+                       shape: KVShape | None = None) -> float:  # fmt: skip
+    """The same windows scored one token per step, all windows in one decode batch, the KV
+    in ``shape``'s format (default: the model's own)."""
     model = loaded.model
     windows = [ids[i : i + window + 1] for i in range(0, len(ids) - window, window)]
-    pool = KVPool(model.kv_shape(), len(windows) * window)
+    pool = KVPool(shape or model.kv_shape(), len(windows) * window)
     slots = [torch.arange(i * window, (i + 1) * window) for i in range(len(windows))]
     nll, count = 0.0, 0
     for pos in range(window):
         decode = [(w[pos], pos, s[: pos + 1]) for w, s in zip(windows, slots, strict=True)]
         logits = model.forward(build_forward_batch(decode, [], model.device, pool.pad_slot), pool)
         targets = torch.tensor([w[pos + 1] for w in windows])
-        nll += F.cross_entropy(logits, targets, reduction="sum").item()
+        nll += F.cross_entropy(logits.float(), targets, reduction="sum").item()
         count += len(windows)
     return math.exp(nll / count)
 
