@@ -90,6 +90,20 @@ def test_reanchoring_a_single_segment_is_exact(tmp_path, default_tokenizer, scal
     assert not torch.allclose(wrong, logits[1], atol=1e-3)
 
 
+def stored_moved_and_direct(model, pool: KVPool) -> tuple[torch.Tensor, ...]:
+    """A 40-token segment prefilled at position 0 into the pool's first slots (``stored``),
+    re-anchored to position 300 into others (``moved``), and prefilled at position 300 in a
+    third range (``direct``): the slots of each."""
+    seg, delta = torch.tensor(ids(40, 7)), 300
+    m = len(seg)
+    stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
+    model.forward(build_forward_batch([], [(seg, 0, stored, False)], model.device, 0), pool)
+    reanchor(model, pool, stored, moved, delta)
+    at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
+    model.forward(build_forward_batch([], [at_300], model.device, 0), pool)
+    return stored, moved, direct
+
+
 def test_reanchoring_int8_keys_rounds_them_once(tiny_loaded):
     """In an int8 pool, rotated keys are decoded, rotated and encoded again: within a
     quantization step of the keys computed at the new position; values move bit for bit."""
@@ -98,13 +112,7 @@ def test_reanchoring_int8_keys_rounds_them_once(tiny_loaded):
     model = tiny_loaded.model
     fmt = KVFormat.of("int8")
     pool = KVPool(model.kv_shape().with_format(fmt), 256)
-    seg, delta = torch.tensor(ids(40, 7)), 300
-    m = len(seg)
-    stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
-    model.forward(build_forward_batch([], [(seg, 0, stored, False)], model.device, 0), pool)
-    reanchor(model, pool, stored, moved, delta)
-    at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
-    model.forward(build_forward_batch([], [at_300], model.device, 0), pool)
+    stored, moved, direct = stored_moved_and_direct(model, pool)
     dim = model.kv_shape().head_dim
     for layer in range(len(model.layers)):
         got, want, unmoved = (fmt.decode(pool.k[layer][:, s], dim, torch.float32)
@@ -125,13 +133,7 @@ def test_reanchoring_rotates_the_float_layers_of_an_int8_pool(tiny_loaded):
 
     model = tiny_loaded.model
     pool = KVPool(model.kv_shape().with_format(KVFormat.of("int8"), (0,)), 256)
-    seg, delta = torch.tensor(ids(40, 7)), 300
-    m = len(seg)
-    stored, moved, direct = torch.arange(0, m), torch.arange(64, 64 + m), torch.arange(128, 128 + m)
-    model.forward(build_forward_batch([], [(seg, 0, stored, False)], model.device, 0), pool)
-    reanchor(model, pool, stored, moved, delta)
-    at_300 = SparsePrefill(seg, torch.arange(m), direct, pos_offset=delta)
-    model.forward(build_forward_batch([], [at_300], model.device, 0), pool)
+    stored, moved, direct = stored_moved_and_direct(model, pool)
     torch.testing.assert_close(pool.fk[0][:, moved], pool.fk[0][:, direct], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(pool.fk[0][:, stored], pool.fk[0][:, direct], atol=1e-2)
     assert torch.equal(pool.fv[0][:, moved], pool.fv[0][:, stored])
