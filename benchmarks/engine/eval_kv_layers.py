@@ -13,7 +13,10 @@ are captured as attention receives them (after RoPE). Per layer:
   ``kl_g8`` (a scale per 8 channels), ``kl_channel`` (KIVI-style: a scale per channel over each
   page of 16 tokens), ``kl_smooth`` (each rotary pair of key channels divided by a power of
   two bringing its key-bias size near the layer's median channel, queries multiplied back:
-  the product unchanged before rounding).
+  the product unchanged before rounding); ``kl_order`` (the stored format with the key order
+  of ``KeyOrder.by_pair_size`` from each rotary pair's key-bias size, as ``--kv-key-order``
+  uses) and ``kl_order_rms`` (the same from each pair's RMS over these very keys: the
+  calibrated order, in-sample).
 
 Prints one JSON line (and a row per layer on stderr). Usage:
 ``python -m benchmarks.engine.eval_kv_layers [--model qwen2.5-coder-0.5b] [--tokens 1024]``.
@@ -30,7 +33,7 @@ import torch
 import radixserve.model.llama as llama
 from benchmarks.engine.eval_quantization import held_text
 from radixserve.cache import KVPool
-from radixserve.cache.kv_format import KVFormat
+from radixserve.cache.kv_format import KeyOrder, KVFormat
 from radixserve.model import build_forward_batch, load_model
 
 INT8 = KVFormat.of("int8")
@@ -95,6 +98,20 @@ def attention_kl(q, k, kq, scale, q_round) -> float:
     return float((p.exp() * (p - r).masked_fill(future, 0)).sum(-1).mean())
 
 
+def pair_size(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` -> ``[..., D / 2]``: the size of each rotary pair (i, i + D/2)."""
+    half = x.shape[-1] // 2
+    return (x[..., :half] ** 2 + x[..., half:] ** 2).sqrt()
+
+
+def kl_ordered(q, k, size: torch.Tensor, scale: float) -> float:
+    """The attention KL of int8 keys stored in the order of ``size`` [KVH, D / 2]."""
+    fmt = INT8.with_key_order(KeyOrder(KeyOrder.by_pair_size(size)[None]))
+    keys = k.transpose(0, 1)  # [KVH, T, D]
+    kq = fmt.decode(fmt.encode(keys, keys_of=0), k.shape[-1], torch.float32, keys_of=0)
+    return attention_kl(q, k, kq.transpose(0, 1), scale, lambda x: fmt.round_queries(x, 0))
+
+
 def layer_row(model, layer: int, q, k, v) -> dict:
     c = model.config
     scale = model.scale
@@ -114,6 +131,9 @@ def layer_row(model, layer: int, q, k, v) -> dict:
         smooth = by_groups(k / f, 16) * f
         row["kl_smooth"] = attention_kl(q, k, smooth, scale,
                                         lambda x: INT8.round_queries(x * fq) / fq)  # fmt: skip
+        key_bias = bias[q_size : q_size + kv_size].view(c.num_kv_heads, c.head_dim).float()
+        row["kl_order"] = kl_ordered(q, k, pair_size(key_bias), scale)
+    row["kl_order_rms"] = kl_ordered(q, k, pair_size(k).pow(2).mean(0).sqrt(), scale)
     return {key: (f"{val:.3g}" if key.startswith("kl") else val) for key, val in row.items()}
 
 

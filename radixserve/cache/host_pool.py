@@ -179,17 +179,22 @@ class HostKVPool:
         self.stats.bytes_to_device += n * self.page_nbytes
 
     def _to_host_format(self, kv: torch.Tensor) -> torch.Tensor:
-        """Rows in the device pool's format as this tier stores them."""
+        """Rows ``[layers, 2, heads, n, row]`` of every layer in the device pool's format as
+        this tier stores them."""
         if self.format == self.device_pool.format:
             return kv
-        return self.format.encode(kv)  # a float device pool: its values, encoded
+        # a float device pool: its values, encoded (keys in the format's key order)
+        return torch.stack([self.format.encode(kv[:, 0], keys_of=slice(None)),
+                            self.format.encode(kv[:, 1])], 1)  # fmt: skip
 
-    def _to_device_format(self, kv: torch.Tensor) -> torch.Tensor:
-        """Rows as this tier stores them in the device pool's format."""
+    def _to_device_format(self, kv: torch.Tensor, layers: slice = slice(None)) -> torch.Tensor:
+        """Rows ``[layers, 2, heads, n, row]`` of ``layers`` as this tier stores them in the
+        device pool's format."""
         if self.format == self.device_pool.format:
             return kv
         shape = self.device_pool.shape
-        return self.format.decode(kv, shape.head_dim, shape.dtype)
+        k = self.format.decode(kv[:, 0], shape.head_dim, shape.dtype, layers)
+        return torch.stack([k, self.format.decode(kv[:, 1], shape.head_dim, shape.dtype)], 1)
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's K and V of ``slots``, in the model's layer order: one gather per
@@ -229,7 +234,7 @@ class HostKVPool:
         pool = self.device_pool
         heads = pool.shape.num_kv_heads
         kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, n * ps, kv.shape[-1])
-        kv = self._to_device_format(kv)
+        kv = self._to_device_format(kv[None], slice(layer, layer + 1))[0]
         for i in (0, 1):
             pool.put_layer_rows(i, layer, layer + 1, device_slots, kv[i : i + 1])
 

@@ -13,6 +13,13 @@ change here (and in the kernels' row reader), not in each of them.
   float16 before the codes are computed, so a row decodes to exactly what its codes say.
   Groups of 16 channels: measured against groups of 32 (llama.cpp's ``q8_0``) and one scale
   per head on Qwen2.5, whose keys have a few very large channels (docs/decisions.md).
+- int8 with a key order (``KeyOrder``): the keys' channels are stored permuted, per layer and
+  KV head, so that each group of 16 holds channels of similar size (Qwen2's key biases put
+  channels near 150 beside channels near 1; in one group the small ones would round to a few
+  codes). ``encode``/``decode`` given ``keys_of`` (the layers the tensor holds) permute and
+  restore, so what comes back as values is in the model's order; attention scores the rows as
+  stored against queries in the same order (``stored_queries``): ``q . k`` is a sum over
+  channels, unchanged by the same permutation of both. Values are stored in the model's order.
 
 Every format has a byte view: a pool layer ``[heads, slots, row_bytes]`` of ``uint8``
 (``as_rows``), which is what pages and the wire move; float formats keep their natural
@@ -21,6 +28,7 @@ tensors ``[heads, slots, head_dim]`` of their dtype, whose bytes are the same ro
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -32,19 +40,89 @@ INT8_GROUP = 16
 _KERNEL_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 
 
+Layers = int | slice | torch.Tensor  # one layer, or the layers along a tensor's axis -4
+
+
+class KeyOrder:
+    """Per layer and KV head, the order int8 rows store the key channels in: stored channel
+    ``c`` of head ``h`` in layer ``l`` is the model's channel ``perm[l, h, c]``. Compared and
+    named by a digest of ``perm`` (a stored page or a transfer peer with another order is
+    another format)."""
+
+    def __init__(self, perm: torch.Tensor):
+        perm = perm.to(torch.int64).cpu().contiguous()
+        if perm.dim() != 3 or not torch.equal(
+            perm.sort(-1).values, torch.arange(perm.shape[-1]).expand_as(perm)
+        ):
+            raise ValueError("a key order is a permutation of the channels per layer and head")
+        self.perm = perm
+        self.inverse = perm.argsort(-1)
+        self.digest = hashlib.blake2b(perm.numpy().tobytes(), digest_size=4).hexdigest()
+
+    @staticmethod
+    def by_pair_size(size: torch.Tensor) -> torch.Tensor:
+        """A permutation ``[..., head_dim]`` from ``size`` ``[..., head_dim / 2]``, the size of
+        each rotary pair of key channels ``(i, i + head_dim / 2)`` (RoPE moves a key's size
+        between the two, never out of the pair): pairs largest first, each pair's two
+        channels side by side, so a group of 16 holds 8 pairs of similar size whatever the
+        position."""
+        half = size.shape[-1]
+        pairs = size.float().argsort(dim=-1, descending=True, stable=True)
+        return torch.stack([pairs, pairs + half], -1).flatten(-2)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeyOrder) and self.digest == other.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"KeyOrder({self.digest})"
+
+    def to_stored(self, x: torch.Tensor, layers: Layers) -> torch.Tensor:
+        """Keys ``[..., heads, n, head_dim]`` (layers along axis -4 when ``layers`` names
+        several) in the model's channel order -> as stored."""
+        return _take(x, self.perm[layers])
+
+    def to_model(self, x: torch.Tensor, layers: Layers) -> torch.Tensor:
+        """The inverse of ``to_stored``."""
+        return _take(x, self.inverse[layers])
+
+    def queries(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Queries ``[T, heads, head_dim]`` of ``layer`` in the stored order of their KV head's
+        keys (grouped query heads share a KV head)."""
+        perm = self.perm[layer]
+        perm = perm.repeat_interleave(q.shape[-2] // perm.shape[0], 0)
+        return q.gather(-1, perm.to(q.device).expand_as(q))
+
+    def queries_to_model(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """The inverse of ``queries``."""
+        inv = self.inverse[layer]
+        inv = inv.repeat_interleave(q.shape[-2] // inv.shape[0], 0)
+        return q.gather(-1, inv.to(q.device).expand_as(q))
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[..., heads, n, d]`` with each head's last axis reordered by ``index[..., heads, d]``."""
+    return x.gather(-1, index.to(x.device).unsqueeze(-2).expand(x.shape))
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """How one row of KV is stored: ``dtype`` values (and, for int8, float16 scales, one per
-    ``group`` channels)."""
+    ``group`` channels, and the keys' channel order)."""
 
     dtype: str  # "float32", "bfloat16", "float16" or "int8"
     group: int = 0  # int8: channels per scale; 0 for float formats
+    key_order: KeyOrder | None = None  # int8: how keys' channels are stored; None: as computed
 
     def __post_init__(self) -> None:
         if self.dtype not in (*FLOAT_DTYPES, "int8"):
             raise ValueError(f"unknown KV dtype {self.dtype!r}")
         if self.quantized != (self.group > 0):
             raise ValueError(f"KV format {self.dtype}: group {self.group} (int8 needs one)")
+        if self.key_order is not None and not self.quantized:
+            raise ValueError(f"a key order is for int8 KV, not {self.dtype}")
         if self.quantized and self.group % 16:
             raise ValueError(
                 f"int8 KV scales groups of a multiple of 16 channels, not {self.group}"
@@ -58,10 +136,17 @@ class KVFormat:
 
     @classmethod
     def parse(cls, name: str) -> KVFormat:
-        """The format of a canonical name (``name``): ``float32``, ``int8g16``, ..."""
-        if name.startswith("int8g") and name[5:].isdigit():
-            return cls("int8", int(name[5:]))
+        """The row layout of a canonical name (``name``): ``float32``, ``int8g16``,
+        ``int8g16k<digest>`` (a key order: the rows' sizes are those of ``int8g16``; the
+        order itself comes from the model, not from the name)."""
+        base = name.split("k", 1)[0] if name.startswith("int8g") else name
+        if base.startswith("int8g") and base[5:].isdigit():
+            return cls("int8", int(base[5:]))
         return cls(name)
+
+    def with_key_order(self, order: KeyOrder | None) -> KVFormat:
+        """This int8 format with keys stored in ``order`` (a float format as it is)."""
+        return KVFormat(self.dtype, self.group, order) if self.quantized else self
 
     @property
     def quantized(self) -> bool:
@@ -70,7 +155,10 @@ class KVFormat:
     @property
     def name(self) -> str:
         """Canonical text (page descriptors, logs): ``float32``, ``int8g16``, ..."""
-        return f"int8g{self.group}" if self.quantized else self.dtype
+        if not self.quantized:
+            return self.dtype
+        order = f"k{self.key_order.digest}" if self.key_order is not None else ""
+        return f"int8g{self.group}{order}"
 
     @property
     def element_size(self) -> int:
@@ -105,10 +193,14 @@ class KVFormat:
         """A pool tensor (last dim ``row_width``) as bytes ``[..., row_bytes]``, no copy."""
         return t if self.quantized else t.view(torch.uint8)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Values ``[..., head_dim]`` as stored: this format's tensor ``[..., row_width]``."""
+    def encode(self, x: torch.Tensor, keys_of: Layers | None = None) -> torch.Tensor:
+        """Values ``[..., head_dim]`` as stored: this format's tensor ``[..., row_width]``.
+        ``keys_of``: ``x`` holds the keys ``[..., heads, n, head_dim]`` of these layers (stored
+        in the key order, if any)."""
         if not self.quantized:
             return x.to(FLOAT_DTYPES[self.dtype])
+        if keys_of is not None and self.key_order is not None:
+            x = self.key_order.to_stored(x, keys_of)
         head_dim = x.shape[-1]
         self.check_dim(head_dim)
         g = x.float().reshape(*x.shape[:-1], head_dim // self.group, self.group)
@@ -119,24 +211,41 @@ class KVFormat:
                           scale.view(torch.uint8).flatten(-2)], dim=-1)  # fmt: skip
         return rows
 
-    def round_queries(self, q: torch.Tensor) -> torch.Tensor:
+    def stored_queries(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Queries ``[T, heads, head_dim]`` of ``layer`` in the order its keys are stored in
+        (what a kernel reading the rows as stored takes)."""
+        return q if self.key_order is None else self.key_order.queries(q, layer)
+
+    def round_queries(self, q: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """Queries ``[..., head_dim]`` as attention over this format scores them: for int8, each
         group of channels rounded to int8 codes times a float32 scale (max|q| / 127), so the
         native kernels take the dot products in integers (``csrc/flash_i8.cpp``) and the
-        PyTorch path computes the same scores; float formats: ``q`` itself."""
+        PyTorch path computes the same scores; float formats: ``q`` itself. With a key order,
+        ``q`` is ``[T, heads, head_dim]`` of ``layer`` and its groups are those of the stored
+        order (the kernels' groups), the result back in the model's order."""
         if not self.quantized:
             return q
+        if self.key_order is not None:
+            if layer is None:
+                raise ValueError("queries against int8 keys with a key order need their layer")
+            rounded = self.with_key_order(None).round_queries(self.key_order.queries(q, layer))
+            return self.key_order.queries_to_model(rounded, layer)
         g = q.float().reshape(*q.shape[:-1], q.shape[-1] // self.group, self.group)
         s = g.abs().amax(-1, keepdim=True) / 127
         codes = torch.where(s > 0, g / s, 0.0).round_().clamp_(-127, 127)
         return (codes * s).flatten(-2).to(q.dtype)
 
-    def decode(self, rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        """Stored ``[..., row_width]`` back to values ``[..., head_dim]`` of ``dtype``."""
+    def decode(self, rows: torch.Tensor, head_dim: int, dtype: torch.dtype,
+               keys_of: Layers | None = None) -> torch.Tensor:  # fmt: skip
+        """Stored ``[..., row_width]`` back to values ``[..., head_dim]`` of ``dtype``, in the
+        model's channel order (``keys_of``: as ``encode``'s)."""
         if not self.quantized:
             return rows.to(dtype)
         n = head_dim // self.group
         codes = rows[..., :head_dim].view(torch.int8).float()
         scale = rows[..., head_dim:].contiguous().view(torch.float16).float()
         values = codes.view(*codes.shape[:-1], n, self.group) * scale[..., None]
-        return values.flatten(-2).to(dtype)
+        values = values.flatten(-2)
+        if keys_of is not None and self.key_order is not None:
+            values = self.key_order.to_model(values, keys_of)
+        return values.to(dtype)

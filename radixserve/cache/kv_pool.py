@@ -20,6 +20,12 @@ hold the int8 layers, ``fk`` and ``fv`` the float ones, at the same slots. ``lay
 says how a layer is stored. What leaves the device pool as rows (host and storage pages, the
 transfer wire) is the pool's int8 format for every layer (``layer_rows``): float layers are
 encoded on the way out and decoded on the way in.
+
+An int8 format may store keys' channels in a per-layer order (``KeyOrder``, the shape's
+``key_order``: what the model's keys want, ``int8_format``). The rows keep that order in every
+tier and on the wire; ``write`` applies it, ``gather`` and every decode undo it, so values
+read back as floats are in the model's order; the kernels reading rows as stored take the
+queries in the same order (``KVFormat.stored_queries``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.cache.kv_format import KVFormat
+from radixserve.cache.kv_format import KeyOrder, KVFormat
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class KVShape:
     kv_format: KVFormat = field(default=None)  # type: ignore[assignment]
     # int8 pools: layers whose KV stays in the model's dtype
     float_layers: tuple[int, ...] = ()
+    # the order int8 rows store the keys' channels in (``int8_format``); None: as computed
+    key_order: KeyOrder | None = None
 
     def __post_init__(self) -> None:
         if self.kv_format is None:
@@ -63,7 +71,12 @@ class KVShape:
     def with_format(self, kv_format: KVFormat, float_layers: tuple[int, ...] = ()) -> KVShape:
         """The same shape stored in another format (``float_layers`` kept in the dtype)."""
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                       self.window_layers, kv_format, float_layers)  # fmt: skip
+                       self.window_layers, kv_format, float_layers, self.key_order)  # fmt: skip
+
+    @property
+    def int8_format(self) -> KVFormat:
+        """The int8 format for this model's keys: groups of ``INT8_GROUP``, the key order."""
+        return KVFormat.of("int8").with_key_order(self.key_order)
 
     def layer_format(self, layer: int) -> KVFormat:
         """How ``layer``'s KV is stored."""
@@ -202,7 +215,7 @@ class KVPool:
             kind, i = self.groups[layer]
             if kind == "float":
                 values = (self.fk, self.fv)[kv][i].index_select(1, slots)
-                rows.append(self.format.encode(values))
+                rows.append(self.format.encode(values, keys_of=layer if kv == 0 else None))
             else:
                 rows.append(main[i].index_select(1, slots))
         return torch.stack(rows)
@@ -218,7 +231,9 @@ class KVPool:
         for layer in range(lo, hi):
             kind, i = self.groups[layer]
             if kind == "float":
-                values = self.format.decode(rows[layer - lo], self.shape.head_dim, self.shape.dtype)
+                keys_of = layer if kv == 0 else None
+                values = self.format.decode(rows[layer - lo], self.shape.head_dim,
+                                            self.shape.dtype, keys_of)  # fmt: skip
                 (self.fk, self.fv)[kv][i].index_copy_(1, slots, values)
             else:
                 main[i].index_copy_(1, slots, rows[layer - lo])
@@ -242,17 +257,18 @@ class KVPool:
         kl, vl = self.layer_kv(layer)
         slots = self.slots_for(layer, slots)
         fmt = self.layer_format(layer)
-        kl.index_copy_(1, slots, fmt.encode(k).transpose(0, 1))
+        kl.index_copy_(1, slots, fmt.encode(k.transpose(0, 1), keys_of=layer))
         vl.index_copy_(1, slots, fmt.encode(v).transpose(0, 1))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` (1-D) as ``[num_kv_heads, n, head_dim]`` scratch views, in the
-        model's dtype (decoded from int8)."""
+        model's dtype (decoded from int8; keys in the model's channel order)."""
         heads, n, dim = self.shape.num_kv_heads, slots.numel(), self.shape.head_dim
         if self.layer_format(layer).quantized:
             kl, vl = self.layer_kv(layer)
             slots = self.slots_for(layer, slots)
-            return tuple(self.format.decode(t.index_select(1, slots), dim, self.shape.dtype)
+            return tuple(self.format.decode(t.index_select(1, slots), dim, self.shape.dtype,
+                                            layer if t is kl else None)
                          for t in (kl, vl))  # fmt: skip
         need = 2 * heads * n * dim
         if self._scratch.numel() < need:  # grow-only: allocation (and page faults) once

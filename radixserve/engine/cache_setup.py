@@ -37,7 +37,6 @@ from radixserve.cache import (
 )
 from radixserve.cache.eviction_base import EvictionPolicy
 from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.kv_pool import KVShape
 from radixserve.cache.pins import PinTable
 from radixserve.cache.tier_controller import TierController
@@ -107,7 +106,7 @@ def build_cache(
     tiers = config.tiers
     if not is_tiered(config):
         return device_cache(config, allocator, events), NO_TIERS
-    fmt = KVFormat.of("int8") if tiers.kv_tier_dtype == "int8" else pool.format
+    fmt = pool.shape.int8_format if tiers.kv_tier_dtype == "int8" else pool.format
     slots = host_slots(config, allocator.num_slots, pool.shape.with_format(fmt).bytes_per_token())
     host = HostKVPool(pool, slots, allocator.page_size, fmt)
     cache, controller = tiered_cache(config, allocator, host, events)

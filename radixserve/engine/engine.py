@@ -29,7 +29,6 @@ import torch
 from radixserve.cache import KVEventQueue
 from radixserve.cache.base import TreeSummary
 from radixserve.cache.events import BlockStored, KVEvent
-from radixserve.cache.kv_format import KVFormat
 from radixserve.cache.pins import PinInfo, PinStats
 from radixserve.cache.storage import ClearResult
 from radixserve.config import EngineConfig
@@ -122,7 +121,7 @@ class Engine:
         shape = self.model.kv_shape()
         if config.cache.kv_cache_dtype == "int8":
             floats = float_kv_layers(self.model, config.cache.kv_float_layers)
-            shape = shape.with_format(KVFormat.of("int8"), floats)
+            shape = shape.with_format(shape.int8_format, floats)
         share = window_share(config, shape)  # 0: every layer's KV in one pool
         if config.cache.max_total_tokens is not None:
             num_slots = config.cache.max_total_tokens

@@ -76,13 +76,15 @@ def reanchor(model: Any, pool: Any, src: torch.Tensor, dst: torch.Tensor, delta:
     # keys decoded from the pool's format, rotated, encoded again (int8: new scales); values
     # are copied as stored
     dim = pool.shape.head_dim
-    stores = [(pool.k, pool.v, pool.format)]
+    # (in the model's channel order: an int8 key order is undone and applied again)
+    stores = [(pool.k, pool.v, pool.format, pool.main_layers)]
     if pool.has_float_layers:  # an int8 pool's layers kept in the model's dtype
-        stores.append((pool.fk, pool.fv, pool.float_format))
-    for keys, values, fmt in stores:
-        k = fmt.decode(keys.index_select(2, src), dim, torch.float32)  # [layers, kv_heads, n, dim]
+        stores.append((pool.fk, pool.fv, pool.float_format, pool.float_layers))
+    for keys, values, fmt, layers in stores:
+        # [layers, kv_heads, n, dim]
+        k = fmt.decode(keys.index_select(2, src), dim, torch.float32, layers)
         k = k * cos + rotate_half(k) * sin
-        keys.index_copy_(2, dst, fmt.encode(k.to(pool.shape.dtype)))
+        keys.index_copy_(2, dst, fmt.encode(k.to(pool.shape.dtype), keys_of=layers))
         values.index_copy_(2, dst, values.index_select(2, src))
 
 

@@ -14,7 +14,7 @@ the pool, in the pool's KV format:
 - on CPU with the native kernels, in one call per layer (``flash_attention``,
   ``csrc/flash_attention.cpp``): ``RowRanges`` gives each row its context and range, built
   once per step; tiles of keys are read from the pool in place, scratch O(rows), never
-  O(context^2);
+  O(context^2); the queries in the order the keys are stored in (an int8 key order);
 - elsewhere, op by op in PyTorch (``attention_torch.py``): the same function.
 """
 
@@ -154,8 +154,9 @@ def paged_attention(
     ctx = r.window_ctx(pool.to_window) if pool.in_window(layer) else r.ctx
     k_layer, v_layer = pool.layer_kv(layer)
     fmt = pool.layer_format(layer)
+    q = fmt.stored_queries(q if q.dtype == torch.float32 else q.float(), layer)
     out = ops.flash_attention(
-        q if q.dtype == torch.float32 else q.float(), k_layer, v_layer, fmt.kernel_code,
+        q, k_layer, v_layer, fmt.kernel_code,
         fmt.group, ctx, r.ctx_start, r.seq_start, r.lo_for(window), r.hi, scale,
     )  # fmt: skip
     return out if q.dtype == torch.float32 else out.to(q.dtype)

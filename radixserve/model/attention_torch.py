@@ -14,8 +14,8 @@
 - A layer with a sliding window reads only the keys inside its window (``window.py``).
 
 ``pool.gather`` decodes the pool's format (int8 codes times their scales) into the model's
-dtype; against int8 keys the queries are rounded as the native kernel rounds them
-(``KVFormat.round_queries``).
+dtype (keys in the model's channel order); against int8 keys the queries are rounded as the
+native kernel rounds them, in the groups of the stored key order (``KVFormat.round_queries``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from radixserve.model.window import WindowBlock, plans
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
            pool: KVPool, scale: float, window: int | None) -> torch.Tensor:  # fmt: skip
     """``paged_attention`` after the pool write: [T, H, D]."""
-    q = pool.layer_format(layer).round_queries(q)
+    q = pool.layer_format(layer).round_queries(q, layer)
     out = torch.empty_like(q)
     if window is not None:
         _windowed(layer, q, k, v, batch, pool, scale, window, out)

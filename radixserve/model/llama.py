@@ -32,6 +32,7 @@ from radixserve.model import native, native_decode
 from radixserve.model.attention import paged_attention
 from radixserve.model.config import ModelConfig
 from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.kv_layers import key_order
 from radixserve.model.quant import QuantizedWeight, linear
 
 Weight = torch.Tensor | QuantizedWeight
@@ -134,6 +135,7 @@ class LlamaModel:
         self.rope_inv_freq = inv_freq.to(self.device)
         self.rope_cos, self.rope_sin = self._rope_tables(inv_freq)
         self.windows = [c.window(i) for i in range(c.num_layers)]
+        self.key_order = key_order(self)  # how int8 KV stores the keys' channels
         # (kernels module, its decoder or None where the model does not fit it)
         self._native: tuple[Any, native_decode.NativeDecoder | None] | None = None
         # the native row kernels take float32 rows of these widths (RMSNorm, RoPE, SiLU * up)
@@ -162,7 +164,8 @@ class LlamaModel:
 
     def kv_shape(self) -> KVShape:
         c = self.config
-        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, c.sliding_layers)
+        return KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, c.sliding_layers,
+                       key_order=self.key_order)  # fmt: skip
 
     def _row_kernels(self) -> Any | None:
         """The native row-wise kernels (RMSNorm, RoPE, SiLU * up) for a float32 CPU model,

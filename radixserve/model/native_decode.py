@@ -8,7 +8,8 @@ layer come from the model's ``native_extras``: q/k norms, output norms, GeGLU, w
 Anything else (CUDA, bf16 dense weights, no compiler) returns None from ``for_model`` and the
 step runs op by op in ``llama.py``, which computes the same function. The native stack keeps
 float32 activations whatever the model dtype; the KV pool keeps its own format (its dtype, or
-int8 rows: ``cache/kv_format.py``; an int8 pool's float layers in a pool of their own).
+int8 rows: ``cache/kv_format.py``; an int8 pool's float layers in a pool of their own; an
+int8 key order applied to each row's q and k before they meet the pool).
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class NativeDecoder:
                 "f_kv_code": pool.float_format.kernel_code,
             }
         fmt = pool.format
+        order = None if fmt.key_order is None else fmt.key_order.perm
         return self.decoder.forward(
             batch.input_ids, batch.positions, batch.out_slots,
             batch.decode_context, batch.decode_lens, pool.k, pool.v, fmt.kernel_code, fmt.group,
-            sequences=batch.decode_sequences, **window,
+            sequences=batch.decode_sequences, key_order=order, **window,
         )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve.cache import KVPool, KVShape
-from radixserve.cache.kv_format import KVFormat
+from radixserve.cache.kv_format import KeyOrder, KVFormat
 from radixserve.model import attention, build_forward_batch, native
 from radixserve.model.forward_batch import SparsePrefill
 
@@ -127,13 +127,19 @@ def test_int8_rows_encode_alike_and_decode_within_half_a_step(ops):
     assert fmt.row_bytes(64) == 72 and 4 * 64 / fmt.row_bytes(64) > 3.5  # bytes vs float32
 
 
-@pytest.mark.parametrize("name", ["float32", "int8"])
+@pytest.mark.parametrize("name", ["float32", "int8", "int8-ordered"])
 def test_paged_attention_native_and_pytorch_paths_agree(ops, name, monkeypatch):
     """One packed step (decode rows, a chunk after a prefix, a sparse prefill, a first chunk),
-    through the pool in its format: the native kernel and the PyTorch path agree."""
+    through the pool in its format: the native kernel and the PyTorch path agree (with a key
+    order: the kernel takes the queries in the stored order, the PyTorch path the keys back
+    in the model's order; and the order changes the result, so it is applied)."""
     torch.manual_seed(3)
+    fmt = FORMATS[name.removesuffix("-ordered")]
+    if name.endswith("-ordered"):
+        perm = torch.stack([torch.randperm(64) for _ in range(2)])[None]  # [layers, heads, dim]
+        fmt = fmt.with_key_order(KeyOrder(perm))
     shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32,
-                    kv_format=FORMATS[name])  # fmt: skip
+                    kv_format=fmt)  # fmt: skip
     pool = KVPool(shape, 3000)
     for t in (pool.k, pool.v):
         t.copy_(shape.kv_format.encode(torch.randn(1, 2, 3001, 64)))
@@ -149,3 +155,8 @@ def test_paged_attention_native_and_pytorch_paths_agree(ops, name, monkeypatch):
     monkeypatch.setattr(native, "paged_ops", lambda: None)
     slow = attention.paged_attention(0, q, k, v, batch, pool, 0.125)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+    if fmt.key_order is not None:  # the same rows read as if stored in the computed order
+        plain = KVPool(KVShape(1, 2, 64, torch.float32, kv_format=fmt.with_key_order(None)), 3000)
+        plain.k.copy_(pool.k), plain.v.copy_(pool.v)
+        unordered = attention.paged_attention(0, q, k, v, batch, plain, 0.125)
+        assert not torch.allclose(unordered, slow, rtol=1e-2, atol=1e-2)

@@ -121,7 +121,20 @@ void store_row(const float* x, int64_t D, const LayerPool& lp, uint8_t* out) {
   }
 }
 
+// Each of n heads of x [n, D] in place in its order: x'[c] = x[order[c]], order [heads / rep, D]
+// (rep heads share an order: the query heads of a KV head)
+void reorder_heads(float* x, int64_t n, int64_t rep, int64_t D, const int64_t* order) {
+  float tmp[256];  // head_dim <= 256 (native_decode.supported)
+  for (int64_t h = 0; h < n; ++h) {
+    float* head = x + h * D;
+    const int64_t* o = order + (h / rep) * D;
+    std::copy(head, head + D, tmp);
+    for (int64_t c = 0; c < D; ++c) head[c] = tmp[o[c]];
+  }
+}
+
 // q, k of one row after the QKV matmul: bias, per-head norms, RoPE; then K and V to the pool
+// (an int8 key order: q and k in the stored order first)
 void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64_t b, float* row,
              const LayerPool& lp) {
   const int64_t D = w.dim, q_size = w.heads * D, kv_size = w.kv_heads * D;
@@ -135,6 +148,11 @@ void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64
   const float* cos = (local ? w.local_cos : w.cos) + batch.positions[b] * D;
   const float* sin = (local ? w.local_sin : w.sin) + batch.positions[b] * D;
   rope_row(row, w.heads + w.kv_heads, D, cos, sin);  // q, then k
+  if (lp.type == KVType::I8 && batch.key_order != nullptr) {
+    const int64_t* order = batch.key_order + l * w.kv_heads * D;
+    reorder_heads(row, w.heads, w.heads / w.kv_heads, D, order);
+    reorder_heads(row + q_size, w.kv_heads, 1, D, order);
+  }
   for (int64_t h = 0; h < w.kv_heads; ++h) {
     const int64_t off = ((lp.index * w.kv_heads + h) * lp.slots + lp.out_slots[b]) * lp.row_bytes;
     store_row(row + q_size + h * D, D, lp, static_cast<uint8_t*>(lp.k) + off);
