@@ -104,18 +104,27 @@ def stored_moved_and_direct(model, pool: KVPool) -> tuple[torch.Tensor, ...]:
     return stored, moved, direct
 
 
-def test_reanchoring_int8_keys_rounds_them_once(tiny_loaded):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_reanchoring_int8_keys_rounds_them_once(tiny_loaded, ordered):
     """In an int8 pool, rotated keys are decoded, rotated and encoded again: within a
-    quantization step of the keys computed at the new position; values move bit for bit."""
-    from radixserve.cache.kv_format import KVFormat
+    quantization step of the keys computed at the new position; values move bit for bit.
+    With a key order, the rotation happens in the model's order (RoPE's pairs), the rows
+    stay in the stored one."""
+    from dataclasses import replace
+
+    from radixserve.cache.kv_format import KeyOrder
 
     model = tiny_loaded.model
-    fmt = KVFormat.of("int8")
-    pool = KVPool(model.kv_shape().with_format(fmt), 256)
+    shape = model.kv_shape()
+    if ordered:
+        perm = torch.stack([torch.randperm(shape.head_dim) for _ in range(4)])
+        shape = replace(shape, key_order=KeyOrder(perm.view(2, 2, -1)))
+    fmt = shape.int8_format
+    pool = KVPool(shape.with_format(fmt), 256)
     stored, moved, direct = stored_moved_and_direct(model, pool)
     dim = model.kv_shape().head_dim
     for layer in range(len(model.layers)):
-        got, want, unmoved = (fmt.decode(pool.k[layer][:, s], dim, torch.float32)
+        got, want, unmoved = (fmt.decode(pool.k[layer][:, s], dim, torch.float32, layer)
                               for s in (moved, direct, stored))  # fmt: skip
         if layer == 0:  # the same inputs: the roundings alone (stored, rotated, re-encoded)
             step = want.abs().amax(-1, keepdim=True) / 127
