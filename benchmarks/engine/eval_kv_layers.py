@@ -13,10 +13,12 @@ are captured as attention receives them (after RoPE). Per layer:
   ``kl_g8`` (a scale per 8 channels), ``kl_channel`` (KIVI-style: a scale per channel over each
   page of 16 tokens), ``kl_smooth`` (each rotary pair of key channels divided by a power of
   two bringing its key-bias size near the layer's median channel, queries multiplied back:
-  the product unchanged before rounding); ``kl_order`` (the stored format with the key order
-  of ``KeyOrder.by_pair_size`` from each rotary pair's key-bias size, as ``--kv-key-order``
-  uses) and ``kl_order_rms`` (the same from each pair's RMS over these very keys: the
-  calibrated order, in-sample).
+  the product unchanged before rounding); ``kl_sorted`` (key channels stored sorted by their
+  rotary pair's key-bias size, ``KeyOrder.by_pair_size``, in every layer, no scales) and
+  ``kl_sorted_rms`` (sorted by each pair's RMS over these very keys: a calibrated order,
+  in-sample); ``kl_key_order``: the int8 format as the engine stores this model's keys (its
+  ``KeyOrder``: sorted and scaled by powers of two in the large-key-bias layers, as computed
+  elsewhere).
 
 Prints one JSON line (and a row per layer on stderr). Usage:
 ``python -m benchmarks.engine.eval_kv_layers [--model qwen2.5-coder-0.5b] [--tokens 1024]``.
@@ -104,12 +106,17 @@ def pair_size(x: torch.Tensor) -> torch.Tensor:
     return (x[..., :half] ** 2 + x[..., half:] ** 2).sqrt()
 
 
-def kl_ordered(q, k, size: torch.Tensor, scale: float) -> float:
-    """The attention KL of int8 keys stored in the order of ``size`` [KVH, D / 2]."""
-    fmt = INT8.with_key_order(KeyOrder(KeyOrder.by_pair_size(size)[None]))
+def kl_ordered(q, k, order: KeyOrder | None, layer: int, scale: float) -> float:
+    """The attention KL of int8 keys stored in ``order`` (its ``layer``)."""
+    fmt = INT8.with_key_order(order)
     keys = k.transpose(0, 1)  # [KVH, T, D]
-    kq = fmt.decode(fmt.encode(keys, keys_of=0), k.shape[-1], torch.float32, keys_of=0)
-    return attention_kl(q, k, kq.transpose(0, 1), scale, lambda x: fmt.round_queries(x, 0))
+    kq = fmt.decode(fmt.encode(keys, keys_of=layer), k.shape[-1], torch.float32, keys_of=layer)
+    return attention_kl(q, k, kq.transpose(0, 1), scale, lambda x: fmt.round_queries(x, layer))
+
+
+def sorted_by(size: torch.Tensor) -> KeyOrder:
+    """Pairs sorted by ``size`` [KVH, D / 2], as one layer's order."""
+    return KeyOrder(KeyOrder.by_pair_size(size)[None])
 
 
 def layer_row(model, layer: int, q, k, v) -> dict:
@@ -132,8 +139,9 @@ def layer_row(model, layer: int, q, k, v) -> dict:
         row["kl_smooth"] = attention_kl(q, k, smooth, scale,
                                         lambda x: INT8.round_queries(x * fq) / fq)  # fmt: skip
         key_bias = bias[q_size : q_size + kv_size].view(c.num_kv_heads, c.head_dim).float()
-        row["kl_order"] = kl_ordered(q, k, pair_size(key_bias), scale)
-    row["kl_order_rms"] = kl_ordered(q, k, pair_size(k).pow(2).mean(0).sqrt(), scale)
+        row["kl_sorted"] = kl_ordered(q, k, sorted_by(pair_size(key_bias)), 0, scale)
+    row["kl_sorted_rms"] = kl_ordered(q, k, sorted_by(pair_size(k).pow(2).mean(0).sqrt()), 0, scale)
+    row["kl_key_order"] = kl_ordered(q, k, model.key_order, layer, scale)
     return {key: (f"{val:.3g}" if key.startswith("kl") else val) for key, val in row.items()}
 
 

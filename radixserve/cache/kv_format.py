@@ -14,12 +14,14 @@ change here (and in the kernels' row reader), not in each of them.
   Groups of 16 channels: measured against groups of 32 (llama.cpp's ``q8_0``) and one scale
   per head on Qwen2.5, whose keys have a few very large channels (docs/decisions.md).
 - int8 with a key order (``KeyOrder``): the keys' channels are stored permuted, per layer and
-  KV head, so that each group of 16 holds channels of similar size (Qwen2's key biases put
+  KV head, so that each group of 16 holds channels of similar size, and divided by a power of
+  two per channel that brings the largest down near the others (Qwen2's key biases put
   channels near 150 beside channels near 1; in one group the small ones would round to a few
-  codes). ``encode``/``decode`` given ``keys_of`` (the layers the tensor holds) permute and
-  restore, so what comes back as values is in the model's order; attention scores the rows as
-  stored against queries in the same order (``stored_queries``): ``q . k`` is a sum over
-  channels, unchanged by the same permutation of both. Values are stored in the model's order.
+  codes). ``encode``/``decode`` given ``keys_of`` (the layers the tensor holds) apply and undo
+  it, so what comes back as values is in the model's order and scale; attention scores the
+  rows as stored against queries in the same order times the same powers of two
+  (``stored_queries``): every product ``q_c k_c`` is unchanged, exactly. Values are stored as
+  computed.
 
 Every format has a byte view: a pool layer ``[heads, slots, row_bytes]`` of ``uint8``
 (``as_rows``), which is what pages and the wire move; float formats keep their natural
@@ -44,20 +46,28 @@ Layers = int | slice | torch.Tensor  # one layer, or the layers along a tensor's
 
 
 class KeyOrder:
-    """Per layer and KV head, the order int8 rows store the key channels in: stored channel
-    ``c`` of head ``h`` in layer ``l`` is the model's channel ``perm[l, h, c]``. Compared and
-    named by a digest of ``perm`` (a stored page or a transfer peer with another order is
-    another format)."""
+    """Per layer and KV head, how int8 rows store the key channels: stored channel ``c`` of
+    head ``h`` in layer ``l`` is the model's channel ``perm[l, h, c]`` divided by
+    ``scale[l, h, c]``, a power of two (exact in float arithmetic), and the queries are taken
+    in the same order multiplied by it, so each product ``q_c k_c`` is unchanged. Compared and
+    named by a digest of both (a stored page or a transfer peer with another order is another
+    format)."""
 
-    def __init__(self, perm: torch.Tensor):
+    def __init__(self, perm: torch.Tensor, scale: torch.Tensor | None = None):
+        """``scale``: per model channel (``perm``'s shape), powers of two; None: all 1."""
         perm = perm.to(torch.int64).cpu().contiguous()
         if perm.dim() != 3 or not torch.equal(
             perm.sort(-1).values, torch.arange(perm.shape[-1]).expand_as(perm)
         ):
             raise ValueError("a key order is a permutation of the channels per layer and head")
+        scale = torch.ones(perm.shape) if scale is None else scale.float().cpu()
+        if scale.shape != perm.shape or not bool((torch.frexp(scale).mantissa == 0.5).all()):
+            raise ValueError("a key order's scales are powers of two, one per channel")
         self.perm = perm
         self.inverse = perm.argsort(-1)
-        self.digest = hashlib.blake2b(perm.numpy().tobytes(), digest_size=4).hexdigest()
+        self.scale = scale.gather(-1, perm).contiguous()  # in the stored order
+        data = perm.numpy().tobytes() + self.scale.numpy().tobytes()
+        self.digest = hashlib.blake2b(data, digest_size=4).hexdigest()
 
     @staticmethod
     def by_pair_size(size: torch.Tensor) -> torch.Tensor:
@@ -69,6 +79,15 @@ class KeyOrder:
         half = size.shape[-1]
         pairs = size.float().argsort(dim=-1, descending=True, stable=True)
         return torch.stack([pairs, pairs + half], -1).flatten(-2)
+
+    @staticmethod
+    def pair_scales(size: torch.Tensor) -> torch.Tensor:
+        """Scales ``[..., head_dim]`` (model order) from pair sizes ``[..., head_dim / 2]``: the
+        power of two that brings each pair down to between the median pair's size and twice
+        it (1 for pairs below that), the same for both channels of a pair (RoPE commutes)."""
+        typical = size.float().median(-1, keepdim=True).values.clamp(min=1e-3)
+        f = torch.exp2(torch.log2((size.float() / typical).clamp(min=1)).floor())
+        return torch.cat([f, f], -1)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KeyOrder) and self.digest == other.digest
@@ -82,29 +101,36 @@ class KeyOrder:
     def to_stored(self, x: torch.Tensor, layers: Layers) -> torch.Tensor:
         """Keys ``[..., heads, n, head_dim]`` (layers along axis -4 when ``layers`` names
         several) in the model's channel order -> as stored."""
-        return _take(x, self.perm[layers])
+        return _take(x, self.perm[layers]) / _rows(self.scale[layers], x)
 
     def to_model(self, x: torch.Tensor, layers: Layers) -> torch.Tensor:
         """The inverse of ``to_stored``."""
-        return _take(x, self.inverse[layers])
+        return _take(x * _rows(self.scale[layers], x), self.inverse[layers])
 
     def queries(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Queries ``[T, heads, head_dim]`` of ``layer`` in the stored order of their KV head's
-        keys (grouped query heads share a KV head)."""
-        perm = self.perm[layer]
-        perm = perm.repeat_interleave(q.shape[-2] // perm.shape[0], 0)
-        return q.gather(-1, perm.to(q.device).expand_as(q))
+        keys, times their scales (grouped query heads share a KV head)."""
+        rep = q.shape[-2] // self.perm.shape[1]
+        perm = self.perm[layer].repeat_interleave(rep, 0).to(q.device)
+        scale = self.scale[layer].repeat_interleave(rep, 0).to(q.device, q.dtype)
+        return q.gather(-1, perm.expand_as(q)) * scale
 
     def queries_to_model(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """The inverse of ``queries``."""
-        inv = self.inverse[layer]
-        inv = inv.repeat_interleave(q.shape[-2] // inv.shape[0], 0)
-        return q.gather(-1, inv.to(q.device).expand_as(q))
+        rep = q.shape[-2] // self.perm.shape[1]
+        inv = self.inverse[layer].repeat_interleave(rep, 0).to(q.device)
+        scale = self.scale[layer].repeat_interleave(rep, 0).to(q.device, q.dtype)
+        return (q / scale).gather(-1, inv.expand_as(q))
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[..., heads, n, d]`` with each head's last axis reordered by ``index[..., heads, d]``."""
     return x.gather(-1, index.to(x.device).unsqueeze(-2).expand(x.shape))
+
+
+def _rows(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``scale[..., heads, d]`` broadcast over the rows of ``x[..., heads, n, d]``."""
+    return scale.to(x.device, x.dtype).unsqueeze(-2)
 
 
 @dataclass(frozen=True)

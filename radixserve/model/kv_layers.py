@@ -11,10 +11,11 @@ docs/caching.md). ``auto`` keeps a layer in float when the RMS of its key bias i
 instance of a model (the transfer wire and stored pages carry int8 for every layer, so peers
 need not agree anyway). Models without key biases keep every layer int8.
 
-``key_order``: the int8 rows store each layer's key channels sorted by the size of their
-rotary pair's key bias (``KeyOrder.by_pair_size``), so the channels near 100 share their
-scales with each other and the channels near 1 with theirs; from the weights, so equal on
-every instance of a model. Models without key biases: None (keys as computed).
+``key_order``: in those layers, the int8 rows store the key channels sorted by the size of
+their rotary pair's key bias and divided by a power of two bringing it near the median pair's
+(``KeyOrder``), so the channels near 100 no longer set the scales of the channels near 1;
+from the weights, so equal on every instance of a model. Models without key biases: None
+(keys as computed).
 """
 
 from __future__ import annotations
@@ -44,20 +45,23 @@ def key_bias_rms(model: Any) -> list[float]:
 
 def key_order(model: Any) -> KeyOrder | None:
     """The key channels' order of ``model``'s int8 KV: in the layers whose key bias is large
-    (``auto``'s rule), per KV head, rotary pairs by the size of their key bias, largest first;
-    the other layers as computed (there the bias does not set the keys' sizes, and sorting by
-    it loses accuracy: docs/benchmarks.md); None when no layer has such a bias."""
+    (``auto``'s rule), per KV head, rotary pairs by the size of their key bias, largest first,
+    each divided by the power of two that brings its bias near the median pair's; the other
+    layers as computed (there the bias does not set the keys' sizes, and sorting by it loses
+    accuracy: docs/benchmarks.md); None when no layer has such a bias."""
     c = model.config
     q_size, kv_size, half = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim // 2
     large = _large_bias_layers(key_bias_rms(model))
     if not large:
         return None
     perm = torch.arange(c.head_dim).repeat(len(model.layers), c.num_kv_heads, 1)
+    scale = torch.ones(perm.shape)
     for i in large:
         bias = model.layers[i]["qkv_bias"][q_size : q_size + kv_size].float().cpu()
         keys = bias.view(c.num_kv_heads, c.head_dim)
-        perm[i] = KeyOrder.by_pair_size(keys[:, :half].hypot(keys[:, half:]))
-    return KeyOrder(perm)
+        size = keys[:, :half].hypot(keys[:, half:])
+        perm[i], scale[i] = KeyOrder.by_pair_size(size), KeyOrder.pair_scales(size)
+    return KeyOrder(perm, scale)
 
 
 def _large_bias_layers(rms: list[float]) -> tuple[int, ...]:

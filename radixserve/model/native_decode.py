@@ -75,11 +75,13 @@ class NativeDecoder:
                 "f_kv_code": pool.float_format.kernel_code,
             }
         fmt = pool.format
-        order = None if fmt.key_order is None else fmt.key_order.perm
+        key = {}
+        if fmt.key_order is not None:
+            key = {"key_order": fmt.key_order.perm, "key_scale": fmt.key_order.scale}
         return self.decoder.forward(
             batch.input_ids, batch.positions, batch.out_slots,
             batch.decode_context, batch.decode_lens, pool.k, pool.v, fmt.kernel_code, fmt.group,
-            sequences=batch.decode_sequences, key_order=order, **window,
+            sequences=batch.decode_sequences, **key, **window,
         )  # fmt: skip
 
 

@@ -319,7 +319,7 @@ class Decoder {
                         std::optional<torch::Tensor> w_k_pool, std::optional<torch::Tensor> w_v_pool,
                         std::optional<torch::Tensor> f_k_pool, std::optional<torch::Tensor> f_v_pool,
                         std::optional<torch::Tensor> f_layers, int64_t f_kv_code,
-                        std::optional<torch::Tensor> key_order) {
+                        std::optional<torch::Tensor> key_order, std::optional<torch::Tensor> key_scale) {
     const int64_t B = ids.numel();
     TORCH_CHECK(sequences == -1 || (sequences >= 1 && sequences <= B),
                 "sequences: -1 (one per row) or from 1 to the number of rows");
@@ -357,13 +357,17 @@ class Decoder {
     batch.row_bytes = row_bytes(k_pool);
     batch.sequences = sequences == -1 ? B : sequences;
     if (floats) float_pools(batch, *f_k_pool, *f_v_pool, *f_layers, f_kv_code, k_pool);
+    TORCH_CHECK(key_order.has_value() == key_scale.has_value(), "key_order and key_scale together");
     if (key_order) {
-      const auto& o = *key_order;
+      const auto &o = *key_order, &s = *key_scale;
       TORCH_CHECK(batch.kv_type == KVType::I8 && o.scalar_type() == torch::kInt64 && o.is_contiguous() &&
                       o.device().is_cpu() && o.dim() == 3 && o.size(0) == w_.layers && o.size(1) == w_.kv_heads &&
                       o.size(2) == w_.dim && o.min().item<int64_t>() >= 0 && o.max().item<int64_t>() < w_.dim,
                   "key_order: an int8 pool's contiguous int64 [layers, kv_heads, head_dim] of channel indices");
+      TORCH_CHECK(s.scalar_type() == torch::kFloat32 && s.is_contiguous() && s.sizes() == o.sizes(),
+                  "key_scale: contiguous float32, key_order's shape");
       batch.key_order = o.data_ptr<int64_t>();
+      batch.key_scale = s.data_ptr<float>();
     }
     if (apart) {
       const auto &wk = *w_k_pool, &wv = *w_v_pool, &wc = *w_ctx, &wo = *w_out_slots;
@@ -580,7 +584,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("w_out_slots") = py::none(), py::arg("w_ctx") = py::none(),
            py::arg("w_k_pool") = py::none(), py::arg("w_v_pool") = py::none(),
            py::arg("f_k_pool") = py::none(), py::arg("f_v_pool") = py::none(), py::arg("f_layers") = py::none(),
-           py::arg("f_kv_code") = 0, py::arg("key_order") = py::none(), nogil());
+           py::arg("f_kv_code") = 0, py::arg("key_order") = py::none(), py::arg("key_scale") = py::none(),
+           nogil());
   m.def("rms_norm", &rs::rms_norm_op, "RMSNorm of each row", nogil());
   m.def("rope_", &rs::rope_op, "rotate-half RoPE in place on each row's first heads", nogil());
   m.def("silu_mul", &rs::silu_mul_op, "SiLU(gate) * up of rows laid out [gate | up]", nogil());

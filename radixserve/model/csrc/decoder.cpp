@@ -121,15 +121,18 @@ void store_row(const float* x, int64_t D, const LayerPool& lp, uint8_t* out) {
   }
 }
 
-// Each of n heads of x [n, D] in place in its order: x'[c] = x[order[c]], order [heads / rep, D]
-// (rep heads share an order: the query heads of a KV head)
-void reorder_heads(float* x, int64_t n, int64_t rep, int64_t D, const int64_t* order) {
+// Each of n heads of x [n, D] in place in its stored order: x'[c] = x[order[c]] / scale[c] (keys)
+// or * scale[c] (queries); order, scale [heads / rep, D] (rep heads share them: the query heads
+// of a KV head). The scales are powers of two: exact.
+void reorder_heads(float* x, int64_t n, int64_t rep, int64_t D, const int64_t* order,
+                   const float* scale, bool keys) {
   float tmp[256];  // head_dim <= 256 (native_decode.supported)
   for (int64_t h = 0; h < n; ++h) {
     float* head = x + h * D;
     const int64_t* o = order + (h / rep) * D;
+    const float* s = scale + (h / rep) * D;
     std::copy(head, head + D, tmp);
-    for (int64_t c = 0; c < D; ++c) head[c] = tmp[o[c]];
+    for (int64_t c = 0; c < D; ++c) head[c] = keys ? tmp[o[c]] / s[c] : tmp[o[c]] * s[c];
   }
 }
 
@@ -150,8 +153,9 @@ void qkv_row(const DecoderWeights& w, int64_t l, const DecodeBatch& batch, int64
   rope_row(row, w.heads + w.kv_heads, D, cos, sin);  // q, then k
   if (lp.type == KVType::I8 && batch.key_order != nullptr) {
     const int64_t* order = batch.key_order + l * w.kv_heads * D;
-    reorder_heads(row, w.heads, w.heads / w.kv_heads, D, order);
-    reorder_heads(row + q_size, w.kv_heads, 1, D, order);
+    const float* scale = batch.key_scale + l * w.kv_heads * D;
+    reorder_heads(row, w.heads, w.heads / w.kv_heads, D, order, scale, false);
+    reorder_heads(row + q_size, w.kv_heads, 1, D, order, scale, true);
   }
   for (int64_t h = 0; h < w.kv_heads; ++h) {
     const int64_t off = ((lp.index * w.kv_heads + h) * lp.slots + lp.out_slots[b]) * lp.row_bytes;

@@ -233,10 +233,12 @@ struct DecodeBatch {
   KVType kv_type = KVType::F32;
   int64_t kv_group = 0;                 // I8: channels per scale
   int64_t row_bytes = 0;
-  // I8 layers: the order their keys' channels are stored in (KVFormat's KeyOrder), null: as
-  // computed. [layers, kv_heads, dim]: stored channel c of a head is its channel order[c];
-  // queries are taken in their KV head's order, so q . k is unchanged
+  // I8 layers: how their keys' channels are stored (KVFormat's KeyOrder), null: as computed.
+  // [layers, kv_heads, dim]: stored channel c of a head is its channel key_order[c] divided by
+  // key_scale[c] (a power of two); queries are taken in their KV head's order times the same
+  // scales, so every q_c k_c is unchanged
   const int64_t* key_order = nullptr;
+  const float* key_scale = nullptr;
   // the sequences the rows belong to (a sequence verifying a draft has a row per token):
   // the matmuls round x to int8 from 8 sequences on, as the same sequences decoded one
   // token each would, so a row's logits do not depend on how many draft rows share the step

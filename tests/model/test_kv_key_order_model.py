@@ -44,6 +44,10 @@ def test_the_order_puts_the_large_bias_pairs_together(biased, tiny_loaded):
     assert torch.equal(perm[0], identity.expand(2, 32)) and torch.equal(perm[2], perm[0])
     assert set(perm[1, 0, :6].tolist()) == {0, 16, 5, 21, 4, 20}  # pairs 0, 5, 4: one group
     assert perm[1, 1, :2].tolist() == [8, 24]
+    # each large pair divided by the power of two bringing its bias near the median pair's
+    scale = order.scale  # stored order
+    assert bool((scale[1, 0, :6] >= 32).all()) and bool((scale[1, 1, :2] >= 32).all())
+    assert bool((scale[0] == 1).all()) and bool((scale[1, 0, 6:] <= 2).all())
     assert key_order(tiny_loaded.model) is None  # Llama: no key biases, keys as computed
 
 
