@@ -154,9 +154,10 @@ def paged_attention(
     ctx = r.window_ctx(pool.to_window) if pool.in_window(layer) else r.ctx
     k_layer, v_layer = pool.layer_kv(layer)
     fmt = pool.layer_format(layer)
-    q = fmt.stored_queries(q if q.dtype == torch.float32 else q.float(), layer)
+    dtype = q.dtype
+    q = fmt.stored_queries(q if dtype == torch.float32 else q.float(), layer)
     out = ops.flash_attention(
         q, k_layer, v_layer, fmt.kernel_code,
         fmt.group, ctx, r.ctx_start, r.seq_start, r.lo_for(window), r.hi, scale,
     )  # fmt: skip
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if dtype == torch.float32 else out.to(dtype)

@@ -160,3 +160,15 @@ def test_paged_attention_native_and_pytorch_paths_agree(ops, name, monkeypatch):
         plain.k.copy_(pool.k), plain.v.copy_(pool.v)
         unordered = attention.paged_attention(0, q, k, v, batch, plain, 0.125)
         assert not torch.allclose(unordered, slow, rtol=1e-2, atol=1e-2)
+
+
+def test_paged_attention_answers_in_the_queries_dtype(ops):
+    """A bfloat16 model's queries: the native kernel computes in float32, the step gets
+    bfloat16 back (as the PyTorch path gives)."""
+    shape = KVShape(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    pool = KVPool(shape, 64)
+    batch = build_forward_batch([], [(torch.arange(8), 0, torch.arange(8), 1)], pool.device,
+                                pool.pad_slot)  # fmt: skip
+    q, k, v = (torch.randn(8, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    out = attention.paged_attention(0, q, k, v, batch, pool, 0.125)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
