@@ -25,7 +25,7 @@ BIG = [0, 5, 20, 40]
 @pytest.fixture(scope="module")
 def biased(tmp_path_factory):
     path = tmp_path_factory.mktemp("biased")
-    hf = save_tiny_hf_model(path / "a", "Qwen2Config", seed=3, hidden_size=128,
+    hf = save_tiny_hf_model(path / "a", "Qwen2Config", seed=3, hidden_size=128, vocab_size=512,
                             intermediate_size=256, num_hidden_layers=3)  # fmt: skip
     with torch.no_grad():
         for i, layer in enumerate(hf.model.layers):
