@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> dict:
                 answers[name], t = ask(servers[name], q["turns"], args.max_tokens)
                 tallies[name].add(t)
             same[cat] = same.get(cat, True) and len({json.dumps(a) for a in answers.values()}) == 1
-            print(f"spec_bench: {k + 1}/{len(picked)} {cat}", file=sys.stderr, flush=True)
+            so_far = {n: round(t.rate, 2) for n, t in tallies.items()}
+            print(f"spec_bench: {k + 1}/{len(picked)} {cat} {so_far}", file=sys.stderr, flush=True)
     categories, total = {}, {n: Tally() for n in names}
     for cat, tallies in by_cat.items():
         for n, t in tallies.items():
