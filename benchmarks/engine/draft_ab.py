@@ -15,7 +15,9 @@
   decode; the server's can. Decode seconds are ``e2e - ttft``; a request's decode tokens are
   ``completion_tokens - 1`` (the first token belongs to the prefill).
 - ``Tally``: decode tokens and seconds summed, and the draft counters' growth per source
-  (proposed, kept), so a group of requests has its decode tokens/s and acceptance.
+  (proposed, kept), so a group of requests has its decode tokens/s and acceptance, and the
+  speed-up those counts give under a cost model of rows (``Tally.modelled``), a figure that a
+  busy machine's noise does not move.
 - ``rotated``: the settings in a rotated order per item, so a drift of a shared machine's
   speed hits every setting alike.
 """
@@ -47,6 +49,7 @@ E2E_SUM = "e2e_request_latency_seconds_sum"
 WARMUP = [{"role": "user", "content": "Say this line twice: " + "the quick brown fox jumps over "
             "the lazy dog while seven wizards quietly box"}]  # fmt: skip
 SETTLE_S = 0.05  # the engine's stats snapshot (draft counters) follows the last token
+BETAS = (0.1, 0.2, 0.35)  # a row's share of a one-row step: the policy's default to kernels alone
 
 
 @dataclass
@@ -73,7 +76,19 @@ class Tally:
         }
         return {"decode_tokens_per_s": round(self.rate, 2), "decode_tokens": self.tokens,
                 "draft_proposed": {k: int(v) for k, v in self.proposed.items() if v},
-                "draft_acceptance": acceptance}  # fmt: skip
+                "draft_acceptance": acceptance,
+                "modelled_vs_none": self.modelled()}  # fmt: skip
+
+    def modelled(self) -> dict[str, float]:
+        """The speed-up over no drafts that these counts give if a step of ``r`` rows costs
+        ``1 + beta * (r - 1)`` one-row steps, for a few ``beta``: a figure from counts alone,
+        which a busy machine does not blur. Each step writes one token plus the draft tokens
+        it kept, and computes a row per draft token besides."""
+        kept, proposed = sum(self.accepted.values()), sum(self.proposed.values())
+        steps = self.tokens - kept
+        if steps <= 0:
+            return {}
+        return {f"beta_{b}": round(self.tokens / (steps + b * proposed), 3) for b in BETAS}
 
 
 def _draft_counters(metrics: dict[str, float], name: str) -> dict[str, float]:
