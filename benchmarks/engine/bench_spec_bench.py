@@ -14,6 +14,7 @@ decode seconds, every turn of every question together; ``ratios`` divide by ``no
 Also per category: draft tokens proposed and the share kept, per source, and whether every
 setting wrote the same answers token for token (they must).
 
+``--time-limit`` stops asking after so many seconds (``questions_asked`` says how many were).
 Prints one JSON line. Small scope (a few minutes on 2 cores):
 ``python -m benchmarks.engine.bench_spec_bench --per-category 1 --max-tokens 64``.
 """
@@ -26,6 +27,7 @@ import gzip
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.common import cpu_model
@@ -74,7 +76,11 @@ def run(args: argparse.Namespace) -> dict:
     same: dict[str, bool] = {}
     with contextlib.ExitStack() as stack:
         servers = start_servers(stack, names, args.model, args.threads, args.context_length)
+        start, asked = time.monotonic(), 0
         for k, q in enumerate(picked):
+            if args.time_limit and time.monotonic() - start > args.time_limit:
+                break  # the report says how many were asked
+            asked += 1
             cat = q["category"]
             tallies = by_cat.setdefault(cat, {n: Tally() for n in names})
             answers = {}
@@ -100,7 +106,8 @@ def run(args: argparse.Namespace) -> dict:
             worst[n] = {"category": cat, "ratio": categories[cat]["ratios"].get(key)}
     return {"categories": categories, "overall": {n: t.summary() for n, t in total.items()},
             "overall_ratios": overall_ratios, "worst_category": worst,
-            "same_outputs": all(same.values())}  # fmt: skip
+            "same_outputs": all(same.values()), "questions": len(picked),
+            "questions_asked": asked}  # fmt: skip
 
 
 def main() -> None:
@@ -111,6 +118,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per turn")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context-length", type=int, default=8192)
+    parser.add_argument("--time-limit", type=float, default=0.0,
+                        help="seconds after which no question starts (0: none)")  # fmt: skip
     add_systems_arg(parser)
     args = parser.parse_args()
     if args.per_category < 1 or args.max_tokens < 1:
