@@ -14,7 +14,8 @@ decode seconds, every turn of every question together; ``ratios`` divide by ``no
 Also per category: draft tokens proposed and the share kept, per source, and whether every
 setting wrote the same answers token for token (they must).
 
-``--time-limit`` stops asking after so many seconds (``questions_asked`` says how many were).
+``--time-limit`` stops asking after so many seconds, and SIGTERM at once, each with the report
+of the questions asked of every setting (``questions_asked``).
 Prints one JSON line. Small scope (a few minutes on 2 cores):
 ``python -m benchmarks.engine.bench_spec_bench --per-category 1 --max-tokens 64``.
 """
@@ -34,6 +35,14 @@ from benchmarks.common import cpu_model
 from benchmarks.engine.draft_ab import Tally, add_systems_arg, ratios, rotated, start_servers
 
 QUESTIONS = Path(__file__).parent / "data" / "spec_bench" / "question.jsonl.gz"
+
+
+class Stopped(Exception):
+    """SIGTERM (``timeout``): report what was measured, then stop the servers."""
+
+
+def stop(*_: object) -> None:
+    raise Stopped
 
 
 def questions(per_category: int, categories: list[str] | None) -> list[dict]:
@@ -80,13 +89,17 @@ def run(args: argparse.Namespace) -> dict:
         for k, q in enumerate(picked):
             if args.time_limit and time.monotonic() - start > args.time_limit:
                 break  # the report says how many were asked
-            asked += 1
             cat = q["category"]
-            tallies = by_cat.setdefault(cat, {n: Tally() for n in names})
-            answers = {}
-            for name in rotated(names, k):
-                answers[name], t = ask(servers[name], q["turns"], args.max_tokens)
-                tallies[name].add(t)
+            answers, tallies = {}, {}
+            try:
+                for name in rotated(names, k):
+                    answers[name], tallies[name] = ask(servers[name], q["turns"], args.max_tokens)
+            except Stopped:
+                break  # a question not asked of every setting is left out
+            asked += 1
+            for name, t in tallies.items():
+                by_cat.setdefault(cat, {n: Tally() for n in names})[name].add(t)
+            tallies = by_cat[cat]
             same[cat] = same.get(cat, True) and len({json.dumps(a) for a in answers.values()}) == 1
             so_far = {n: round(t.rate, 2) for n, t in tallies.items()}
             print(f"spec_bench: {k + 1}/{len(picked)} {cat} {so_far}", file=sys.stderr, flush=True)
@@ -101,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     worst = {}
     for n in names:
         key = f"{n}_vs_none"
-        if n != "none" and "none" in names:
+        if n != "none" and "none" in names and categories:
             cat = min(categories, key=lambda c: categories[c]["ratios"].get(key, 0.0))
             worst[n] = {"category": cat, "ratio": categories[cat]["ratios"].get(key)}
     return {"categories": categories, "overall": {n: t.summary() for n, t in total.items()},
@@ -124,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.per_category < 1 or args.max_tokens < 1:
         parser.error("--per-category and --max-tokens must be >= 1")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
+    signal.signal(signal.SIGTERM, stop)
     result = run(args)
     print(json.dumps({"bench": "spec_bench", "model": args.model, "threads": args.threads,
                       "per_category": args.per_category, "max_tokens": args.max_tokens,
