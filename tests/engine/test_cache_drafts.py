@@ -91,3 +91,14 @@ def test_a_tenant_is_never_proposed_another_tenant_s_text():
     assert index.continuation(node, end, 5) == secret[10:15] and match == 10
     cache.evict(len(secret))
     assert index.num_entries == 0 and index.find(np.array(secret[:10], np.int32), "a") is None
+
+
+def test_a_new_leaf_does_not_hide_an_earlier_occurrence_that_has_a_continuation():
+    cache = RadixCache(PagedAllocator(16, 1))
+    index = NgramIndex(SIZES)
+    cache.add_listener(index)
+    cache.insert([2, 0], cache.allocator.alloc(2))
+    cache.insert([2, 0, 2, 0], torch.cat([cache.match_prefix([2, 0]).device_indices,
+                                          cache.allocator.alloc(2)]))  # fmt: skip
+    node, end, _ = index.find(np.array([2, 0], np.int32), None)
+    assert index.continuation(node, end, 4) == [2, 0]
