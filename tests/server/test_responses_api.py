@@ -50,6 +50,9 @@ def test_stream_events_add_up_to_the_whole_response(url):
         "text"]  # fmt: skip
     prompt = whole["usage"]["input_tokens"]
     assert final["usage"]["input_tokens_details"]["cached_tokens"] == prompt - 1
+    # the opening events, sent once the request was admitted, already say what was cached
+    for _, opening in events[:2]:
+        assert opening["response"]["usage"]["input_tokens_details"]["cached_tokens"] == prompt - 1
     assert_whole(url)
 
 
