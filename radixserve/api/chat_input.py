@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.api.answers import Recall, restore
 from radixserve.api.errors import ApiError
 from radixserve.api.tools import ToolPlan, history_message
 from radixserve.engine.sampling_params import SamplingParams
@@ -82,11 +83,17 @@ class ChatInput:
             grammar = plan.grammar
         return cls(messages, plan, grammar, params, **options)
 
-    def render(self, template_has_tools: bool) -> tuple[list[dict[str, Any]], list | None]:
-        """The conversation and the ``tools`` argument for the chat template."""
+    def render(
+        self, template_has_tools: bool, recall: Recall | None = None, upto: int | None = None
+    ) -> tuple[list[dict[str, Any]], list | None]:
+        """The conversation (its first ``upto`` messages) and the ``tools`` argument for
+        the chat template; with ``recall`` (the tenant's ``AnswerMemory``), the answers this
+        server gave as the model wrote them (``answers.py``)."""
+        messages = self.messages[:upto]
+        if recall is not None:
+            messages = restore(messages, recall)
         conversation = [
-            history_message(m, template_has_tools) if m.get("tool_calls") else m
-            for m in self.messages
+            history_message(m, template_has_tools) if m.get("tool_calls") else m for m in messages
         ]
         if self.plan is None:
             return conversation, None

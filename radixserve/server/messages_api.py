@@ -30,6 +30,7 @@ from radixserve.api.tool_stream import Call, Piece, Text
 from radixserve.api.tools import ToolPlan, call_id
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.chat_run import (
+    caller,
     check_model,
     encode,
     new_pieces,
@@ -187,8 +188,8 @@ def add_messages_routes(
         return JSONResponse(encoder.message(job), headers=headers)
 
     @app.post(MESSAGES_PATH + "/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> JSONResponse:
+    async def count_tokens(body: CountTokensRequest, raw: Request) -> JSONResponse:
         check_model(body.model, served_model_name)
         chat = await serving.checked(lambda: body.to_chat_input(defaults))
-        ids = await encode(serving, tokenizer, chat)
+        ids = await encode(serving, tokenizer, chat, serving.answers.recall(caller(raw)))
         return JSONResponse({"input_tokens": len(ids)}, headers=warning_headers(chat))
