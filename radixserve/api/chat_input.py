@@ -7,7 +7,8 @@ shapes only.
 ``messages`` are in chat completions' form, the one the chat template takes: roles ``system``,
 ``user``, ``assistant`` (with ``tool_calls`` in OpenAI's shape) and ``tool`` (with the
 ``tool_call_id`` it answers), content as text. Every tool result must answer a call made
-earlier in the conversation (a 400 names the id otherwise). ``cache_points`` are the prefixes
+earlier in the conversation (a 400 names the id otherwise), but one the client gives
+unasked (no ``tool_call_id``, a ``name``: a Responses item). ``cache_points`` are the prefixes
 to pin (``cache/pins.py``): the ``cache_control`` breakpoints of a Messages request, or the
 ``cache_pin`` extension of the OpenAI-style APIs; the prefix through message ``message`` is to
 stay on the device for ``ttl``. ``pins_asked``: the points were asked for explicitly (the
@@ -120,7 +121,8 @@ def check_tool_results(messages: list[dict[str, Any]], param: str = "messages") 
         for call in m.get("tool_calls") or []:
             if isinstance(call, dict) and isinstance(call.get("id"), str):
                 called.add(call["id"])
-        if m.get("role") == "tool" and m.get("tool_call_id") not in called:
+        unasked = m.get("tool_call_id") is None and isinstance(m.get("name"), str)
+        if m.get("role") == "tool" and not unasked and m.get("tool_call_id") not in called:
             raise ApiError(
                 400,
                 f"a tool result answers the id {m.get('tool_call_id')!r}, "
