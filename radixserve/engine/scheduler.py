@@ -48,8 +48,7 @@ DEDUP_MIN_SHARED_TOKENS = 32
 class Step:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk size)
-    # first admitted in this step (their cache hit is now known), prefilling or loading
-    admitted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # first admitted: cache hit known
 
     @property
     def empty(self) -> bool:

@@ -80,8 +80,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     response_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    # called with each choice's tracker as it ends well (a stop or its length)
-    on_finish: Callable[[OutputTracker], None] | None = None
+    on_finish: Callable[[OutputTracker], None] | None = None  # as a choice ends well
 
     @property
     def finished(self) -> bool:
@@ -145,11 +144,7 @@ class Serving:
             )
 
     async def submit(
-        self,
-        kind: str,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        spec: RequestSpec,
+        self, kind: str, prompts: list[list[int]], params: list[SamplingParams], spec: RequestSpec
     ) -> tuple[Job, asyncio.Queue]:
         """One engine request per prompt, each ``spec`` with its own id, prompt and params."""
         self.check_size(len(prompts))
