@@ -70,13 +70,20 @@ class AnswerMemory:
         """Keep ``raw`` (drawn as ``ids``), an answer of ``tenant``'s that ``plan`` parses."""
         parser = plan.stream()
         pieces = parser.feed(raw) + parser.finish()
-        texts = tuple(p.text for p in pieces if isinstance(p, Text))
-        calls = [(p.name, json.loads(p.arguments)) for p in pieces if isinstance(p, Call)]
+        texts: list[str] = []  # a text between two calls is one part, however it came
+        calls = []
+        for i, p in enumerate(pieces):
+            if isinstance(p, Call):
+                calls.append((p.name, json.loads(p.arguments)))
+            elif i and isinstance(pieces[i - 1], Text):
+                texts[-1] += p.text
+            else:
+                texts.append(p.text)
         answers = self._by_tenant.pop(tenant, None) or OrderedDict()
         self._by_tenant[tenant] = answers
         key = answer_key(calls, "".join(texts))
         answers.pop(key, None)
-        answers[key] = Answer(raw, texts, ids)
+        answers[key] = Answer(raw, tuple(texts), ids)
         while len(answers) > self.per_tenant:
             answers.popitem(last=False)
         while len(self._by_tenant) > self.tenants:

@@ -95,3 +95,11 @@ def test_the_memory_keeps_the_latest_answers_of_the_latest_tenants():
     memory.remember("b", PLAN, "answer 0", None)
     memory.remember("b", PLAN, "answer 1", None)
     assert [restore([m], memory.recall("b"))[0].get(IDS, 0) for m in said] == [None, None, 0]
+
+
+def test_text_around_a_call_is_matched_as_the_messages_api_joins_its_blocks():
+    memory = AnswerMemory()
+    raw = 'Let me look. <tool_call>{"name": "read", "arguments": {"path": "a"}}</tool_call> Then <'
+    memory.remember(None, PLAN, raw, None)
+    blocks = {"role": "assistant", "content": "Let me look.\n\nThen <", "tool_calls": [call("a")]}
+    assert restore([blocks], memory.recall(None))[0]["content"] == raw
