@@ -7,7 +7,8 @@ shapes only.
 ``messages`` are in chat completions' form, the one the chat template takes: roles ``system``,
 ``user``, ``assistant`` (with ``tool_calls`` in OpenAI's shape) and ``tool`` (with the
 ``tool_call_id`` it answers), content as text. Every tool result must answer a call made
-earlier in the conversation (a 400 names the id otherwise). ``cache_points`` are the prefixes
+earlier in the conversation (a 400 names the id otherwise), but one the client gives
+unasked (no ``tool_call_id``, a ``name``: a Responses item). ``cache_points`` are the prefixes
 to pin (``cache/pins.py``): the ``cache_control`` breakpoints of a Messages request, or the
 ``cache_pin`` extension of the OpenAI-style APIs; the prefix through message ``message`` is to
 stay on the device for ``ttl``. ``pins_asked``: the points were asked for explicitly (the
@@ -24,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.api.answers import Recall, restore
 from radixserve.api.errors import ApiError
 from radixserve.api.tools import ToolPlan, history_message
 from radixserve.engine.sampling_params import SamplingParams
@@ -82,11 +84,17 @@ class ChatInput:
             grammar = plan.grammar
         return cls(messages, plan, grammar, params, **options)
 
-    def render(self, template_has_tools: bool) -> tuple[list[dict[str, Any]], list | None]:
-        """The conversation and the ``tools`` argument for the chat template."""
+    def render(
+        self, template_has_tools: bool, recall: Recall | None = None, upto: int | None = None
+    ) -> tuple[list[dict[str, Any]], list | None]:
+        """The conversation (its first ``upto`` messages) and the ``tools`` argument for
+        the chat template; with ``recall`` (the tenant's ``AnswerMemory``), the answers this
+        server gave as the model wrote them (``answers.py``)."""
+        messages = self.messages[:upto]
+        if recall is not None:
+            messages = restore(messages, recall)
         conversation = [
-            history_message(m, template_has_tools) if m.get("tool_calls") else m
-            for m in self.messages
+            history_message(m, template_has_tools) if m.get("tool_calls") else m for m in messages
         ]
         if self.plan is None:
             return conversation, None
@@ -113,7 +121,8 @@ def check_tool_results(messages: list[dict[str, Any]], param: str = "messages") 
         for call in m.get("tool_calls") or []:
             if isinstance(call, dict) and isinstance(call.get("id"), str):
                 called.add(call["id"])
-        if m.get("role") == "tool" and m.get("tool_call_id") not in called:
+        unasked = m.get("tool_call_id") is None and isinstance(m.get("name"), str)
+        if m.get("role") == "tool" and not unasked and m.get("tool_call_id") not in called:
             raise ApiError(
                 400,
                 f"a tool result answers the id {m.get('tool_call_id')!r}, "

@@ -2,7 +2,8 @@
 ``ChatInput`` (``chat_input.py``) after the conversation of ``previous_response_id``.
 
 Honoured: ``input`` as a string or items (messages with ``input_text`` / ``output_text``
-parts, ``function_call``, ``function_call_output``), ``instructions``, ``function`` tools and
+parts, ``function_call``, ``function_call_output``: the output of a call, or one given
+unasked, with a ``name`` and no ``call_id``), ``instructions``, ``function`` tools and
 ``namespace`` tools (groups of functions: flattened, and a call names its namespace),
 ``tool_choice`` (``auto``, ``none``, ``required``, a named function), ``parallel_tool_calls``,
 ``max_output_tokens`` (lowered to the context left after the prompt), ``temperature``,
@@ -229,14 +230,22 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str):
-                raise ApiError(400, f"{where} needs a call_id", "input")
-            text = output if isinstance(output, str) else _parts_text(output, where)
-            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            out.append(_output(item, where))
         elif kind != "reasoning":  # another model's reasoning: dropped
             raise ApiError(400, f"{where}: item type {kind!r} is not supported", "input")
     return out
+
+
+def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A tool result: the output of a call (``call_id``), or one the client gives unasked,
+    named instead (Codex's ``goal_objective`` after it sets a goal)."""
+    call_id, name, output = item.get("call_id"), item.get("name"), item.get("output")
+    if not isinstance(call_id, str) and not isinstance(name, str):
+        raise ApiError(400, f"{where} needs a call_id (or, unasked for, a name)", "input")
+    text = output if isinstance(output, str) else _parts_text(output, where)
+    if isinstance(call_id, str):
+        return {"role": "tool", "tool_call_id": call_id, "content": text}
+    return {"role": "tool", "name": name, "content": text}
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:

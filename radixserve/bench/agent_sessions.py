@@ -19,10 +19,13 @@ Responses wire (``wire_api = "responses"``) to the server, the served window as
 ``model_context_window``, no update check, analytics, feedback or history, no retries, a
 long stream idle timeout; the ``workspace-write`` sandbox; its events as JSON lines.
 
-mini-SWE-agent: ``mini`` with its stock config (``mini.yaml``: one ``bash`` tool through
-chat completions), litellm's ``openai/`` provider pointed at the server, cost tracking off
-(the served model has no price), litellm's model price map read from the package rather
-than fetched, a step limit, and the repository as its working directory.
+mini-SWE-agent: ``mini`` with one of its stock configs (one ``bash`` tool through chat
+completions): ``swebench.yaml`` by default, the instructions it is benchmarked with (about
+1,100 tokens with its tool: workflow, command rules, how to submit), run locally instead of
+in its Docker image, or ``mini.yaml``, its short interactive one; litellm's ``openai/``
+provider pointed at the server, cost tracking off (the served model has no price), litellm's
+model price map read from the package rather than fetched, a step limit, and the repository
+as its working directory.
 """
 
 from __future__ import annotations
@@ -126,9 +129,16 @@ def codex_session(
     return argv, env
 
 
+MINI_CONFIGS = {
+    "swebench.yaml": {"environment.environment_class": "local",
+                      "environment.env.BASH_ENV": ""},  # its image's shell setup
+    "mini.yaml": {},
+}  # fmt: skip
+
+
 def mini_session(
     served: Served, repo: Path, prompt: str, home: Path, *, step_limit: int = 6,
-    egress: EgressTrap | None = None,
+    egress: EgressTrap | None = None, config: str = "swebench.yaml",
 ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     env = base_env(home, egress)
     env.update({
@@ -146,10 +156,11 @@ def mini_session(
         "model.cost_tracking": "ignore_errors",
         "agent.step_limit": str(step_limit),
         "environment.cwd": str(repo),
+        **MINI_CONFIGS[config],
     }
     argv = [*mini_swe_agent_argv(), "-m", f"openai/{served.model}", "-t", prompt, "-y",
             "--exit-immediately", "-o", str(home / "trajectory.json"),
-            "-c", "mini.yaml"]  # fmt: skip
+            "-c", config]  # fmt: skip
     for key, value in settings.items():
         argv += ["-c", f"{key}={value}"]
     return argv, env

@@ -6,6 +6,8 @@
 | ``no-cache`` | ``radixserve serve --disable-prefix-caching`` |
 | ``fcfs`` | ``radixserve serve --schedule-policy fcfs`` (cache on) |
 | ``dfs-weight`` | ``radixserve serve --schedule-policy dfs-weight`` (cache on) |
+| ``radix-nodrafts`` | ``radix`` with ``--draft-sources none`` (``radix`` drafts as by default) |
+| ``radix-alldrafts`` | ``radix`` with every draft source (``--draft-sources grammar,text,cache``) |
 | ``llamacpp`` | llama.cpp's server (PyPI ``xllamacpp``) on the same GGUF file, prompt cache on |
 | ``fleet-POLICY`` | ``radixserve serve --dp N --router-policy POLICY``: N instances, the router |
 | ``single-big`` | one instance whose KV pool is the fleet's total (N x per-instance pool) |
@@ -46,6 +48,8 @@ RADIX_SYSTEMS: dict[str, tuple[str, ...]] = {
     "no-cache": ("--disable-prefix-caching",),
     "fcfs": ("--schedule-policy", "fcfs"),
     "dfs-weight": ("--schedule-policy", "dfs-weight"),
+    "radix-nodrafts": ("--schedule-policy", "lpm", "--draft-sources", "none"),
+    "radix-alldrafts": ("--schedule-policy", "lpm", "--draft-sources", "grammar,text,cache"),
 }
 FLEET_POLICIES = ("cache-aware", "round-robin", "least-load", "consistent-hash", "power-of-two")
 FLEET_SYSTEMS = tuple(f"fleet-{p}" for p in FLEET_POLICIES)

@@ -46,7 +46,9 @@ SERVER_OPTIONS = ("systems", "model", "radix_args", "context_length", "llamacpp_
 
 EPILOG = """\
 systems: radix (cache on, lpm), no-cache (--disable-prefix-caching), fcfs, dfs-weight
-(cache on, that schedule policy), llamacpp (llama.cpp's server from `pip install xllamacpp`,
+(cache on, that schedule policy), radix-nodrafts, radix-alldrafts (radix without drafts,
+with every draft source; pair with --repetition-penalty 1.0 on models whose generation
+config sets one), llamacpp (llama.cpp's server from `pip install xllamacpp`,
 prompt cache on, one slot per concurrent request, --context-length tokens per slot),
 fleet-cache-aware, fleet-round-robin, fleet-least-load, fleet-consistent-hash,
 fleet-power-of-two (`serve --dp N` with that router policy, --instances N, each instance's
@@ -61,6 +63,8 @@ examples:
   radixserve bench --workload sharegpt-multiturn --num-conversations 4 --turns 5 \\
       --systems radix,no-cache,llamacpp --max-concurrency 2 --duration 300
   radixserve bench --workload random --base-url http://127.0.0.1:8000 --request-rate 2
+  radixserve bench --workload sharegpt-multiturn --systems radix-nodrafts,radix,radix-alldrafts \
+      --max-concurrency 16 --num-conversations 16 --turns 3 --repetition-penalty 1.0
   radixserve bench --workload sharegpt-multiturn --instances 2 --instance-kv-tokens 3000 \
       --systems fleet-cache-aware,fleet-round-robin,single-big
 """
@@ -203,6 +207,13 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--temperature", type=float, default=0.0, help="default %(default)s")
     g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="sent with every request (radixserve's extension; 1.0 turns off the penalty a "
+        "model's generation config may set, e.g. Qwen2.5's 1.05, and a penalised request "
+        "never drafts); default: not sent",
+    )
+    g.add_argument(
         "--no-flush-cache", action="store_true", help="do not POST /flush_cache after the warm-up"
     )
 
@@ -313,6 +324,7 @@ def cmd_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             max_requests=args.max_requests,
             duration=args.duration, request_timeout=args.request_timeout,
             warmup_requests=args.warmup_requests, temperature=args.temperature, seed=args.seed,
+            repetition_penalty=args.repetition_penalty,
             api_key=args.api_key, metrics_interval=args.metrics_interval,
             flush_cache=not args.no_flush_cache, progress=not args.no_progress,
         )  # fmt: skip

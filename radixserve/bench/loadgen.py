@@ -53,6 +53,9 @@ class LoadConfig:
     request_timeout: float = 300.0
     warmup_requests: int = 2
     temperature: float = 0.0
+    # sent with every request where given (a radixserve extension: 1.0 turns off the penalty a
+    # model's generation config may set, and a penalised request never drafts)
+    repetition_penalty: float | None = None
     seed: int = 0
     api_key: str | None = None
     metrics_interval: float = 1.0  # 0: do not scrape
@@ -81,6 +84,9 @@ class LoadConfig:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if not 0 <= self.temperature <= 2:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        rp = self.repetition_penalty
+        if rp is not None and not 0 < rp <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {rp}")
         if self.metrics_interval < 0:
             raise ValueError(f"metrics_interval must be >= 0, got {self.metrics_interval}")
 
@@ -144,6 +150,8 @@ class _Runner:
         body = api_client.request_body(
             self.workload.api, self.model, content, max_tokens, self.config.temperature
         )
+        if self.config.repetition_penalty is not None:
+            body["repetition_penalty"] = self.config.repetition_penalty
         try:
             async with asyncio.timeout(self.config.request_timeout):
                 return await api_client.stream_request(

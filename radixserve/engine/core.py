@@ -5,11 +5,13 @@ request's KV ledger. It never runs a model: an *executor* does (``ModelExecutor`
 ``executor.py``, the simulator's ``TimingExecutor``). One step is::
 
     step = core.schedule()               which requests run, and how many tokens each
+                                         (and which were first admitted: their cache hit)
     result = executor.run(step)          compute (or time) them; draw the next tokens
     outputs = core.postprocess(step, result)
                                          commit what was computed, publish finished prefill
                                          chunks to the tree, append the drawn tokens, stop
                                          and finish requests, one StepOutput per change
+                                         (a request just admitted gets one without tokens)
 
 so whatever runs the step, the bookkeeping is this one. Features that need to act around
 it (KV transfer, the step trace) attach as ``Feature`` hooks (``hooks.py``). With draft
@@ -225,7 +227,15 @@ class EngineCore:
             elif self.drafts is not None:
                 self.drafts.after_tokens(r, [*kept, token], batch)
             outputs.append(self._output(r, [*kept, token], logprobs))
-        return outputs
+        return outputs + self.admissions(step, outputs)
+
+    def admissions(self, step: Step, outputs: Iterable[StepOutput] = ()) -> list[StepOutput]:
+        """An output without tokens for each request first admitted in ``step`` that has
+        none among ``outputs``: its cache hit is known from admission, not from its first
+        token, which a long prompt's prefill puts many steps later."""
+        said = {o.request_id for o in outputs}
+        return [self._output(r, [], []) for r in step.admitted
+                if r.request_id not in said and not r.is_finished]  # fmt: skip
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

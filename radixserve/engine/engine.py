@@ -193,8 +193,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         failed = self._failed_grammars()
         step = self.core.schedule()
-        if step.empty:
-            return failed
+        if step.empty:  # nothing to compute; requests may have begun loading their KV
+            return failed + self.core.admissions(step)
         return failed + self.core.postprocess(step, self.executor.run(step))
 
     def _failed_grammars(self) -> list[StepOutput]:

@@ -201,19 +201,22 @@ class RequestKV:
             return False
         return True
 
-    def record_admission(self, req, device_tokens: int, loaded_tokens: int = 0) -> None:
+    def record_admission(self, req, device_tokens: int, loaded_tokens: int = 0) -> bool:
         """Count a request's cache hit once, when it is first admitted (not on resumption):
         ``device_tokens`` matched on the device, then ``loaded_tokens`` loaded from the lower
-        tiers (those its own prefetch brought count as storage hits, the rest as host hits)."""
+        tiers (those its own prefetch brought count as storage hits, the rest as host hits).
+        True when this was its first admission (its usage is now final)."""
         if req.admitted_once:
-            return
+            return False
         req.admitted_once = True
         p, req.tier.prefetch = req.tier.prefetch, None
         storage = p.tokens_from_storage(device_tokens, device_tokens + loaded_tokens) if p else 0
         cached = min(device_tokens + loaded_tokens, req.prompt_len)
         host = loaded_tokens - storage
-        req.add_usage(cached_tokens=cached, host_cached_tokens=host, storage_cached_tokens=storage)
+        req.add_usage(cached_tokens=cached, host_cached_tokens=host, storage_cached_tokens=storage,
+                      admitted=True)  # fmt: skip
         self.cache.record_hit(req.kv.handle, req.prompt_len, cached, host, storage)
+        return True
 
     # ------------------------------------------------------------------ allocation
     def _alloc_with_eviction(

@@ -61,6 +61,11 @@ class OutputTracker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def admitted(self) -> bool:
+        """The engine admitted the request: ``usage`` holds its cache hit."""
+        return self.usage.admitted
+
     def update(self, out: StepOutput) -> bool:
         """Take one engine delta; True if a stop string just ended the request."""
         if self.finished:

@@ -70,6 +70,9 @@ class Usage:
     segment_hits: int = 0  # RAG segments found in the segment store
     reused_tokens: int = 0  # prompt tokens whose KV came from stored segments
     recomputed_tokens: int = 0  # reused segment tokens computed again (partial recompute)
+    # the request was first admitted, its prompt matched against the cache: from then on
+    # ``cached_tokens`` and its split are known (segment figures grow while it prefills)
+    admitted: bool = False
 
     def cached_by_tier(self) -> dict[str, int]:
         """The prompt tokens served from the cache, split by the tier they came from."""
@@ -135,7 +138,7 @@ class Request:
     def segments(self) -> tuple[tuple[int, int], ...]:
         return self.spec.segments
 
-    def add_usage(self, **changes: int) -> None:
+    def add_usage(self, **changes: int | bool) -> None:
         """Record what the cache did for the prompt (``Usage`` is frozen: outputs share it)."""
         self.usage = replace(self.usage, **changes)
 

@@ -48,6 +48,7 @@ DEDUP_MIN_SHARED_TOKENS = 32
 class Step:
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk size)
+    admitted: list[Request] = field(default_factory=list)  # first admitted: cache hit known
 
     @property
     def empty(self) -> bool:
@@ -191,7 +192,7 @@ class Scheduler:
                 if not self.kv.extend(req, load):
                     self.kv.release(req)
                     break
-                self._start_load(req, match.device_len, loaded)
+                self._start_load(step, req, match.device_len, loaded)
             elif budget == 0:  # the estimate said load, the exact plan says compute: not now
                 self.kv.release(req)
                 continue
@@ -203,7 +204,8 @@ class Scheduler:
                 if not self.kv.extend(req, n):
                     self.kv.release(req)
                     break
-                self.kv.record_admission(req, match.device_len, loaded)
+                if self.kv.record_admission(req, match.device_len, loaded):
+                    step.admitted.append(req)
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
@@ -235,8 +237,9 @@ class Scheduler:
             return 0
         return self.source.plan(req, matched)
 
-    def _start_load(self, req: Request, matched: int, loaded: int) -> None:
-        self.kv.record_admission(req, matched, loaded)
+    def _start_load(self, step: Step, req: Request, matched: int, loaded: int) -> None:
+        if self.kv.record_admission(req, matched, loaded):
+            step.admitted.append(req)
         self.waiting.remove(req)
         self.loading.append(req)
         req.status = RequestStatus.LOADING

@@ -17,6 +17,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixserve.api.answers import Recall, drawn_ids, encode_chat
 from radixserve.api.chat_input import ChatInput
 from radixserve.api.errors import ApiError
 from radixserve.api.guard import cache_namespace
@@ -62,48 +63,62 @@ def request_spec(raw: Request, salt: str | None, **options: Any) -> RequestSpec:
     )
 
 
-async def encode(serving: Serving, tokenizer: Tokenizer, chat: ChatInput) -> list[int]:
-    """The prompt's token ids: the conversation and tools through the chat template."""
-    messages, tools = chat.render(tokenizer.template_has_tools)
-    return await serving.off_loop(tokenizer.encode_chat, messages, tools)
+def caller(raw: Request) -> str | None:
+    """Whose request: the API key's holder (pin budget, stored responses, answers)."""
+    return getattr(raw.state, "caller", None)
+
+
+async def encode(
+    serving: Serving, tokenizer: Tokenizer, chat: ChatInput, recall: Recall | None = None
+) -> list[int]:
+    """The prompt's token ids: the conversation and tools through the chat template, the
+    answers ``recall`` knows as the model drew them (``api/answers.py``)."""
+    messages, tools = chat.render(tokenizer.template_has_tools, recall)
+    return await serving.off_loop(encode_chat, tokenizer, messages, tools)
 
 
 async def start(
     serving: Serving, tokenizer: Tokenizer, chat: ChatInput, raw: Request, kind: str
 ) -> tuple[Job, asyncio.Queue]:
-    """Submit ``chat``'s choices; ``kind`` prefixes the response id."""
+    """Submit ``chat``'s choices; ``kind`` prefixes the response id. Answers parsed with
+    tools are remembered as drawn, for their caller's later requests."""
     if chat.notes:
         log.warning("%s %s: %s", raw.method, raw.url.path, "; ".join(chat.notes))
-    ids = await encode(serving, tokenizer, chat)
+    tenant = caller(raw)
+    recall = serving.answers.recall(tenant)
+    ids = await encode(serving, tokenizer, chat, recall)
     info = serving.client.info
     params = chat.fitted(len(ids), min(info.max_model_len, info.kv_capacity_tokens))
     pins: tuple[tuple[int, float], ...] = ()
     if chat.cache_points and info.pin_budget_tokens:
-        pins = await serving.off_loop(pin_ends, tokenizer, chat, ids)
+        pins = await serving.off_loop(pin_ends, tokenizer, chat, ids, recall)
     elif chat.pins_asked:
         raise ApiError(400, "pins are off on this server (--pin-budget 0 or no prefix cache)",
                        "cache_pin")  # fmt: skip
-    tenant = getattr(raw.state, "caller", None)  # whose pin budget: the key's holder
     spec = request_spec(raw, chat.salt, grammar=chat.grammar, pins=pins, tenant=tenant)
-    return await serving.submit(kind, [ids] * len(params), params, spec)
+    job, queue = await serving.submit(kind, [ids] * len(params), params, spec)
+    plan = chat.plan
+    if plan is not None:
+        job.on_finish = lambda t: serving.answers.remember(
+            tenant, plan, t.text, drawn_ids(tokenizer, t.token_ids, t.text)
+        )
+    return job, queue
 
 
 def pin_ends(
-    tokenizer: Tokenizer, chat: ChatInput, ids: list[int]
+    tokenizer: Tokenizer, chat: ChatInput, ids: list[int], recall: Recall | None = None
 ) -> tuple[tuple[int, float], ...]:
     """The prompt token where each cache point's prefix ends, with its ttl in seconds: the
     conversation through that message rendered alone, as far as it agrees with the prompt
     (a template may render a turn differently once others follow it)."""
-    conversation, tools = chat.render(tokenizer.template_has_tools)
-    shift = len(conversation) - len(chat.messages)  # a system turn listing the tools, first
     ends: dict[int, float] = {}
     for point in chat.cache_points:
         ends[point.message] = max(ends.get(point.message, 0.0), point.seconds)
     out = []
     prompt = np.asarray(ids)
     for message, ttl in sorted(ends.items()):
-        text = tokenizer.render_chat(conversation[: message + 1 + shift], False, tools)
-        head = np.asarray(tokenizer.encode(text, add_special_tokens=False)[: len(ids)])
+        conversation, tools = chat.render(tokenizer.template_has_tools, recall, message + 1)
+        head = np.asarray(encode_chat(tokenizer, conversation, tools, False)[: len(ids)])
         differs = np.flatnonzero(head != prompt[: len(head)])
         end = int(differs[0]) if len(differs) else len(head)
         if end:

@@ -10,7 +10,10 @@ whole, as the message those events add up to. ``stop_reason``: ``tool_use`` when
 holds calls, ``max_tokens``, ``stop_sequence`` (with the sequence), else ``end_turn``.
 Usage: ``input_tokens`` is the prompt's uncached part and ``cache_read_input_tokens`` the part
 served from the cache (any tier); every computed token enters the cache without a write
-being asked for, so ``cache_creation_input_tokens`` is 0. Errors, streamed or not, take
+being asked for, so ``cache_creation_input_tokens`` is 0. ``message_start`` goes out once
+the engine has admitted the request (matched its prompt against the cache), so its usage
+already holds the final input figures; a stream kept waiting before that (a queue, a
+storage fetch) sends ``ping`` events meanwhile. Errors, streamed or not, take
 Anthropic's shape (``api/errors.py``).
 """
 
@@ -27,6 +30,7 @@ from radixserve.api.tool_stream import Call, Piece, Text
 from radixserve.api.tools import ToolPlan, call_id
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.chat_run import (
+    caller,
     check_model,
     encode,
     new_pieces,
@@ -64,7 +68,7 @@ class MessageEncoder:
 
     def events(self, job: Job, index: int = 0) -> list[dict]:
         t = job.trackers[index]
-        out: list[dict] = [] if self.started else self.idle(job)
+        out = self._open(job)
         pieces = new_pieces(self.parser, t)
         for piece in pieces:
             out += self._piece(piece)
@@ -78,12 +82,18 @@ class MessageEncoder:
         return out
 
     def idle(self, job: Job) -> list[dict]:
-        """The message's opening events once, then a ``ping`` each time: a stream whose
-        prompt is still being read is seen to be alive."""
+        """A ``ping`` (a stream whose request waits or whose prompt is still being read is
+        seen to be alive), after ``message_start`` if the request was admitted since."""
+        opening = self._open(job) if job.trackers[0].admitted else []
+        return [*opening, {"type": "ping"}]
+
+    def _open(self, job: Job) -> list[dict]:
+        """``message_start`` once, with the usage known from admission: sent before it,
+        its usage would count cached tokens as uncached."""
         if self.started:
-            return [{"type": "ping"}]
+            return []
         self.started = True
-        return [{"type": "message_start", "message": self._body(job, None)}, {"type": "ping"}]
+        return [{"type": "message_start", "message": self._body(job, None)}]
 
     def message(self, job: Job) -> dict[str, Any]:
         self.events(job)
@@ -178,8 +188,8 @@ def add_messages_routes(
         return JSONResponse(encoder.message(job), headers=headers)
 
     @app.post(MESSAGES_PATH + "/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> JSONResponse:
+    async def count_tokens(body: CountTokensRequest, raw: Request) -> JSONResponse:
         check_model(body.model, served_model_name)
         chat = await serving.checked(lambda: body.to_chat_input(defaults))
-        ids = await encode(serving, tokenizer, chat)
+        ids = await encode(serving, tokenizer, chat, serving.answers.recall(caller(raw)))
         return JSONResponse({"input_tokens": len(ids)}, headers=warning_headers(chat))

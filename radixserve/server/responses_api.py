@@ -11,7 +11,10 @@ One encoder builds the response's output items from the text and tool calls
 ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``, then
 ``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it); whole,
 as the response those events end with. Usage: ``input_tokens_details.cached_tokens`` is the
-prompt's part served from the cache (any tier).
+prompt's part served from the cache (any tier). The opening events go out once the engine
+has admitted the request (matched its prompt against the cache), and their usage already
+holds the final input figures (output tokens so far: none); a stream kept waiting before
+that sends SSE comments.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class ResponseEncoder:
 
     def events(self, job: Job, index: int = 0) -> list[dict]:
         t = job.trackers[index]
-        out: list[dict] = self.idle(job)
+        out = self._open(job)
         pieces = new_pieces(self.parser, t)
         for piece in pieces:
             out += self._text(piece) if isinstance(piece, Text) else self._call(piece)
@@ -106,8 +109,13 @@ class ResponseEncoder:
         return out
 
     def idle(self, job: Job) -> list[dict]:
-        """The response's opening events (``created``, ``in_progress``) once; nothing after
-        (the Responses API has no keepalive event: the stream sends an SSE comment)."""
+        """The response's opening events once the request is admitted; nothing else (the
+        Responses API has no keepalive event: the stream sends an SSE comment)."""
+        return self._open(job) if job.trackers[0].admitted else []
+
+    def _open(self, job: Job) -> list[dict]:
+        """``response.created`` and ``response.in_progress`` once, their usage the input
+        figures known from admission."""
         if self.started:
             return []
         self.started = True
@@ -156,7 +164,7 @@ class ResponseEncoder:
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
-            "usage": usage(job) if finished else None,
+            "usage": usage(job),
             **self.echo,
         }
 

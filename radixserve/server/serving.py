@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from radixserve.api.answers import AnswerMemory
 from radixserve.api.config import ServerConfig
 from radixserve.api.errors import ApiError, internal_error, unavailable
 from radixserve.engine import SamplingParams
@@ -79,6 +80,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     response_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    on_finish: Callable[[OutputTracker], None] | None = None  # as a choice ends well
 
     @property
     def finished(self) -> bool:
@@ -103,6 +105,7 @@ class Serving:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
         # grammar and tool-schema checks apart, so a large schema delays no one's tokenizing
         self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-check")
+        self.answers = AnswerMemory()  # the answers given with tools, as the model wrote them
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work on the worker thread; its ``ValueError`` becomes a 400."""
@@ -141,11 +144,7 @@ class Serving:
             )
 
     async def submit(
-        self,
-        kind: str,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        spec: RequestSpec,
+        self, kind: str, prompts: list[list[int]], params: list[SamplingParams], spec: RequestSpec
     ) -> tuple[Job, asyncio.Queue]:
         """One engine request per prompt, each ``spec`` with its own id, prompt and params."""
         self.check_size(len(prompts))
@@ -213,6 +212,8 @@ class Serving:
                 await self.client.abort(job.request_ids[tag], reason="stop")
             if tracker.finished:
                 self.metrics.on_finished(tracker.finish_reason, now - job.arrival)
+                if job.on_finish is not None and tracker.finish_reason in ("stop", "length"):
+                    job.on_finish(tracker)
             yield tag
 
     async def wait(self, job: Job, queue: asyncio.Queue, raw: Request) -> Job:

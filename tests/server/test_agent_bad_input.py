@@ -99,6 +99,7 @@ MALFORMED_RESPONSES = [
     (items({"type": "function_call", "name": "f", "arguments": "{}"}), "call_id"),
     (items({"type": "function_call_output", "call_id": "call_never", "output": "1"}),
      "call_never"),
+    (items({"type": "function_call_output", "output": "1"}), "call_id"),
     ({"model": "tiny", "input": "hi", "tools": [{"type": "function"}]}, "name"),
     ({"model": "tiny", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "tiny", "input": "hi", "previous_response_id": 7}, "previous_response_id"),

@@ -1,7 +1,7 @@
 """A three-round tool-using agent loop through the official ``openai`` client against the real
 Qwen2.5-Coder-0.5B-Instruct (slow; skipped when the model is not installed): call, tool
 result, call, tool result, answer; each round's prompt is served from the cache for
-everything the previous rounds sent."""
+everything the previous rounds sent and answered."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_three_round_agent_loop_reuses_every_previous_round(qwen_server):
         {"role": "system", "content": "You are a travel assistant. Use the tools."},
         {"role": "user", "content": "What is the weather in Oslo, and what time is it there?"},
     ]
-    prompts, cached, names = [], [], []
+    prompts, cached, names, drawn = [], [], [], []
     for round_, choice in enumerate(["required", "required", "auto"]):
         out = client.chat.completions.create(
             model="qwen", messages=messages, tools=TOOLS, tool_choice=choice,
@@ -58,8 +58,10 @@ def test_three_round_agent_loop_reuses_every_previous_round(qwen_server):
         )  # fmt: skip
         prompts.append(out.usage.prompt_tokens)
         cached.append(out.usage.prompt_tokens_details.cached_tokens)
-        if round_ > 0:  # everything the previous round sent is a prefix served from the cache
-            assert cached[-1] >= prompts[-2], (prompts, cached)
+        if round_ > 0:  # the previous round's prompt and answer (the call, as the model wrote
+            # it, all but its last token) are a prefix served from the cache
+            assert cached[-1] >= prompts[-2] + drawn[-1] - 1, (prompts, cached, drawn)
+        drawn.append(out.usage.completion_tokens)
         msg = out.choices[0].message
         if round_ == 2:
             break

@@ -11,7 +11,8 @@ connection went outside loopback (the agents are set up to stay offline), and th
 work: every model request after a session's first has >= 90% of its prompt cached, and a
 second, new Claude Code session in the same repository and home (Claude Code writes its
 home's path into its system prompt, before the tools) finds its system prompt and tools
-cached on its first request. Each request's output is capped (``testing/real_agents.py``):
+cached on its first request, and says so already in the ``message_start`` sent when the
+request is admitted. Each request's output is capped (``testing/real_agents.py``):
 a small model that recites its prompt instead of answering would otherwise decode for
 hours on a CPU. Whether the small model does the task is printed with the
 per-request figures and the transcript's path, not asserted.
@@ -29,6 +30,7 @@ import pytest
 
 from radixserve.bench.agent_sessions import claude_session, codex_session, mini_session
 from radixserve.bench.agent_transcript import model_turns
+from radixserve.bench.agent_wire import sse_events
 from radixserve.bench.agents import (
     BOTH_TASK,
     CLAUDE_CODE,
@@ -115,11 +117,15 @@ def test_claude_code_sessions_are_served_and_cached(agent_server, tmp_path):
     print(outcome(repo, "NOTES.md"))
     opening = model_turns(second.turns)[0]
     prefix = system_and_tools_tokens(agent_server, second.exchanges[opening.index].request_body)
+    # message_start goes out when the request is admitted: it says what the cache gave
+    start = sse_events(second.exchanges[opening.index].chunks)[0].data["message"]["usage"]
     print(
         f"second session, first request: {opening.cached_tokens} of "
-        f"{opening.prompt_tokens} cached; system prompt and tools: {prefix} tokens"
+        f"{opening.prompt_tokens} cached ({start['cache_read_input_tokens']} in its "
+        f"message_start); system prompt and tools: {prefix} tokens"
     )
     assert opening.cached_tokens >= prefix > 5000
+    assert start["cache_read_input_tokens"] == opening.cached_tokens
 
 
 @pytest.mark.slow

@@ -50,6 +50,9 @@ def test_stream_events_add_up_to_the_whole_response(url):
         "text"]  # fmt: skip
     prompt = whole["usage"]["input_tokens"]
     assert final["usage"]["input_tokens_details"]["cached_tokens"] == prompt - 1
+    # the opening events, sent once the request was admitted, already say what was cached
+    for _, opening in events[:2]:
+        assert opening["response"]["usage"]["input_tokens_details"]["cached_tokens"] == prompt - 1
     assert_whole(url)
 
 
@@ -100,7 +103,7 @@ def test_the_store_keeps_tenants_apart_and_is_bounded(url):
 def test_a_codex_shaped_request_is_served(url):
     """The fields Codex sends, in its shape (our own text): developer messages, store off,
     reasoning and its include, client metadata, a cache key, and function, namespace and
-    hosted tools (the hosted one left out, with a warning)."""
+    hosted tools (the hosted one left out, with a warning), an output given unasked."""
     body = {
         "model": "tiny", "stream": True, "store": False, "tool_choice": "auto",
         "parallel_tool_calls": True, "reasoning": {"summary": "auto"},
@@ -115,6 +118,9 @@ def test_a_codex_shaped_request_is_served(url):
             {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_time",
              "arguments": "{\"city\": \"Oslo\"}", "status": "completed"},
             {"type": "function_call_output", "call_id": "call_1", "output": "09:30"},
+            # an output no call asked for, as Codex gives its goal after setting one
+            {"type": "function_call_output", "name": "goal_objective", "namespace": "agent",
+             "output": "List the files."},
         ],
         "max_output_tokens": 30,
     }  # fmt: skip
