@@ -28,7 +28,7 @@ struct KeysI8 {
 };
 // rows: BK pointers to int8 KV rows (codes, then float16 scales), null past the tile's keys
 void pack_keys_i8(const uint8_t* const* rows, int64_t D, int64_t group, KeysI8& k);
-// s[i][j] = q_i . k_j for the R (<= 8) query vectors from first, all BK keys of the tile
+// s[i][j] = q_i . k_j for the R (<= 6) query vectors from first, all BK keys of the tile
 void scores_i8(const QueriesI8& q, int64_t first, int R, int64_t D, int64_t group,
                const KeysI8& k, float* s);
 

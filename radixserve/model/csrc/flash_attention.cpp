@@ -10,9 +10,8 @@
 // then walks its keys in tiles of BK: each tile's K rows are read from the pool once for the
 // whole block, decoded to float (bfloat16, float16) and transposed into K^T [D][BK] (int8
 // keys: kept as codes for integer dot products, flash_i8.cpp), and its V rows decoded into
-// [BK][D] (float32 V rows are read in place); micro tiles of MR query vectors (the last one up
-// to MR + 2: a decode row of 7 or 8 query heads per KV head in one pass) compute scores, an
-// online softmax (running max and sum per query vector, the output rescaled when the max
+// [BK][D] (float32 V rows are read in place); micro tiles of MR query vectors compute scores,
+// an online softmax (running max and sum per query vector, the output rescaled when the max
 // grows), and the weighted V sum. Scratch is O(rows x head_dim), never O(context^2), and the
 // pool is read in place: no gathered or decoded copy of the context.
 //
@@ -37,12 +36,6 @@ constexpr int QK_NV = 2;
 constexpr int PV_NV = 2;
 #endif
 constexpr int MR = 6;   // query vectors per micro tile
-// The last micro tile of a block takes up to MR + 2 vectors (one decode row of 7 or 8 query
-// heads per KV head in one pass over the tile, not 6 and a pass for the rest), with half the
-// vectors of keys or dims per step so its accumulators still fit the registers.
-constexpr int MR_TAIL = MR + 2;
-template <int R, int NV>
-constexpr int kFit = R <= MR ? NV : NV / 2;
 using flash::BK;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMinSplitKeys = 512;  // a part of a split key range has at least this many
@@ -219,22 +212,21 @@ void pack_tile(const KVLayer& kv, int64_t head, const int64_t* ctx, int64_t t, i
 // s[i][j] = q_i . k_j for R query vectors (rows of qp, D apart) and the tile's BK keys
 template <int R>
 void scores(const float* qp, int64_t D, const float* kt, float* s) {
-  constexpr int NV = kFit<R, QK_NV>;
-  for (int j0 = 0; j0 < BK; j0 += NV * W) {
-    vec acc[R][NV] = {};
+  for (int j0 = 0; j0 < BK; j0 += QK_NV * W) {
+    vec acc[R][QK_NV] = {};
     for (int64_t d = 0; d < D; ++d) {
-      vec kv[NV];
+      vec kv[QK_NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) kv[v] = loadv(kt + d * BK + j0 + v * W);
-#pragma GCC unroll 8
+      for (int v = 0; v < QK_NV; ++v) kv[v] = loadv(kt + d * BK + j0 + v * W);
+#pragma GCC unroll 6
       for (int i = 0; i < R; ++i) {
         const float q = qp[i * D + d];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] += q * kv[v];
+        for (int v = 0; v < QK_NV; ++v) acc[i][v] += q * kv[v];
       }
     }
     for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) storev(s + i * BK + j0 + v * W, acc[i][v]);
+      for (int v = 0; v < QK_NV; ++v) storev(s + i * BK + j0 + v * W, acc[i][v]);
   }
 }
 
@@ -246,7 +238,7 @@ void values_part(const float* p, const float* const* vrow, int64_t D, int64_t d0
     vec vv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) vv[v] = loadv(vrow[j] + d0 + v * W);
-#pragma GCC unroll 8
+#pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
       const float pj = p[i * BK + j];
 #pragma GCC unroll 4
@@ -262,9 +254,8 @@ void values_part(const float* p, const float* const* vrow, int64_t D, int64_t d0
 
 template <int R>
 void values(const float* p, const float* const* vrow, int64_t D, const float* alpha, float* o) {
-  constexpr int NV = kFit<R, PV_NV>;
   int64_t d0 = 0;
-  for (; d0 + NV * W <= D; d0 += NV * W) values_part<R, NV>(p, vrow, D, d0, alpha, o);
+  for (; d0 + PV_NV * W <= D; d0 += PV_NV * W) values_part<R, PV_NV>(p, vrow, D, d0, alpha, o);
   for (; d0 < D; d0 += W) values_part<R, 1>(p, vrow, D, d0, alpha, o);
 }
 
@@ -321,17 +312,15 @@ struct Scratch {
 template <int R>
 void finish(float* s, const int64_t* a, const int64_t* b, float* m, float* l, const float* const* vrow,
             int64_t D, float* o) {
-  float alpha[MR_TAIL];
+  float alpha[MR];
   for (int i = 0; i < R; ++i) alpha[i] = softmax_step(s + i * BK, a[i], b[i], m[i], l[i]);
   values<R>(s, vrow, D, alpha, o);
 }
 using FinishFn = void (*)(float*, const int64_t*, const int64_t*, float*, float*, const float* const*, int64_t,
                           float*);
-constexpr FinishFn kFinish[MR_TAIL + 1] = {nullptr,   finish<1>, finish<2>, finish<3>, finish<4>,
-                                           finish<5>, finish<6>, finish<7>, finish<8>};
+constexpr FinishFn kFinish[MR + 1] = {nullptr, finish<1>, finish<2>, finish<3>, finish<4>, finish<5>, finish<6>};
 using ScoresFn = void (*)(const float*, int64_t, const float*, float*);
-constexpr ScoresFn kScores[MR_TAIL + 1] = {nullptr,   scores<1>, scores<2>, scores<3>, scores<4>,
-                                           scores<5>, scores<6>, scores<7>, scores<8>};
+constexpr ScoresFn kScores[MR + 1] = {nullptr, scores<1>, scores<2>, scores<3>, scores<4>, scores<5>, scores<6>};
 
 template <KVType T>
 void run_task(const AttnRows& p, const KVLayer& kv, const Task& task, Scratch& sc, float* parts) {
@@ -340,7 +329,7 @@ void run_task(const AttnRows& p, const KVLayer& kv, const Task& task, Scratch& s
   sc.o.assign(M * D, 0.f);
   sc.m.assign(M, -INFINITY);
   sc.l.assign(M, 0.f);
-  sc.s.resize(MR_TAIL * BK);
+  sc.s.resize(MR * BK);
   sc.kt.resize(D * BK);
   sc.vp.resize(BK * D);
   sc.kp.resize(BK * D);
@@ -355,13 +344,12 @@ void run_task(const AttnRows& p, const KVLayer& kv, const Task& task, Scratch& s
   const int64_t* ctx = p.ctx + p.ctx_start[task.seq];
   const float* vrow[BK];
   const Tile tile{sc.kt.data(), sc.vp.data(), vrow, sc.kp.data(), &sc.ki8};
-  int64_t a[MR_TAIL], b[MR_TAIL];
+  int64_t a[MR], b[MR];
   for (int64_t t = task.k0; t < task.k1; t += BK) {
     const int64_t nk = std::min<int64_t>(BK, task.k1 - t);
     bool packed = false;
-    int R = 0;
-    for (int64_t i0 = 0; i0 < M; i0 += R) {
-      R = static_cast<int>(M - i0 <= MR_TAIL ? M - i0 : MR);
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+      const int R = static_cast<int>(std::min<int64_t>(MR, M - i0));
       bool any = false;
       for (int i = 0; i < R; ++i) {
         const int64_t r = task.r0 + (i0 + i) / G;

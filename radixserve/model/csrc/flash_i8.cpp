@@ -20,14 +20,14 @@ namespace {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RS_I8_512 1
 constexpr int L = 16;  // keys per integer vector
-constexpr int RMAX = 8;
+constexpr int RMAX = 6;
 #elif defined(RS_AVX2)
 #define RS_I8_256 1
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define RS_I8_BIAS 1  // vpdpbusd on 256 bits
 #endif
 constexpr int L = 8;
-constexpr int RMAX = 4;
+constexpr int RMAX = 3;
 #else
 constexpr int L = 8;
 constexpr int RMAX = 6;
@@ -48,35 +48,35 @@ inline int32_t unit_at(const int8_t* p) {
 #if defined(RS_I8_512)
 template <int R>
 void scores_r(const QueriesI8& q, int64_t first, int64_t D, int64_t group, const KeysI8& k, float* s) {
-  constexpr int NV = R <= 6 ? 2 : 1;  // vectors of keys per pass: the accumulators fit the registers
   const int64_t NG = D / group, UPG = group / 4;
-  for (int v0 = 0; v0 < BK; v0 += NV * L) {
-    __m512 f[R][NV];
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) f[i][v] = _mm512_setzero_ps();
+  for (int v0 = 0; v0 < BK; v0 += 2 * L) {
+    __m512 f[R][2];
+    for (int i = 0; i < R; ++i) f[i][0] = f[i][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; ++g) {
-      __m512i acc[R][NV];
-      for (int i = 0; i < R; ++i)
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_si512();
+      __m512i acc[R][2];
+      for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
       for (int64_t u = g * UPG; u < (g + 1) * UPG; ++u) {
-        __m512i kc[NV];
-        for (int v = 0; v < NV; ++v) kc[v] = _mm512_loadu_si512(k.units.data() + u * BK + v0 + v * L);
+        const __m512i k0 = _mm512_loadu_si512(k.units.data() + u * BK + v0);
+        const __m512i k1 = _mm512_loadu_si512(k.units.data() + u * BK + v0 + L);
         for (int i = 0; i < R; ++i) {
           const __m512i qb = _mm512_set1_epi32(unit_at(q.codes.data() + (first + i) * D + 4 * u));
-          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], kc[v], qb);
+          acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], k0, qb);
+          acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], k1, qb);
         }
       }
-      __m512 ks[NV];
-      for (int v = 0; v < NV; ++v) ks[v] = _mm512_loadu_ps(k.scale.data() + g * BK + v0 + v * L);
+      const __m512 s0 = _mm512_loadu_ps(k.scale.data() + g * BK + v0);
+      const __m512 s1 = _mm512_loadu_ps(k.scale.data() + g * BK + v0 + L);
       for (int i = 0; i < R; ++i) {
         const __m512 qs = _mm512_set1_ps(q.scale[(first + i) * NG + g]);
         const __m512 off = _mm512_set1_ps(q.offset[(first + i) * NG + g]);
-        for (int v = 0; v < NV; ++v)
-          f[i][v] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][v]), off), _mm512_mul_ps(ks[v], qs), f[i][v]);
+        f[i][0] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][0]), off), _mm512_mul_ps(s0, qs), f[i][0]);
+        f[i][1] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][1]), off), _mm512_mul_ps(s1, qs), f[i][1]);
       }
     }
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + i * BK + v0 + v * L, f[i][v]);
+    for (int i = 0; i < R; ++i) {
+      _mm512_storeu_ps(s + i * BK + v0, f[i][0]);
+      _mm512_storeu_ps(s + i * BK + v0 + L, f[i][1]);
+    }
   }
 }
 #elif defined(RS_I8_256)
@@ -224,24 +224,19 @@ void pack_keys_i8(const uint8_t* const* rows, int64_t D, int64_t group, KeysI8& 
 
 void scores_i8(const QueriesI8& q, int64_t first, int R, int64_t D, int64_t group, const KeysI8& k,
                float* s) {
-  // in passes of at most RMAX vectors, as even as they come (7 on AVX2: 4 and 3)
-  const int passes = (R + RMAX - 1) / RMAX;
-  for (int i0 = 0, left = passes; i0 < R; --left) {
-    const int n = (R - i0 + left - 1) / left;
+  for (int i0 = 0; i0 < R; i0 += RMAX) {
+    const int n = std::min(RMAX, R - i0);
     float* out = s + i0 * BK;
     switch (n) {
       case 1: scores_r<1>(q, first + i0, D, group, k, out); break;
       case 2: scores_r<2>(q, first + i0, D, group, k, out); break;
       case 3: scores_r<3>(q, first + i0, D, group, k, out); break;
-      case 4: scores_r<4>(q, first + i0, D, group, k, out); break;
 #if !defined(RS_I8_256)
+      case 4: scores_r<4>(q, first + i0, D, group, k, out); break;
       case 5: scores_r<5>(q, first + i0, D, group, k, out); break;
       case 6: scores_r<6>(q, first + i0, D, group, k, out); break;
-      case 7: scores_r<7>(q, first + i0, D, group, k, out); break;
-      case 8: scores_r<8>(q, first + i0, D, group, k, out); break;
 #endif
     }
-    i0 += n;
   }
 }
 
