@@ -11,6 +11,11 @@ thread talks to it through two queues:
 
 A side that binds starts its context's ``guard`` (``links/guard.py``) before it binds, so
 with CurveZMQ keys only allowed clients get through.
+
+``close`` stops the thread and then frees what it used (the guard, the context and its
+sockets, the two pipes). Sockets are not thread-safe, so this never happens under a thread
+that is still running: if it has not stopped within ``close_timeout`` (a handler stuck), close
+returns without freeing anything and the thread frees it all itself when it ends.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class IOThread(ABC):
     """Subclasses create sockets in ``setup`` (in the thread) and handle traffic in
     ``on_message``, ``on_command`` and ``on_tick``."""
 
+    close_timeout = 10.0  # seconds close waits for the thread before leaving it to free itself
+
     def __init__(
         self,
         name: str,
@@ -86,8 +93,14 @@ class IOThread(ABC):
         self._started = threading.Event()
         self._setup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # Who frees the resources: close, unless the thread was still running when close
+        # gave up waiting (then the thread, as it ends). Both decide under this lock.
+        self._owner = threading.Lock()
+        self._running = False
+        self._abandoned = False
 
     def start(self) -> None:
+        self._running = True
         self._thread.start()
         self._started.wait()
         if self._setup_error is not None:
@@ -117,7 +130,18 @@ class IOThread(ABC):
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(10)
+            self._thread.join(self.close_timeout)
+        with self._owner:
+            if self._running:
+                self._abandoned = True
+                log.warning(
+                    "%s did not stop within %.1f s; it frees its sockets when it ends",
+                    self._thread.name, self.close_timeout,
+                )  # fmt: skip
+                return
+        self._free()
+
+    def _free(self) -> None:
         self.guard.close()
         self.ctx.destroy(linger=0)
         self._wake.close()
@@ -142,6 +166,16 @@ class IOThread(ABC):
         """Called at least every heartbeat interval / 4: heartbeats and silence checks."""
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            with self._owner:
+                self._running = False
+                abandoned = self._abandoned
+            if abandoned:
+                self._free()
+
+    def _serve(self) -> None:
         try:
             self.setup()
         except BaseException as e:  # e.g. the port is taken: report it to start()

@@ -79,6 +79,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=1)
 
 
+def add_step_args(g: argparse._ArgumentGroup) -> None:
+    """What sets the simulated engine's step times: the timing model and the batch limits."""
+    g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
+    g.add_argument("--chunked-prefill-size", type=int, default=256)
+    g.add_argument("--max-running-requests", type=int, default=64)
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", help="default: sim_results/<timestamp>")
+    g.add_argument("--no-plots", action="store_true")
+
+
 def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "simulate", help="trace-driven simulation of instances, eviction and routing",
@@ -89,8 +102,7 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     add_engine_args(p)
     g = p.add_argument_group("engine and fleet")
     g.add_argument("--schedule-policy", default="lpm", choices=SCHEDULE_POLICIES)
-    g.add_argument("--chunked-prefill-size", type=int, default=256)
-    g.add_argument("--max-running-requests", type=int, default=64)
+    add_step_args(g)
     g.add_argument("--instances", default="1", help="instance counts, e.g. 1,10,100,1000")
     g.add_argument("--routing", default="cache-aware", help="routing policies (see docs)")
     g.add_argument("--event-delay", type=float, default=0.0, help="KV events reach the router")
@@ -101,7 +113,6 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="for each instance count N > 1, also simulate one instance with N times the KV "
         "pool, running requests and speed (the pooled optimum routing is measured against)",
     )  # fmt: skip
-    g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
     g = p.add_argument_group("host tier (the server's options; a list is a grid dimension)")
     g.add_argument(
         "--host-kv-memory", default="none",
@@ -114,9 +125,7 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="when KV is copied to the host tier: once reused (write_through_selective), as "
         "soon as computed (write_through) or when evicted (write_back, the default)",
     )  # fmt: skip
-    g = p.add_argument_group("output")
-    g.add_argument("--output-dir", help="default: sim_results/<timestamp>")
-    g.add_argument("--no-plots", action="store_true")
+    add_output_args(p)
     p.set_defaults(func=cmd_simulate, parser=p)
     sub = p.add_subparsers(dest="action")
     r = sub.add_parser("replay", help="cache-only replay: policies, Belady, designs")
@@ -144,13 +153,10 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="also run each pool and online policy through the event loop at the trace's "
         "arrival times and report TTFT p50/p99 from the timing model",
     )  # fmt: skip
-    g.add_argument("--timing", default="cpu-smollm2-135m", help="profile name or JSON file")
+    add_step_args(g)
     g.add_argument("--timing-speedup", type=float, default=1.0,
                    help="divide the timing model's times by this (a faster machine)")  # fmt: skip
-    g.add_argument("--chunked-prefill-size", type=int, default=256)
-    g.add_argument("--max-running-requests", type=int, default=64)
-    r.add_argument("--output-dir")
-    r.add_argument("--no-plots", action="store_true")
+    add_output_args(r)
     r.set_defaults(func=cmd_replay, parser=r, kv_tokens=None,
                    eviction=",".join((*EVICTION_POLICIES, "belady")))  # fmt: skip
     f = sub.add_parser("fit", help="measure this engine's step costs; write a timing model")

@@ -1,6 +1,7 @@
 """Parsing of the ``radixserve simulate`` options shared by its sub-commands: comma-separated
-lists, ``key=value`` pairs, the trace named by ``--trace``, the grid of cache settings, the
-output folder and the run's metadata.
+lists, ``key=value`` pairs, the trace named by ``--trace``, the timing model named by
+``--timing``, the grid of cache settings and the engine of one of its cells, the output folder
+and the run's metadata. A bad value is a parser error naming the option.
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from radixserve.config import EngineConfig
+from radixserve.sim.timing import TimingModel
+
 
 def split_list(text: str, cast=str) -> list:
     return [cast(x.strip()) for x in str(text).split(",") if x.strip()]
 
 
+def is_off(text: str) -> bool:
+    """Whether a list item turns its setting off (``none``, ``off`` or ``0``)."""
+    return text.lower() in ("none", "off", "0")
+
+
 def parse_threshold(text: str) -> float | None:
-    return None if text.lower() in ("none", "off", "0") else float(text)
+    return None if is_off(text) else float(text)
 
 
 def build_trace(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -100,6 +109,26 @@ def cache_grid(parser, args) -> list[tuple[int, str, float | None]]:
     except ValueError as e:
         parser.error(f"--kv-tokens / --cache-threshold: {e}")
     return list(itertools.product(kv, split_list(args.eviction), thresholds))
+
+
+def engine_options(args: argparse.Namespace, kv: int, policy: str, threshold: float | None,
+                   **options: Any) -> EngineConfig:  # fmt: skip
+    """The engine config of one cell of ``cache_grid`` with the step options
+    (``--page-size``, ``--chunked-prefill-size``, ``--max-running-requests``) and ``options``;
+    a bad value is a ValueError naming the option."""
+    return EngineConfig.from_options(
+        max_total_tokens=kv, page_size=args.page_size, eviction_policy=policy,
+        cache_threshold=threshold, chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests, load_progress=False, **options,
+    )  # fmt: skip
+
+
+def timing_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TimingModel:
+    """The timing model ``--timing`` names (a profile or a JSON file)."""
+    try:
+        return TimingModel.load(args.timing)
+    except ValueError as e:
+        parser.error(f"--timing: {e}")
 
 
 def check_plots(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -15,22 +15,23 @@ import itertools
 import json
 import sys
 
-from radixserve.config import EngineConfig
 from radixserve.sim.cli_args import (
     build_trace,
     cache_grid,
     check_plots,
+    engine_options,
+    is_off,
     kv_pairs,
     out_dir,
     run_meta,
     split_list,
+    timing_model,
 )
 from radixserve.sim.instance import host_tier_slots
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
 from radixserve.sim.report import write_report
 from radixserve.sim.routing import RoutingConfig
-from radixserve.sim.timing import TimingModel
 
 
 def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -39,24 +40,17 @@ def simulate_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         instances = split_list(args.instances, int)
     except ValueError as e:
         parser.error(f"--instances: {e}")
-    hosts = [None if h.lower() in ("none", "off", "0") else h
-             for h in split_list(args.host_kv_memory)]  # fmt: skip
+    hosts = [None if is_off(h) else h for h in split_list(args.host_kv_memory)]
     if args.write_policy and not any(hosts):
         parser.error("--write-policy needs a host tier: give --host-kv-memory")
-    try:
-        timing = TimingModel.load(args.timing)
-    except ValueError as e:
-        parser.error(f"--timing: {e}")
+    timing = timing_model(parser, args)
     configs = []  # every configuration is validated before anything runs
     for (kv, policy, threshold), host, n, routing in itertools.product(
         cache_grid(parser, args), hosts or [None], instances, split_list(args.routing)
     ):
         try:
-            engine = EngineConfig.from_options(
-                max_total_tokens=kv, page_size=args.page_size, eviction_policy=policy,
-                cache_threshold=threshold, schedule_policy=args.schedule_policy,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_running_requests=args.max_running_requests, load_progress=False,
+            engine = engine_options(
+                args, kv, policy, threshold, schedule_policy=args.schedule_policy,
                 host_kv_memory=host, write_policy=args.write_policy if host else None,
             )  # fmt: skip
             host_tier_slots(engine, timing)

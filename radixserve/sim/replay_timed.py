@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Any
 
-from radixserve.config import EngineConfig
+from radixserve.sim.cli_args import engine_options, timing_model
 from radixserve.sim.loop import SimConfig, Simulation
 from radixserve.sim.metrics import summarize
 from radixserve.sim.routing import RoutingConfig
@@ -30,11 +30,7 @@ TIMED = ("ttft_p50_s", "ttft_p99_s", "hit_rate", "requests_failed", "wall_s")
 def load_timing(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TimingModel:
     if not args.timing_speedup > 0:
         parser.error(f"--timing-speedup must be > 0, got {args.timing_speedup}")
-    try:
-        timing = TimingModel.load(args.timing)
-    except ValueError as e:
-        parser.error(f"--timing: {e}")
-    return timing.scaled(1 / args.timing_speedup)
+    return timing_model(parser, args).scaled(1 / args.timing_speedup)
 
 
 def timed_row(
@@ -49,11 +45,7 @@ def timed_row(
     """The timed figures of one pool and policy, named ``timed_*`` (``timed_hit_rate``: the
     hit rate of the same requests served overlapping, which may differ from the replay's)."""
     try:
-        engine = EngineConfig.from_options(
-            max_total_tokens=pool, page_size=args.page_size, eviction_policy=policy,
-            cache_threshold=threshold, chunked_prefill_size=args.chunked_prefill_size,
-            max_running_requests=args.max_running_requests, load_progress=False,
-        )  # fmt: skip
+        engine = engine_options(args, pool, policy, threshold)
         config = SimConfig(engine, 1, RoutingConfig(seed=args.seed), args.max_concurrency,
                            args.session_rate, args.seed)  # fmt: skip
         sim = Simulation(trace, config, timing)

@@ -15,10 +15,10 @@ Inside: ``grammar`` (the backend choice, compilation, matcher state, masks), ``b
 interface of a grammar engine), ``xgrammar_backend`` and ``llguidance_backend`` (the two
 engines, tried in that order), ``jump_forward`` (grammar-forced tokens proposed as a draft),
 ``schema_walk`` (the sub-schemas of a document), ``schema_support`` / ``schema_rewrite`` /
-``schema_forms`` / ``schema_merge`` / ``schema_types`` / ``schema_conditions`` /
-``schema_patterns`` / ``schema_dynamic`` (which JSON Schemas xgrammar enforces exactly, and
-exact rewrites of some that it does not), ``regex_support`` (pattern constructs xgrammar
-drops), ``regex_ast`` / ``regex_exclude`` (patterns read into a tree, and exact
+``schema_document`` / ``schema_forms`` / ``schema_merge`` / ``schema_types`` /
+``schema_conditions`` / ``schema_patterns`` / ``schema_dynamic`` (which JSON Schemas xgrammar
+enforces exactly, and exact rewrites of some that it does not), ``regex_support`` (pattern
+constructs xgrammar drops), ``regex_ast`` / ``regex_exclude`` (patterns read into a tree, and exact
 lookahead-free forms written from it).
 """
 

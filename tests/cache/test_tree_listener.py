@@ -12,15 +12,12 @@ from __future__ import annotations
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
-from radixserve.cache import KVPool, KVShape, PagedAllocator, RadixCache, TreeListener
-from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.tier_controller import WRITE_POLICIES, TierController
+from radixserve.cache import PagedAllocator, RadixCache, TreeListener
+from radixserve.cache.tier_controller import WRITE_POLICIES
 from radixserve.cache.tree_check import walk
-
-SHAPE = KVShape(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
-PAGE = 2
+from testing.tree_machine import PAGE, tiered_tree_machine
 
 
 class Mirror(TreeListener):
@@ -59,42 +56,18 @@ class Mirror(TreeListener):
         self.host.remove(node)
 
 
-class MirroredTree(RuleBasedStateMachine):
-    def __init__(self):
-        super().__init__()
-        self.setup(WRITE_POLICIES[0])
+SEQUENCES = st.lists(st.integers(0, 2), min_size=0, max_size=12)
 
-    def setup(self, policy):
-        self.alloc = PagedAllocator(24, PAGE)
-        host = HostKVPool(KVPool(SHAPE, self.alloc.num_slots), 40, PAGE)
-        self.cache = RadixCache(self.alloc)
-        self.mirror = Mirror()
-        self.cache.add_listener(self.mirror)
-        self.tiers = TierController(self.cache, host, policy, load_back_min_tokens=PAGE)
-        self.locks: list = []
+
+class MirroredTree(tiered_tree_machine(slots=24, sequences=SEQUENCES)):
+    def make_listener(self) -> Mirror:
+        return Mirror()
 
     @rule(policy=st.sampled_from(WRITE_POLICIES))
     def switch_policy(self, policy):
-        self.setup(policy)
+        self.build(policy)
 
-    sequences = st.lists(st.integers(0, 2), min_size=0, max_size=12)
-
-    @rule(tokens=sequences)
-    def insert(self, tokens):
-        match = self.tiers.load_back(self.cache.match_prefix(tokens))
-        self.cache.inc_lock_ref(match.handle)
-        aligned = len(tokens) // PAGE * PAGE
-        need = aligned - match.device_len
-        new = self.alloc.alloc(need)
-        if new is None:
-            self.cache.evict(need - self.alloc.free_size())
-            new = self.alloc.alloc(need)
-        if new is not None and aligned:
-            slots = torch.cat([match.device_indices, new])
-            self.cache.insert(tokens[:aligned], slots)
-        self.cache.dec_lock_ref(match.handle)
-
-    @rule(tokens=sequences)
+    @rule(tokens=SEQUENCES)
     def attach_from_storage(self, tokens):
         start = self.cache.peek_prefix(tokens).length
         aligned = len(tokens) // PAGE * PAGE
@@ -102,36 +75,14 @@ class MirroredTree(RuleBasedStateMachine):
         if aligned > start and slots is not None:
             self.tiers.attach_host(tokens[:aligned], None, start, slots)
 
-    @rule(tokens=sequences)
-    def lock(self, tokens):
-        match = self.tiers.load_back(self.cache.match_prefix(tokens, record_stats=False))
-        self.cache.inc_lock_ref(match.handle)
-        self.locks.append(match.handle)
-
-    @precondition(lambda self: self.locks)
-    @rule()
-    def unlock(self):
-        self.cache.dec_lock_ref(self.locks.pop())
-
-    @rule(n=st.integers(0, 24))
-    def evict(self, n):
-        self.cache.evict(n)
-
-    @rule(n=st.integers(0, 40))
-    def evict_host(self, n):
-        self.cache.evict_host(n)
-
-    @rule()
-    def reset(self):
-        self.cache.reset()
-
     @invariant()
     def mirror_agrees(self):
         nodes = [node for node, _ in walk(self.cache)]
-        assert self.mirror.device == {n for n in nodes if n.value is not None}
-        assert self.mirror.host == {n for n in nodes if n.host_value is not None}
-        assert sum(len(n.key) for n in self.mirror.device) == self.cache.total_size()
-        assert sum(len(n.key) for n in self.mirror.host) == self.cache.host_size()
+        mirror = self.listener
+        assert mirror.device == {n for n in nodes if n.value is not None}
+        assert mirror.host == {n for n in nodes if n.host_value is not None}
+        assert sum(len(n.key) for n in mirror.device) == self.cache.total_size()
+        assert sum(len(n.key) for n in mirror.host) == self.cache.host_size()
         self.cache.check_integrity(torch.empty(0, dtype=torch.int64))
 
 

@@ -13,16 +13,13 @@ import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
-from radixserve.cache import KVPool, KVShape, PagedAllocator, RadixCache
-from radixserve.cache.host_pool import HostKVPool
-from radixserve.cache.tier_controller import WRITE_POLICIES, TierController
+from radixserve.cache import PagedAllocator, RadixCache
 from radixserve.cache.tree_check import walk
 from radixserve.engine.drafts.cache_index import NgramIndex, path_tail
+from testing.tree_machine import tiered_tree_machine
 
-SHAPE = KVShape(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
-PAGE = 2
 SIZES = (4, 2)
 
 
@@ -45,85 +42,36 @@ def follows(cache: RadixCache, namespace, ids: list[int], tokens: list[int]) -> 
     return False
 
 
-class IndexedTree(RuleBasedStateMachine):
-    def __init__(self):
-        super().__init__()
-        self.alloc = PagedAllocator(40, PAGE)
-        host = HostKVPool(KVPool(SHAPE, self.alloc.num_slots), 40, PAGE)
-        self.cache = RadixCache(self.alloc)
-        self.index = NgramIndex(SIZES)
-        self.cache.add_listener(self.index)
-        self.tiers = TierController(self.cache, host, WRITE_POLICIES[0], load_back_min_tokens=PAGE)
-        self.locks: list = []
-        self.last: tuple | None = None
+SEQUENCES = st.lists(st.integers(0, 3), min_size=0, max_size=14)
+NAMESPACES = st.sampled_from([None, "a", "b"])
 
-    sequences = st.lists(st.integers(0, 3), min_size=0, max_size=14)
-    namespaces = st.sampled_from([None, "a", "b"])
 
-    @rule(tokens=sequences, namespace=namespaces)
-    def insert(self, tokens, namespace):
-        match = self.tiers.load_back(self.cache.match_prefix(tokens, namespace))
-        self.cache.inc_lock_ref(match.handle)
-        aligned = len(tokens) // PAGE * PAGE
-        need = aligned - match.device_len
-        new = self.alloc.alloc(need)
-        if new is None:
-            self.cache.evict(need - self.alloc.free_size())
-            new = self.alloc.alloc(need)
-        if new is not None and aligned:
-            slots = torch.cat([match.device_indices, new])
-            self.cache.insert(tokens[:aligned], slots, namespace)
-            self.last = (tokens[:aligned], namespace)
-        self.cache.dec_lock_ref(match.handle)
+class IndexedTree(tiered_tree_machine(slots=40, sequences=SEQUENCES, namespaces=NAMESPACES)):
+    def make_listener(self) -> NgramIndex:
+        return NgramIndex(SIZES)
 
-    @rule(tokens=sequences, namespace=namespaces)
-    def lock(self, tokens, namespace):
-        match = self.tiers.load_back(self.cache.match_prefix(tokens, namespace, False))
-        self.cache.inc_lock_ref(match.handle)
-        self.locks.append(match.handle)
-
-    @precondition(lambda self: self.locks)
-    @rule()
-    def unlock(self):
-        self.cache.dec_lock_ref(self.locks.pop())
-
-    @rule(n=st.integers(0, 40))
-    def evict(self, n):
-        self.cache.evict(n)
-        if self.last and self.cache.peek_prefix(*self.last).length < len(self.last[0]):
-            self.last = None
-
-    @rule(n=st.integers(0, 40))
-    def evict_host(self, n):
-        self.cache.evict_host(n)
-
-    @rule()
-    def reset(self):
-        self.cache.reset()
-        self.last = None
-
-    @rule(ids=sequences, namespace=namespaces)
+    @rule(ids=SEQUENCES, namespace=NAMESPACES)
     def propose(self, ids, namespace):
         """A lookup proposes a real continuation of its n-gram, from its own namespace."""
         ids = np.array(ids, np.int32)
-        found = self.index.find(ids, namespace)
+        found = self.listener.find(ids, namespace)
         if found is None:
             return
         node, end, match = found
         assert node.namespace == namespace and match >= min(SIZES)
-        tokens = self.index.continuation(node, end, 6)
+        tokens = self.listener.continuation(node, end, 6)
         assert tokens and follows(self.cache, namespace, ids.tolist(), tokens)
 
     @invariant()
     def index_agrees(self):
         self.cache.check_integrity(torch.empty(0, dtype=torch.int64))  # runs index.check
-        assert self.index.num_entries <= self.cache.total_size() * len(SIZES)
+        assert self.listener.num_entries <= self.cache.total_size() * len(SIZES)
         if self.cache.total_size() == 0:
-            assert self.index.num_entries == 0
+            assert self.listener.num_entries == 0
         if self.last is not None:  # what was just cached is found (when something follows)
             tokens, namespace = self.last
             for cut in range(min(SIZES), len(tokens)):
-                assert self.index.find(np.array(tokens[:cut], np.int32), namespace) is not None
+                assert self.listener.find(np.array(tokens[:cut], np.int32), namespace) is not None
 
 
 def test_the_index_stays_in_step_with_the_tree():
@@ -143,3 +91,14 @@ def test_a_tenant_is_never_proposed_another_tenant_s_text():
     assert index.continuation(node, end, 5) == secret[10:15] and match == 10
     cache.evict(len(secret))
     assert index.num_entries == 0 and index.find(np.array(secret[:10], np.int32), "a") is None
+
+
+def test_a_new_leaf_does_not_hide_an_earlier_occurrence_that_has_a_continuation():
+    cache = RadixCache(PagedAllocator(16, 1))
+    index = NgramIndex(SIZES)
+    cache.add_listener(index)
+    cache.insert([2, 0], cache.allocator.alloc(2))
+    cache.insert([2, 0, 2, 0], torch.cat([cache.match_prefix([2, 0]).device_indices,
+                                          cache.allocator.alloc(2)]))  # fmt: skip
+    node, end, _ = index.find(np.array([2, 0], np.int32), None)
+    assert index.continuation(node, end, 4) == [2, 0]

@@ -76,9 +76,27 @@ class NgramIndex(TreeListener):
         return ngram_hashes(context, n).tolist()[-(stop - start) :]
 
     def _add(self, node: TreeNode, start: int = 0, stop: int | None = None) -> None:
+        """Index ``node.key[start:stop]``. Nothing follows a new leaf's last token yet, so
+        that n-gram does not displace an earlier occurrence that has a continuation; it
+        points at ``node`` once a child follows (``_followed``)."""
+        leaf_end = not node.children and (stop is None or stop == len(node.key))
         for n in self.sizes:
             table = self.tables.setdefault((node.namespace, n), {})
-            table.update(dict.fromkeys(self._hashes(node, n, start, stop), node))
+            hashes = self._hashes(node, n, start, stop)
+            if leaf_end and hashes:
+                table.setdefault(hashes.pop(), node)
+            table.update(dict.fromkeys(hashes, node))
+        self._followed(node.parent)
+
+    def _followed(self, node: TreeNode | None) -> None:
+        """``node`` now has a child: its last n-grams have something after them."""
+        if node is None or node.parent is None or node.value is None or not len(node.key):
+            return
+        for n in self.sizes:
+            table = self.tables.get((node.namespace, n))
+            last = self._hashes(node, n, len(node.key) - 1)
+            if table is not None and last:
+                table[last[0]] = node
 
     def _remove(self, node: TreeNode) -> None:
         for n in self.sizes:
