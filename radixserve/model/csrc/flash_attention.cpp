@@ -10,9 +10,10 @@
 // then walks its keys in tiles of BK: each tile's K rows are read from the pool once for the
 // whole block, decoded to float (bfloat16, float16) and transposed into K^T [D][BK] (int8
 // keys: kept as codes for integer dot products, flash_i8.cpp), and its V rows decoded into
-// [BK][D]; micro tiles of MR query vectors compute scores, an online softmax (running max and
-// sum per query vector, the output rescaled when the max grows), and the weighted V sum. Scratch is O(rows x head_dim), never
-// O(context^2), and the pool is read in place: no gathered or decoded copy of the context.
+// [BK][D] (float32 V rows are read in place); micro tiles of MR query vectors compute scores,
+// an online softmax (running max and sum per query vector, the output rescaled when the max
+// grows), and the weighted V sum. Scratch is O(rows x head_dim), never O(context^2), and the
+// pool is read in place: no gathered or decoded copy of the context.
 //
 // Parallelism: blocks are sized so there are at least two tasks per thread; when there are
 // still too few (decoding one sequence: one row, few KV heads) each block's key range is
@@ -153,9 +154,12 @@ inline void transpose(vec* r) {
   transpose_stage<1>(r);
 }
 
+alignas(64) constexpr float kZeroRow[kAttnMaxDim] = {};
+
 struct Tile {
   float* kt;  // [D][BK]: K^T of the tile (float formats)
-  float* vp;  // [BK][D]
+  float* vp;  // [BK][D]: V decoded (formats other than float32)
+  const float** vrow;  // [BK]: each key's V row as floats (float32: the pool's row, in place)
   float* kp;  // [BK][D]: K decoded (bfloat16, float16)
   flash::KeysI8* ki8;  // I8: the keys' codes and scales for integer dot products
 };
@@ -170,13 +174,18 @@ void pack_tile(const KVLayer& kv, int64_t head, const int64_t* ctx, int64_t t, i
   const uint8_t* krows[BK];
   for (int64_t j = 0; j < BK; ++j) {
     krows[j] = j < nk ? kbase + ctx[t + j] * kv.row_bytes : nullptr;
-    float* vout = tile.vp + j * D;
     if (j >= nk) {
-      std::fill(vout, vout + D, 0.f);
+      tile.vrow[j] = kZeroRow;
       continue;
     }
     if (j + 4 < nk) __builtin_prefetch(vbase + ctx[t + j + 4] * kv.row_bytes);
-    decode_row<T>(vbase + ctx[t + j] * kv.row_bytes, D, kv.group, vout);
+    const uint8_t* vrow = vbase + ctx[t + j] * kv.row_bytes;
+    if constexpr (T == KVType::F32) {
+      tile.vrow[j] = reinterpret_cast<const float*>(vrow);
+    } else {
+      decode_row<T>(vrow, D, kv.group, tile.vp + j * D);
+      tile.vrow[j] = tile.vp + j * D;
+    }
   }
   if constexpr (T == KVType::I8) {
     flash::pack_keys_i8(krows, D, kv.group, *tile.ki8);
@@ -223,12 +232,12 @@ void scores(const float* qp, int64_t D, const float* kt, float* s) {
 
 // o_i = o_i * alpha_i + sum_j p[i][j] v_j over dims [d0, d0 + NV * W), for R query vectors
 template <int R, int NV>
-void values_part(const float* p, const float* vp, int64_t D, int64_t d0, const float* alpha, float* o) {
+void values_part(const float* p, const float* const* vrow, int64_t D, int64_t d0, const float* alpha, float* o) {
   vec acc[R][NV] = {};
   for (int j = 0; j < BK; ++j) {
     vec vv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vv[v] = loadv(vp + j * D + d0 + v * W);
+    for (int v = 0; v < NV; ++v) vv[v] = loadv(vrow[j] + d0 + v * W);
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i) {
       const float pj = p[i * BK + j];
@@ -244,10 +253,10 @@ void values_part(const float* p, const float* vp, int64_t D, int64_t d0, const f
 }
 
 template <int R>
-void values(const float* p, const float* vp, int64_t D, const float* alpha, float* o) {
+void values(const float* p, const float* const* vrow, int64_t D, const float* alpha, float* o) {
   int64_t d0 = 0;
-  for (; d0 + PV_NV * W <= D; d0 += PV_NV * W) values_part<R, PV_NV>(p, vp, D, d0, alpha, o);
-  for (; d0 < D; d0 += W) values_part<R, 1>(p, vp, D, d0, alpha, o);
+  for (; d0 + PV_NV * W <= D; d0 += PV_NV * W) values_part<R, PV_NV>(p, vrow, D, d0, alpha, o);
+  for (; d0 < D; d0 += W) values_part<R, 1>(p, vrow, D, d0, alpha, o);
 }
 
 // The softmax step of one query vector over a tile: s (BK scores, log2 units) becomes p;
@@ -301,13 +310,14 @@ struct Scratch {
 
 // The softmax step and the weighted V sum of R query vectors whose scores s are computed
 template <int R>
-void finish(float* s, const int64_t* a, const int64_t* b, float* m, float* l, const float* vp,
+void finish(float* s, const int64_t* a, const int64_t* b, float* m, float* l, const float* const* vrow,
             int64_t D, float* o) {
   float alpha[MR];
   for (int i = 0; i < R; ++i) alpha[i] = softmax_step(s + i * BK, a[i], b[i], m[i], l[i]);
-  values<R>(s, vp, D, alpha, o);
+  values<R>(s, vrow, D, alpha, o);
 }
-using FinishFn = void (*)(float*, const int64_t*, const int64_t*, float*, float*, const float*, int64_t, float*);
+using FinishFn = void (*)(float*, const int64_t*, const int64_t*, float*, float*, const float* const*, int64_t,
+                          float*);
 constexpr FinishFn kFinish[MR + 1] = {nullptr, finish<1>, finish<2>, finish<3>, finish<4>, finish<5>, finish<6>};
 using ScoresFn = void (*)(const float*, int64_t, const float*, float*);
 constexpr ScoresFn kScores[MR + 1] = {nullptr, scores<1>, scores<2>, scores<3>, scores<4>, scores<5>, scores<6>};
@@ -332,7 +342,8 @@ void run_task(const AttnRows& p, const KVLayer& kv, const Task& task, Scratch& s
     }
   if constexpr (T == KVType::I8) flash::quantize_queries_i8(sc.qp.data(), M, D, kv.group, sc.qi8);
   const int64_t* ctx = p.ctx + p.ctx_start[task.seq];
-  const Tile tile{sc.kt.data(), sc.vp.data(), sc.kp.data(), &sc.ki8};
+  const float* vrow[BK];
+  const Tile tile{sc.kt.data(), sc.vp.data(), vrow, sc.kp.data(), &sc.ki8};
   int64_t a[MR], b[MR];
   for (int64_t t = task.k0; t < task.k1; t += BK) {
     const int64_t nk = std::min<int64_t>(BK, task.k1 - t);
@@ -356,7 +367,7 @@ void run_task(const AttnRows& p, const KVLayer& kv, const Task& task, Scratch& s
         flash::scores_i8(sc.qi8, i0, R, D, kv.group, sc.ki8, sc.s.data());
       else
         kScores[R](sc.qp.data() + i0 * D, D, tile.kt, sc.s.data());
-      kFinish[R](sc.s.data(), a, b, sc.m.data() + i0, sc.l.data() + i0, tile.vp, D, sc.o.data() + i0 * D);
+      kFinish[R](sc.s.data(), a, b, sc.m.data() + i0, sc.l.data() + i0, tile.vrow, D, sc.o.data() + i0 * D);
     }
   }
   if (task.part < 0) {

@@ -203,7 +203,11 @@ void pack_keys_i8(const uint8_t* const* rows, int64_t D, int64_t group, KeysI8& 
       const int64_t n = std::min<int64_t>(L, U - u0);
       for (int i = 0; i < L; ++i) {
         r[i] = ivec{};
-        if (rows[j0 + i]) std::memcpy(&r[i], rows[j0 + i] + 4 * u0, 4 * n);
+        if (!rows[j0 + i]) continue;
+        if (n == L)  // a constant size: one vector load, not a byte loop
+          std::memcpy(&r[i], rows[j0 + i] + 4 * u0, sizeof(ivec));
+        else
+          std::memcpy(&r[i], rows[j0 + i] + 4 * u0, 4 * n);
       }
       transpose(r);
       for (int64_t i = 0; i < n; ++i) {
